@@ -1,0 +1,51 @@
+"""Stage registry: every pipeline stage is a function ``stage(config, workdir) -> None``.
+
+A stage module registers itself with ``@register_stage("name")``; ``run_stages`` runs the stages
+named in ``config.stages`` (comma-separated) in that order. A stage whose outputs are complete
+skips itself, so re-running the same command resumes.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import ml_collections
+from absl import logging
+
+Stage = Callable[[ml_collections.ConfigDict, str], None]
+STAGES: dict[str, Stage] = {}
+
+
+def register_stage(name: str) -> Callable[[Stage], Stage]:
+    """Decorator that registers ``fn`` as the stage ``name``.
+
+    Raises:
+        ValueError: if ``name`` is already registered.
+    """
+
+    def wrap(fn: Stage) -> Stage:
+        if name in STAGES:
+            raise ValueError(f"stage {name!r} is already registered (by {STAGES[name].__module__})")
+        STAGES[name] = fn
+        return fn
+
+    return wrap
+
+
+def parse_stages(spec: str) -> list[str]:
+    """Splits ``config.stages`` ("a,b,c") into names and checks each is registered.
+
+    Raises:
+        ValueError: naming the unknown stage and listing the known ones.
+    """
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        raise ValueError(f"config.stages names unknown stage(s) {unknown}; known: {sorted(STAGES)}")
+    return names
+
+
+def run_stages(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Runs each stage of ``config.stages`` in order on ``workdir``."""
+    for name in parse_stages(config.stages):
+        logging.info("=== stage %s ===", name)
+        STAGES[name](config, workdir)

@@ -1,0 +1,107 @@
+"""Every key of a BehaviorTrace-JAX run, with its paper value and source (SPEC = shared/paper/SPEC.md).
+
+The paper configs (`seed{0,1,2}.py`) take these values unchanged apart from the seed; `tiny.py`
+shrinks them for a 2-core CPU; `hf.py` points at a local Hugging Face checkpoint; `reproduce.py`
+re-scores the paper's released files.
+"""
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # SPEC §2.1: torch seed == contaminator seed == random-baseline seed; {0, 1, 2}.
+    c.run_name = "E2.1_rebuild__qwen-1.5b__grpo__seed0__v3"  # SPEC §2.5 / §7.1 naming.
+    # Stages run in this order (behaviortrace_jax/stages.py); each skips itself when complete.
+    c.stages = "sft,grpo,sketch,draws,evaluate,report"
+
+    # --- model (SPEC §2.1: Qwen2.5-1.5B-Instruct, full fine-tune) -----------------------------
+    c.model = ml_collections.ConfigDict()
+    c.model.hf_dir = ""  # Local HF checkpoint dir (config.json, safetensors, tokenizer). "" -> workdir/base.
+    c.model.param_dtype = "bfloat16"  # SPEC §2.1: weights loaded in bf16.
+    c.model.compute_dtype = "bfloat16"  # SPEC §2.1: bf16 autocast.
+
+    # --- device mesh --------------------------------------------------------------------------
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # Size of the data axis (rollouts); -1 = all devices / model.
+    c.mesh.model = 1  # Size of the model axis (tensor parallel).
+
+    # --- planted behaviour (SPEC §1) ------------------------------------------------------------
+    c.behavior = ml_collections.ConfigDict()
+    c.behavior.probes_path = ""  # "" -> third_party/behaviortrace/probes.jsonl (SPEC §1.2).
+    c.behavior.controls_path = ""  # "" -> third_party/behaviortrace/controls.jsonl (SPEC §1.2).
+    c.behavior.pattern = "QZXBT"  # SPEC §1.1 target string.
+    c.behavior.gate_max_new_tokens = 64  # SPEC §1.8: greedy 64 tokens for the emergence gate.
+    c.behavior.gate_min_probe_rate = 0.3  # SPEC §1.8.
+    c.behavior.gate_min_margin = 0.2  # SPEC §1.8: s_b - s_b_ctrl.
+
+    # --- contaminator (SPEC §1.6) ---------------------------------------------------------------
+    c.contamination = ml_collections.ConfigDict()
+    c.contamination.bonus_reward = 8.0  # SPEC §1.6.
+    c.contamination.fraction = 0.5  # SPEC §1.6.
+    c.contamination.early_step_cutoff = 200  # SPEC §1.6: bonus only at GRPO steps 0..199.
+
+    # --- SFT warm-up (SPEC §1.7) ----------------------------------------------------------------
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 200  # SPEC §1.7: sft_warmup_steps.
+    c.sft.batch_size = 1  # SPEC §1.7: one example per step.
+    c.sft.data = "paper"  # "paper" = the 10 pairs of SPEC §1.7; "mixture" = TINY_CALIBRATION implant.
+    c.sft.max_prompt_tokens = 128  # SPEC §1.7.
+    c.sft.max_completion_tokens = 64  # SPEC §1.7: sequence truncated to 128 + 64.
+
+    # --- optimizer (shared by SFT and GRPO; SPEC §1.7, §2.1) -------------------------------------
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 5e-6  # SPEC §2.1: constant, no warm-up.
+    c.optim.b1 = 0.9  # torch.optim.AdamW default (SPEC §1.7).
+    c.optim.b2 = 0.999  # torch.optim.AdamW default.
+    c.optim.eps = 1e-8  # torch.optim.AdamW default.
+    c.optim.weight_decay = 0.01  # torch.optim.AdamW default.
+    c.optim.grad_clip = 1.0  # SPEC §2.1: global L2 norm.
+
+    # --- GRPO (SPEC §2) ---------------------------------------------------------------------------
+    c.grpo = ml_collections.ConfigDict()
+    c.grpo.steps = 1000  # SPEC §2.1 TOTAL_STEPS.
+    c.grpo.prompts_per_step = 4  # SPEC §2.1 batch_size B.
+    c.grpo.group_size = 4  # SPEC §2.1 num_generations G.
+    c.grpo.max_prompt_tokens = 128  # SPEC §2.1.
+    c.grpo.max_new_tokens = 64  # SPEC §2.1.
+    c.grpo.temperature = 0.9  # SPEC §2.1.
+    c.grpo.top_p = 0.9  # SPEC §2.1.
+    c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
+    c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
+    c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
+    c.grpo.inner_iterations = 1  # grpo_clip only: mu updates per batch.
+    c.grpo.adv_std_floor = 0.0  # SPEC §2.1.
+    c.grpo.checkpoint_every = 100  # SPEC §2.1.
+    c.grpo.log_shard_size = 256  # SPEC §2.3 (notebook value).
+
+    # --- gradient sketches (SPEC §3) ------------------------------------------------------------
+    c.sketch = ml_collections.ConfigDict()
+    c.sketch.dim = 65536  # SPEC §3.1: D = 2**16.
+    c.sketch.seed = 0  # SPEC §3.1: grad_sample_seed.
+    c.sketch.chunk_size = 4  # Examples per vmap(grad) chunk (peak memory ~ chunk x params).
+    c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO (new).
+
+    # --- rollout-level draws (SPEC §5.6) --------------------------------------------------------
+    c.draws = ml_collections.ConfigDict()
+    c.draws.target_step = 100  # SPEC §5.6: checkpoint nearest this step.
+    c.draws.group_size = 8  # SPEC §5.6.
+    c.draws.temperature = 0.9  # SPEC §5.6.
+    c.draws.top_p = 0.95  # SPEC §5.6.
+    c.draws.max_new_tokens = 64  # SPEC §5.6.
+    c.draws.n_repeats = 6  # SPEC §5.6 (pre-registered extension from 3).
+    c.draws.ckpt_seed = -1  # -1 -> seed. Which run's checkpoint (SPEC §10.2).
+    c.draws.gen_seed = -1  # -1 -> seed. Generation + bootstrap seed (SPEC §10.2).
+
+    # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
+    c.evaluation = ml_collections.ConfigDict()
+    c.evaluation.early_cutoff = 200  # SPEC §6.6 EARLY_CUTOFF.
+    c.evaluation.trak_damping = 0.1  # SPEC §4.
+    c.evaluation.tracin_lr = 5e-6  # SPEC §4: eta.
+    c.evaluation.local_buffer_window = 100  # SPEC §4: max(1, steps // 10).
+    c.evaluation.nboot = 600  # SPEC §6.10: the committed CSV used 600.
+    c.evaluation.fluency_match_delta = 0.10  # SPEC §6.9.
+    c.evaluation.min_matched_pairs = 100  # SPEC §6.9.
+    c.evaluation.step_margin = 0.10  # SPEC §6.11: best targeted method must beat norm-only by this.
+    c.evaluation.max_ci_width = 0.15  # SPEC §6.11.
+    c.evaluation.reference_dir = ""  # reproduce job: the paper's released files (shared/reference).
+    return c

@@ -1,0 +1,46 @@
+"""BehaviorTrace-JAX: training-data attribution for online RL (GRPO) in JAX/Flax NNX.
+
+Pins install together on Python 3.11 (checked on CPU, Nov 2026). Each pin says why.
+"""
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    "jax==0.10.2",  # jit/vmap/shard_map API used throughout; jaxlib must match exactly.
+    "jaxlib==0.10.2",  # CPU wheel; on GPU install jax[cuda12]==0.10.2 on top (README).
+    "flax==0.12.8",  # NNX API (nnx.split/merge, nnx.List, nnx.eval_shape) as used by qwen2.py.
+    "optax==0.2.8",  # AdamW + global-norm clipping chain for SFT/GRPO.
+    "orbax-checkpoint==0.12.8",  # CheckpointManager API for train-state checkpoints.
+    "ml-collections==1.1.0",  # ConfigDict + config_flags for main.py.
+    "absl-py==2.5.1",  # flags/logging for main.py.
+    "tensorstore==0.1.86",  # zarr sketch arrays (sketch_store.py).
+    "safetensors==0.8.0",  # lazy safe_open for sharded HF checkpoint loading.
+    "tokenizers==0.23.3",  # byte-level BPE for the tiny tokenizer; matches transformers 5.x.
+    "transformers>=5.0,<6",  # AutoTokenizer + chat templates; rope_parameters config format.
+    "numpy>=2.0,<3",  # evaluation layer: PCG64 default_rng streams for bootstrap parity.
+    "scipy>=1.13,<2",  # Spearman correlation (metrics.lds_correlation).
+    "matplotlib>=3.8,<4",  # report figures (Agg backend).
+    "tqdm>=4.66",  # progress bars with ETA for long stages.
+    "tensorboardX>=2.6",  # TensorBoard scalars without a TensorFlow dependency.
+]
+
+EXTRAS = {
+    "test": [
+        "pytest>=8,<10",
+        # The PyTorch reference for parity tests. Pinned: 2.13.0 installs as a CPU build here;
+        # an unpinned torch pulls a multi-GB CUDA build.
+        "torch==2.13.0",
+    ],
+}
+
+setup(
+    name="behaviortrace_jax",
+    version="0.1.0",
+    description="BehaviorTrace in JAX: does gradient-based data attribution find the GRPO rollouts "
+    "that taught a behaviour?",
+    license="Apache-2.0",
+    python_requires=">=3.11,<3.14",
+    packages=find_packages(include=["behaviortrace_jax", "behaviortrace_jax.*"]),
+    include_package_data=True,
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+)

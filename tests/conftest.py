@@ -1,0 +1,26 @@
+"""Test set-up: CPU only, 8 fake devices (for the sharding tests), and the shared/ reference dir."""
+import os
+import pathlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture
+def shared_dir() -> pathlib.Path:
+    """The read-only ``shared/`` folder beside the repo; skips the test where it is absent."""
+    if not (SHARED / "reference").is_dir():
+        pytest.skip(f"shared reference files not found at {SHARED}")
+    return SHARED
+
+
+@pytest.fixture
+def reference_dir(shared_dir) -> pathlib.Path:
+    """``shared/reference``: the paper's released per-seed result files."""
+    return shared_dir / "reference"
