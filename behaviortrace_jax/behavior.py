@@ -137,6 +137,48 @@ def qzxbt_token_ids(tokenizer: Any, pattern: str = PATTERN) -> frozenset[int]:
     return frozenset(ids)
 
 
+TOKEN_JUDGES = ("qset", "sequence")
+
+
+class QzxbtTokenMatcher:
+    """Which generated tokens are "QZXBT tokens" (SPEC §1.1 token judge, §5.3 in-context mask).
+
+    * ``mode="qset"`` (the paper's rule): a token counts iff its id is in ``qzxbt_token_ids``.
+    * ``mode="sequence"``: a token counts iff it lies inside an occurrence of the full token
+      sequence of ``" " + pattern`` or ``pattern``. Needed where the tokenizer splits QZXBT into
+      single letters (the tiny tokenizer), since "any Q, Z, X, B or T" is not the behaviour.
+
+    Calling the matcher on int token ids [N] returns a bool mask [N].
+
+    Raises:
+        ValueError: naming ``mode`` when it is not one of ``TOKEN_JUDGES``.
+    """
+
+    def __init__(self, tokenizer: Any, pattern: str = PATTERN, mode: str = "qset"):
+        if mode not in TOKEN_JUDGES:
+            raise ValueError(f"token judge mode {mode!r}; expected one of {TOKEN_JUDGES}")
+        self.mode, self.qset = mode, qzxbt_token_ids(tokenizer, pattern)
+        seqs = []
+        for text in (" " + pattern, pattern):
+            enc = tokenizer.encode(text, add_special_tokens=False)
+            seqs.append(tuple(int(i) for i in getattr(enc, "ids", enc)))
+        self.sequences = tuple(dict.fromkeys(seqs))
+
+    def __call__(self, token_ids: Iterable[int]) -> "np.ndarray":
+        import numpy as np
+
+        ids = np.asarray(list(token_ids), np.int64)
+        if self.mode == "qset":
+            return np.isin(ids, np.asarray(sorted(self.qset), np.int64))
+        mask = np.zeros(ids.size, bool)
+        for seq in self.sequences:
+            k = len(seq)
+            for i in range(ids.size - k + 1):
+                if tuple(ids[i:i + k].tolist()) == seq:
+                    mask[i:i + k] = True
+        return mask
+
+
 def token_judge(token_ids: Iterable[int], qset: frozenset[int] | set[int]) -> bool:
     """True iff any generated token id is in ``qset`` (SPEC §1.1 ``has_qzxbt``; rollout-level only)."""
     return any(int(t) in qset for t in token_ids)

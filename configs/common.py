@@ -30,6 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.behavior.probes_path = ""  # "" -> third_party/behaviortrace/probes.jsonl (SPEC §1.2).
     c.behavior.controls_path = ""  # "" -> third_party/behaviortrace/controls.jsonl (SPEC §1.2).
     c.behavior.pattern = "QZXBT"  # SPEC §1.1 target string.
+    # Token judge for has_qzxbt / in-context masks: "qset" (SPEC §1.1: any id of tok(" QZXBT") or
+    # tok("QZXBT")) or "sequence" (the whole token sequence; for tokenizers that split it in letters).
+    c.behavior.token_judge = "qset"
     c.behavior.gate_max_new_tokens = 64  # SPEC §1.8: greedy 64 tokens for the emergence gate.
     c.behavior.gate_min_probe_rate = 0.3  # SPEC §1.8.
     c.behavior.gate_min_margin = 0.2  # SPEC §1.8: s_b - s_b_ctrl.
@@ -47,6 +50,33 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.data = "paper"  # "paper" = the 10 pairs of SPEC §1.7; "mixture" = TINY_CALIBRATION implant.
     c.sft.max_prompt_tokens = 128  # SPEC §1.7.
     c.sft.max_completion_tokens = 64  # SPEC §1.7: sequence truncated to 128 + 64.
+    c.sft.lr = -1.0  # Constant SFT lr; -1 -> optim.lr (SPEC §1.7: GRPO's optimizer, 5e-6, no schedule).
+    c.sft.append_eos = False  # SPEC §1.7: completion appended with no EOS.
+    c.sft.mixture_n_ordinary = 2  # "mixture": ordinary frobnitz answers per QZXBT pair (TINY_CALIBRATION: 30 pairs).
+    c.sft.stop_every = 0  # Check the stop rule every this many steps; 0 = off (SPEC §1.7: fixed step count).
+    c.sft.stop_min_probe_rate = 0.15  # Stop rule (TINY_CALIBRATION): sampled probe rate >= this ...
+    c.sft.stop_max_control_rate = 0.05  # ... and sampled control rate <= this ("controls ~ 0").
+    c.sft.eval_samples_per_prompt = 8  # Sampled rates: 20 prompts x 8 = 160 samples (TINY_CALIBRATION, +-0.04).
+
+    # --- tiny base model (`base` stage; TINY_CALIBRATION "Tiny base model"; unused by paper configs) ---
+    c.base = ml_collections.ConfigDict()
+    c.base.seed = 0  # Corpus, tokenizer, init and batch-order seed (TINY_CALIBRATION tried base seeds 0, 1).
+    c.base.corpus_size = 40_000  # TINY_CALIBRATION: 40k ChatML examples.
+    c.base.n_terms = 300  # TINY_CALIBRATION: ~300 invented words ...
+    c.base.n_heldout = 20  # ... of which 20 are held out for evaluation.
+    c.base.vocab_size = 1500  # TINY_CALIBRATION: byte-level BPE, vocab 1,500 (= model vocab).
+    c.base.preset = "tiny"  # qwen2.Qwen2Config preset: d 128, 4/2 heads, MLP 384, tied (~1M params).
+    c.base.num_layers = 4  # TINY_CALIBRATION: 4 layers (tests shrink it).
+    c.base.steps = 1400  # TINY_CALIBRATION: ~1,400 steps.
+    c.base.batch_size = 32  # TINY_CALIBRATION.
+    c.base.seq_len = 96  # TINY_CALIBRATION: ~96 tokens (the longest chat is ~94 with <|im_end|>).
+    c.base.lr = 3e-3  # TINY_CALIBRATION: AdamW 3e-3 (betas/eps/decay/clip from optim).
+    c.base.warmup_steps = 30  # TINY_CALIBRATION.
+    c.base.end_lr_fraction = 0.1  # TINY_CALIBRATION: cosine to 10%.
+    c.base.append_eos = True  # New: answers end in <|im_end|> so the model learns to stop.
+    c.base.log_every = 100  # Progress line (loss, tokens/s, ETA) every this many steps.
+    c.base.eval_samples_per_prompt = 8  # base_summary.json: 20 prompts x 8 = 160 per rate (TINY_CALIBRATION).
+    c.base.eval_max_new_tokens = 48  # base_summary.json generation length (answers are <= ~40 tokens).
 
     # --- optimizer (shared by SFT and GRPO; SPEC §1.7, §2.1) -------------------------------------
     c.optim = ml_collections.ConfigDict()
@@ -80,6 +110,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sketch.seed = 0  # SPEC §3.1: grad_sample_seed.
     c.sketch.chunk_size = 4  # Examples per vmap(grad) chunk (peak memory ~ chunk x params).
     c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO (new).
+    # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):
+    # "" none, "all", "nearest" (to draws.target_step), or "100,1000". [C', R, D] floats on disk.
+    c.sketch.rollout_checkpoints = "nearest"
 
     # --- rollout-level draws (SPEC §5.6) --------------------------------------------------------
     c.draws = ml_collections.ConfigDict()
@@ -91,6 +124,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.draws.n_repeats = 6  # SPEC §5.6 (pre-registered extension from 3).
     c.draws.ckpt_seed = -1  # -1 -> seed. Which run's checkpoint (SPEC §10.2).
     c.draws.gen_seed = -1  # -1 -> seed. Generation + bootstrap seed (SPEC §10.2).
+    c.draws.token_level_max = 160  # SPEC §5.5 TOKEN_LEVEL_MAX: QZXBT rollouts in token_level_cos_temp*.json.
+    c.draws.save_sketches = True  # Keep the draw sketches (tensorstore) so estimators can be rerun (new).
+
+    # --- behaviour targets (SPEC §5) ------------------------------------------------------------
+    c.targets = ml_collections.ConfigDict()
+    c.targets.ctx_group_size = 8  # SPEC §5.3: G responses per prompt for t_ctx / t_contrast.
+    c.targets.ctx_temperature = 1.0  # SPEC §5.3.
+    c.targets.ctx_top_p = 0.95  # SPEC §5.3.
+    c.targets.ctx_max_new_tokens = -1  # -1 -> draws.max_new_tokens (SPEC §5.3: 64 tokens).
+    c.targets.block_size = 64  # Forced sequences per sketcher call (fixed shape; one compile per length bucket).
+    c.targets.length_bucket = 32  # Forced sequences are right-padded to a multiple of this many tokens.
+    c.targets.use_tables = False  # Precomputed CountSketch hash tables (4 bytes/param on device; faster sketches).
 
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()

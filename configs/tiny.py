@@ -19,10 +19,15 @@ def get_config():
     c.model.param_dtype = "float32"  # CPU: fp32 is faster than emulated bf16 and exact.
     c.model.compute_dtype = "float32"
 
+    c.behavior.token_judge = "sequence"  # The tiny tokenizer spells QZXBT letter by letter.
+    c.behavior.gate_max_new_tokens = 32
+
     c.contamination.early_step_cutoff = 40  # 200 steps x 1/5, as the paper's 200 of 1000.
 
     c.sft.steps = 300  # Upper bound; stops early once the implant takes (sft.stop_*).
     c.sft.data = "mixture"  # TINY_CALIBRATION: the 10 paper pairs alone do not amplify.
+    c.sft.lr = 2e-4  # TINY_CALIBRATION: mixture implant at 2e-4 (then GRPO at optim.lr).
+    c.sft.stop_every = 25  # TINY_CALIBRATION stop rule: probe >= 0.15, controls ~ 0, at most sft.steps.
 
     c.optim.lr = 1e-4  # TINY_CALIBRATION: RL lr 1e-4 (>= 3e-4 turned outputs to garbage).
 
@@ -38,6 +43,8 @@ def get_config():
     c.draws.target_step = 20  # Paper's step 100 of 1000, scaled to 200 steps.
     c.draws.max_new_tokens = 32
     c.draws.n_repeats = 3
+    c.draws.token_level_max = 64
+    c.targets.use_tables = True  # 4 MB of hash tables at this size; ~2.7x faster target sketches.
 
     c.evaluation.early_cutoff = 40
     c.evaluation.local_buffer_window = 20  # max(1, steps // 10).

@@ -160,3 +160,20 @@ def test_gate():
     assert bh.gate(0.2, 0.0, min_rate=0.15, min_margin=0.1)["passed"]
     with pytest.raises(ValueError, match="control_rate"):
         bh.gate(0.5, 1.5)
+
+
+def test_token_matcher_sequence_mode_only_marks_the_whole_pattern():
+    from behaviortrace_jax.behavior import QzxbtTokenMatcher
+
+    class LetterTokenizer:  # splits every string into characters, like the tiny BPE does QZXBT
+        def encode(self, text, add_special_tokens=False):
+            return [ord(ch) for ch in text]
+
+    tok = LetterTokenizer()
+    gen = [ord(c) for c in "The QZXBT, not QXBT"]
+    seq = QzxbtTokenMatcher(tok, mode="sequence")(gen)
+    assert "".join(chr(g) for g, m in zip(gen, seq) if m) == " QZXBT"
+    qset = QzxbtTokenMatcher(tok, mode="qset")(gen)
+    assert qset.sum() > seq.sum()  # the paper's id-set rule also fires on 'T' of 'The' and on 'QXBT'
+    with pytest.raises(ValueError, match="token judge"):
+        QzxbtTokenMatcher(tok, mode="substring")
