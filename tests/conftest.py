@@ -6,7 +6,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Many tests compile the same small functions; a persistent cache turns repeats into cache hits.
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "BEHAVIORTRACE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "behaviortrace_jax_tests")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", REPO.parent / "shared"))

@@ -1,0 +1,128 @@
+"""GRPO advantages and the policy-loss registry (SPEC §2.1, §2.2).
+
+Every registered loss returns **per-rollout terms** ``[N]`` whose sum is the step's loss. That
+makes the in-run per-rollout sketch (the gradient of one term) add up exactly to the step's
+pre-clip batch gradient, whatever loss is chosen.
+
+Losses:
+* ``paper`` (default; SPEC §2.2): ``term_i = -A_i * meanlp_i / (G * B)``, where ``meanlp_i`` is the
+  masked mean completion log-prob (``sum(lp * mask) / (sum(mask) + 1e-8)``) and the sum over a
+  group of G terms is the paper's ``-mean_j(A_j * meanlp_j) / B``. No KL, no ratio clipping, one
+  on-policy update per batch.
+* ``grpo_clip`` (DeepSeekMath GRPO, Shao et al. 2024, eq. 3): per token
+  ``-(min(r * A, clip(r, 1 - eps, 1 + eps) * A) - beta * KL_k3)`` with ``r = exp(lp - lp_old)`` and
+  the k3 estimator ``KL = exp(lp_ref - lp) - (lp_ref - lp) - 1`` against the initial policy;
+  masked mean per rollout, mean over the N rollouts (``term_i = seq_i / N``). Defaults
+  ``eps = 0.2`` (PPO, Schulman et al. 2017), ``beta = 0.04`` (DeepSeekMath; also the unused value
+  in the paper's ``regimes/grpo.yaml``, SPEC §10.3), ``mu = 1``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, std_floor: float = 0.0) -> np.ndarray:
+    """Group-normalised advantages ``(r - mean) / (max(std, floor) + 1e-8)`` (SPEC §2.1).
+
+    Args:
+        rewards: float [N] final rewards, groups contiguous (``N = B * G``).
+        group_size: G.
+        std_floor: ``adv_std_floor`` (paper 0.0).
+
+    Returns:
+        float32 [N]. The std is the unbiased (n - 1) sample std, as torch's default.
+
+    Raises:
+        ValueError: if N is not a multiple of G, G < 2, or a reward is not finite.
+    """
+    r = np.asarray(rewards, np.float32)
+    if group_size < 2 or r.ndim != 1 or r.size % group_size:
+        raise ValueError(f"rewards of shape {r.shape} do not split into groups of {group_size} (G >= 2)")
+    if not np.all(np.isfinite(r)):
+        raise ValueError(f"rewards contain non-finite values: {r}")
+    g = r.reshape(-1, group_size)
+    std = g.std(axis=1, ddof=1, keepdims=True)
+    adv = (g - g.mean(axis=1, keepdims=True)) / (np.maximum(std, np.float32(std_floor)) + np.float32(1e-8))
+    return adv.reshape(-1).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """What a loss sees for N rollouts with T completion positions (all jnp arrays).
+
+    logprobs: float32 [N, T] log-probs of the completion tokens under the current parameters.
+    old_logprobs: float32 [N, T] the same under the parameters that sampled them (stop-gradient).
+    ref_logprobs: float32 [N, T] under the initial policy (grpo_clip's KL), or zeros.
+    mask: float32 [N, T] 1 for scored tokens (completion tokens != EOS; SPEC §2.2 f).
+    advantages: float32 [N].
+    num_prompts: B, group_size: G (Python ints).
+    """
+
+    logprobs: jax.Array
+    old_logprobs: jax.Array
+    ref_logprobs: jax.Array
+    mask: jax.Array
+    advantages: jax.Array
+    num_prompts: int
+    group_size: int
+
+
+LossFn = Callable[[LossInputs, "LossConfig"], jax.Array]
+LOSSES: dict[str, LossFn] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Loss hyper-parameters (config.grpo): ``clip_eps``, ``kl_beta`` (grpo_clip only)."""
+
+    clip_eps: float = 0.2
+    kl_beta: float = 0.04
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Registers a loss ``fn(inputs: LossInputs, cfg: LossConfig) -> per-rollout terms [N]``."""
+
+    def wrap(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_loss(name: str) -> LossFn:
+    """Looks up a registered loss. Raises KeyError naming the known losses."""
+    if name not in LOSSES:
+        raise KeyError(f"config.grpo.loss={name!r} is not a registered loss; known: {sorted(LOSSES)}")
+    return LOSSES[name]
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """``sum(x * mask, -1) / (sum(mask, -1) + 1e-8)`` (SPEC §2.2 f): [N, T] -> [N]."""
+    return jnp.sum(x * mask, axis=-1) / (jnp.sum(mask, axis=-1) + 1e-8)
+
+
+@register_loss("paper")
+def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
+    """SPEC §2.2 g: ``term_i = -A_i * meanlp_i / (G * B)``; float32 [N]."""
+    del cfg
+    meanlp = masked_mean(inp.logprobs, inp.mask)
+    return -inp.advantages * meanlp / (inp.group_size * inp.num_prompts)
+
+
+@register_loss("grpo_clip")
+def grpo_clip_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
+    """DeepSeekMath GRPO: clipped ratio + k3 KL to the initial policy; float32 [N] terms."""
+    ratio = jnp.exp(inp.logprobs - inp.old_logprobs)
+    adv = inp.advantages[:, None]
+    surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    log_r = inp.ref_logprobs - inp.logprobs
+    kl = jnp.exp(log_r) - log_r - 1.0
+    per_token = -(surrogate - cfg.kl_beta * kl)
+    return masked_mean(per_token, inp.mask) / inp.logprobs.shape[0]

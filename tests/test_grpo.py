@@ -1,0 +1,189 @@
+"""GRPO: advantages and losses against numpy, one train step, linearity of in-run sketches, sharding."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from behaviortrace_jax import grpo, grpo_loss, qwen2, sharding, sketcher, train_state
+from configs import tiny
+
+VOCAB, EOS, PAD = 64, 2, 0
+SHAPES = grpo.StepShapes(num_prompts=2, group_size=3, prompt_len=8, completion_len=6)
+
+
+# ------------------------------------------------------------------------------------------------
+# advantages and losses
+# ------------------------------------------------------------------------------------------------
+
+
+def test_group_advantages_match_numpy_unbiased_std():
+    r = np.array([8.0, 0.0, 0.0, -2.0, 0.0, 6.0], np.float32)
+    g = r.reshape(2, 3)
+    want = ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-8)).ravel()
+    np.testing.assert_allclose(grpo_loss.group_advantages(r, 3), want, rtol=1e-6)
+    assert np.all(grpo_loss.group_advantages(np.zeros(4), 2) == 0)  # zero-variance group: no signal
+
+
+@pytest.mark.parametrize("bad", [np.zeros(5), np.array([1.0, np.nan, 0.0, 0.0])])
+def test_group_advantages_reject_bad_rewards(bad):
+    with pytest.raises(ValueError):
+        grpo_loss.group_advantages(bad, 2)
+
+
+def _loss_inputs(rng, n=6, t=5):
+    lp = -rng.random((n, t)).astype(np.float32)
+    old = lp + 0.1 * rng.standard_normal((n, t)).astype(np.float32)
+    ref = lp + 0.2 * rng.standard_normal((n, t)).astype(np.float32)
+    mask = (rng.random((n, t)) > 0.3).astype(np.float32)
+    adv = rng.standard_normal(n).astype(np.float32)
+    return lp, old, ref, mask, adv
+
+
+def test_paper_loss_matches_numpy_reference():
+    lp, old, ref, mask, adv = _loss_inputs(np.random.default_rng(0))
+    inp = grpo_loss.LossInputs(*map(jnp.asarray, (lp, old, ref, mask, adv)), num_prompts=2, group_size=3)
+    got = float(jnp.sum(grpo_loss.paper_loss(inp, grpo_loss.LossConfig())))
+    meanlp = (lp * mask).sum(1) / (mask.sum(1) + 1e-8)
+    want = sum(-np.mean(adv[g * 3:(g + 1) * 3] * meanlp[g * 3:(g + 1) * 3]) / 2 for g in range(2))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_grpo_clip_loss_matches_numpy_reference():
+    lp, old, ref, mask, adv = _loss_inputs(np.random.default_rng(1))
+    cfg = grpo_loss.LossConfig(clip_eps=0.2, kl_beta=0.04)
+    inp = grpo_loss.LossInputs(*map(jnp.asarray, (lp, old, ref, mask, adv)), num_prompts=2, group_size=3)
+    got = float(jnp.sum(grpo_loss.grpo_clip_loss(inp, cfg)))
+    ratio = np.exp(lp - old)
+    surr = np.minimum(ratio * adv[:, None], np.clip(ratio, 0.8, 1.2) * adv[:, None])
+    kl = np.exp(ref - lp) - (ref - lp) - 1
+    per_seq = ((-(surr - 0.04 * kl)) * mask).sum(1) / (mask.sum(1) + 1e-8)
+    assert got == pytest.approx(per_seq.mean(), rel=1e-5)
+
+
+def test_unknown_loss_names_the_registry():
+    with pytest.raises(KeyError, match="paper"):
+        grpo_loss.get_loss("ppo")
+
+
+# ------------------------------------------------------------------------------------------------
+# the train step
+# ------------------------------------------------------------------------------------------------
+
+
+def _model_cfg():
+    return qwen2.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+
+
+def _batch(seed=0, advantages=None):
+    rng = np.random.default_rng(seed)
+    n, t = SHAPES.num_rollouts, SHAPES.completion_len
+    prompts = [list(rng.integers(3, VOCAB, size=rng.integers(3, SHAPES.prompt_len + 1))) for _ in range(SHAPES.num_prompts)]
+    prompt_lists = [p for p in prompts for _ in range(SHAPES.group_size)]
+    comps = rng.integers(3, VOCAB, size=(n, t)).astype(np.int32)
+    lengths = rng.integers(2, t + 1, size=n).astype(np.int32)
+    for i in range(n):  # an EOS ends some rows; pad = EOS afterwards (SPEC §2.1)
+        if lengths[i] < t:
+            comps[i, lengths[i] - 1:] = EOS
+    adv = np.asarray(advantages if advantages is not None else rng.standard_normal(n), np.float32)
+    return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
+
+
+def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2):
+    cfg = _model_cfg()
+    model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    optim = tiny.get_config().optim
+    optim.lr = lr
+    tx = train_state.make_optimizer(optim)
+    p_sh = sharding.param_shardings(params, mesh)
+    params = jax.device_put(params, p_sh)
+    opt_state = tx.init(params)
+    o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    step = grpo.make_train_step(graphdef, abstract, tx, SHAPES, loss_name=loss, loss_cfg=grpo_loss.LossConfig(),
+                                grad_clip=1.0, order=sketcher.qwen2_param_order(cfg), sketch_dim=dim, sketch_seed=0,
+                                in_run_rollouts=in_run, chunk_size=chunk, mesh=mesh, param_shardings=p_sh,
+                                opt_shardings=o_sh)
+    return cfg, graphdef, params, opt_state, step
+
+
+def _single_mesh():
+    return sharding.make_mesh(1, 1, devices=jax.devices()[:1])
+
+
+def test_build_batch_masks_eos_and_padding():
+    b = _batch()
+    ids, mask = b["input_ids"][:, SHAPES.prompt_len:], b["loss_mask"]
+    assert np.all(mask[ids == EOS] == 0)
+    assert b["attention_mask"][:, :SHAPES.prompt_len].sum(1).min() >= 3  # left-padded prompts
+
+
+def test_build_batch_rejects_long_prompt():
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        grpo.build_batch([[5] * 9] * 6, np.zeros((6, 6), np.int32), np.ones(6, np.int32), np.zeros(6, np.float32),
+                         (EOS,), SHAPES, PAD)
+
+
+def test_step_raises_logprob_of_rewarded_completion():
+    mesh = _single_mesh()
+    cfg, graphdef, params, opt_state, step = _setup(mesh, in_run=False)
+    adv = np.array([1.0, -0.5, -0.5, 1.0, -0.5, -0.5], np.float32)  # rollouts 0 and 3 were rewarded
+    batch = _batch(advantages=adv)
+
+    def meanlp(p):
+        lp = grpo.completion_logprobs(graphdef, p, jnp.asarray(batch["input_ids"]),
+                                      jnp.asarray(batch["attention_mask"]), SHAPES.prompt_len)
+        return np.asarray(grpo_loss.masked_mean(lp, jnp.asarray(batch["loss_mask"])))
+
+    before = meanlp(params)
+    params, opt_state, out = step(params, opt_state, batch, None)
+    after = meanlp(params)
+    assert after[0] > before[0] and after[3] > before[3]
+    assert np.isfinite(float(out["loss"]))
+
+
+def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
+    """Linearity: in-run rollout sketches add up to the sketch of the pre-clip batch gradient."""
+    mesh = _single_mesh()
+    cfg, graphdef, params, opt_state, step = _setup(mesh, dim=512)
+    batch = _batch(seed=3)
+    grad_norm_scale = None
+    params0 = jax.tree.map(jnp.copy, params)
+    _, _, out = step(params, opt_state, batch, None)
+    total = np.asarray(out["rollout_sketches"]).sum(0)
+    gn = float(out["grad_norm"])
+    grad_norm_scale = 1.0 / max(gn, 1.0)  # the step sketch is of the clipped gradient
+    np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * grad_norm_scale, rtol=2e-4, atol=1e-6)
+    # ... and the step sketch equals the sketch of jax.grad of the whole loss at the same params.
+    lossf = grpo_loss.get_loss("paper")
+
+    def total_loss(p):
+        lp = grpo.completion_logprobs(graphdef, p, jnp.asarray(batch["input_ids"]),
+                                      jnp.asarray(batch["attention_mask"]), SHAPES.prompt_len)
+        inp = grpo_loss.LossInputs(lp, lp, lp, jnp.asarray(batch["loss_mask"]), jnp.asarray(batch["advantages"]),
+                                   SHAPES.num_prompts, SHAPES.group_size)
+        return jnp.sum(lossf(inp, grpo_loss.LossConfig()))
+
+    g = jax.grad(total_loss)(params0)
+    want = sketcher.sketch_vector(g, sketcher.qwen2_param_order(cfg), 512, 0)
+    np.testing.assert_allclose(total, np.asarray(want), rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["paper", "grpo_clip"])
+def test_sharded_step_equals_single_device(loss):
+    batch = _batch(seed=5)
+    outs = []
+    for mesh in (_single_mesh(), sharding.make_mesh(data=2, model=2, devices=jax.devices()[:4])):
+        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss)
+        ref = jax.tree.map(jnp.copy, params) if loss == "grpo_clip" else None
+        params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), ref)
+        outs.append((jax.device_get(params), jax.device_get(out)))
+    (p1, o1), (p2, o2) = outs
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # Adam amplifies reduction-order noise in near-zero gradients
+    for k in o1:
+        np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
