@@ -1,0 +1,175 @@
+"""Device mesh, parameter partition rules by role, and activation sharding constraints.
+
+The mesh has two axes: ``"data"`` (rows of a batch: prompts, rollouts, examples) and ``"model"``
+(tensor parallelism inside a layer, Megatron style). Parameters are in Hugging Face layout
+(``[out, in]`` linear weights, ``embed_tokens.weight [vocab, embed]``; see ``qwen2.py``), so a
+partition rule is a row of :data:`PARAM_RULES`: a regex on the HF key and the *logical* name of
+each weight axis; :data:`LOGICAL_AXES` maps logical names to mesh axes. Column-parallel layers
+(q/k/v, gate/up) split their output rows over ``"model"``; row-parallel layers (o_proj, down) split
+their input columns, so each attention / MLP block needs one reduction; biases and norms are
+replicated. A weight axis whose size is not divisible by the mesh axis is replicated instead.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DATA, MODEL = "data", "model"
+
+# Logical weight/activation axis -> mesh axis (None = replicated).
+LOGICAL_AXES: dict[str, str | None] = {
+    "batch": DATA,
+    "vocab": MODEL,
+    "embed": None,
+    "heads": MODEL,  # n_heads * head_dim (or n_kv_heads * head_dim for k/v)
+    "mlp": MODEL,
+    "norm": None,
+}
+
+# (regex on the HF parameter key, logical axes of the weight). First match wins; every parameter
+# must match one row (an unknown parameter is an error, not silently replicated).
+PARAM_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (r"(^|\.)embed_tokens\.weight$", ("vocab", "embed")),
+    (r"(^|\.)lm_head\.weight$", ("vocab", "embed")),
+    (r"\.self_attn\.[qkv]_proj\.weight$", ("heads", "embed")),
+    (r"\.self_attn\.o_proj\.weight$", ("embed", "heads")),
+    (r"\.mlp\.(gate|up)_proj\.weight$", ("mlp", "embed")),
+    (r"\.mlp\.down_proj\.weight$", ("embed", "mlp")),
+    (r"\.bias$", ("norm",)),
+    (r"norm\.weight$", ("norm",)),
+)
+
+
+def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh of shape ``(data, model)`` over ``devices`` (default: all).
+
+    ``data=-1`` takes ``len(devices) // model``. Axes are ``AxisType.Auto`` (GSPMD propagation).
+
+    Raises:
+        ValueError: naming the sizes when ``model`` < 1, ``data`` is not -1 or >= 1, or
+            ``data * model`` != the number of devices.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    n = len(devs)
+    if model < 1 or n % model:
+        raise ValueError(f"mesh model={model} must be >= 1 and divide the device count {n}")
+    if data == -1:
+        data = n // model
+    if data < 1 or data * model != n:
+        raise ValueError(f"mesh data={data} x model={model} = {data * model} != {n} devices")
+    return Mesh(np.asarray(devs, dtype=object).reshape(data, model), (DATA, MODEL),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _path_key(path: tuple) -> str:
+    """``(DictKey('model'), DictKey('layers'), DictKey(3), ..., GetAttrKey('value'))`` -> HF key."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if name == "value" and isinstance(k, jax.tree_util.GetAttrKey):
+            continue
+        parts.append(str(name))
+    return ".".join(parts)
+
+
+def logical_axes(key: str) -> tuple[str, ...]:
+    """The logical axes of the parameter with HF key ``key`` (from :data:`PARAM_RULES`).
+
+    Raises:
+        ValueError: naming ``key`` when no rule matches.
+    """
+    for pattern, axes in PARAM_RULES:
+        if re.search(pattern, key):
+            return axes
+    raise ValueError(f"no partition rule matches parameter {key!r}; add a row to sharding.PARAM_RULES")
+
+
+def spec_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
+    """PartitionSpec for logical ``axes`` of an array of ``shape``; indivisible axes are replicated.
+
+    Raises:
+        ValueError: when ``len(axes) != len(shape)`` or a logical axis is not in :data:`LOGICAL_AXES`.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+    out = []
+    for name, size in zip(axes, shape):
+        if name is not None and name not in LOGICAL_AXES:
+            raise ValueError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_AXES)}")
+        mesh_axis = None if name is None else LOGICAL_AXES[name]
+        if mesh_axis is not None and size % mesh.shape[mesh_axis]:
+            mesh_axis = None  # e.g. 2 KV heads on a model axis of 4 is fine (rows), 3 rows are not
+        out.append(mesh_axis)
+    return P(*out)
+
+
+def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
+    """``NamedSharding`` for every parameter, in the structure of ``abstract_params``.
+
+    Args:
+        abstract_params: the ``nnx.State`` from ``nnx.split(model, nnx.Param)`` (arrays or
+            ``jax.ShapeDtypeStruct`` leaves, e.g. of ``qwen2.abstract_model``), or any pytree whose
+            key paths spell HF keys.
+        mesh: from :func:`make_mesh`.
+
+    Returns:
+        The same pytree with ``NamedSharding`` leaves: pass it to ``jax.device_put``,
+        ``jax.jit(in_shardings=/out_shardings=)`` or ``hf_io.load_hf_checkpoint(shardings=)``.
+
+    Raises:
+        ValueError: naming the parameter when no rule of :data:`PARAM_RULES` matches it.
+    """
+    def one(path, leaf):
+        axes = logical_axes(_path_key(path))
+        shape = tuple(leaf.shape)
+        if len(axes) != len(shape):
+            raise ValueError(f"parameter {_path_key(path)!r}: rule axes {axes} vs shape {shape}")
+        return NamedSharding(mesh, spec_for(axes, shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_params)
+
+
+def shard_params(params: Any, mesh: Mesh) -> Any:
+    """``jax.device_put`` of the parameter state onto :func:`param_shardings` (a new state)."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+def data_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a ``[B, ...]`` batch: rows split over ``"data"``, other axes replicated.
+
+    B must be divisible by ``mesh.shape["data"]`` (pad the batch; the sampler does).
+    """
+    return NamedSharding(mesh, P(DATA))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding (scalars, PRNG keys)."""
+    return NamedSharding(mesh, P())
+
+
+def with_constraint(x: jax.Array, spec: P | Sequence[str | None], mesh: Mesh | None = None) -> jax.Array:
+    """``jax.lax.with_sharding_constraint`` of an activation, a no-op without a mesh.
+
+    Args:
+        x: an array inside ``jax.jit`` (e.g. hidden [B, T, d] or logits [B, T, V]).
+        spec: a ``PartitionSpec`` over mesh axes, or a tuple of *logical* names from
+            :data:`LOGICAL_AXES` (e.g. ``("batch", None, "vocab")``); logical axes whose size
+            does not divide are replicated.
+        mesh: the mesh; None uses the mesh set by ``jax.set_mesh`` and returns ``x`` unchanged
+            when there is none (single-device code paths).
+    """
+    if mesh is None:
+        abstract = jax.sharding.get_abstract_mesh()
+        if abstract.empty:
+            return x
+        if not isinstance(spec, P):
+            spec = spec_for(tuple(spec), x.shape, abstract)
+        return jax.lax.with_sharding_constraint(x, spec)
+    if not isinstance(spec, P):
+        spec = spec_for(tuple(spec), x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
