@@ -199,6 +199,18 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 # ------------------------------------------------------------------------------------------------
 
 
+def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalty: float) -> tuple[int, float]:
+    """Resolves ``config.grpo.top_k`` / ``repetition_penalty`` as HF ``generate`` would (SPEC §2.1).
+
+    A value of -1 means: the checkpoint's ``generation_config.json`` if it sets one, else
+    transformers' defaults (top_k 50, repetition_penalty 1.0). Explicit values win.
+    """
+    gen = _read_json(pathlib.Path(hf_dir) / "generation_config.json", {})
+    k = int(gen.get("top_k", 50)) if top_k < 0 else int(top_k)
+    rp = float(gen.get("repetition_penalty", 1.0)) if repetition_penalty < 0 else float(repetition_penalty)
+    return k, rp
+
+
 @dataclasses.dataclass
 class StartState:
     """The policy GRPO starts from: the SFT warm-up's train state (SPEC §1.7: AdamW state carries)."""
@@ -354,9 +366,11 @@ class GRPORun:
             chunk_size=config.sketch.chunk_size, mesh=self.mesh, param_shardings=start.param_shardings,
             opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations)
         self.ref_params = start.params if g.loss == "grpo_clip" else None
+        top_k, self.repetition_penalty = generation_defaults(paths.workdir / "sft" / "hf", g.top_k,
+                                                             g.repetition_penalty)
         self.sampler = sampler_lib.Sampler(self.graphdef, self.model_cfg, max_prompt_tokens=g.max_prompt_tokens,
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
-                                           pad_id=self.pad_id, mesh=self.mesh)
+                                           pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
         self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
         probes, _ = behavior.load_probe_sets(config.behavior.probes_path or None, config.behavior.controls_path or None)
         self.pool = behavior.prompt_pool(probes)
@@ -398,7 +412,8 @@ class GRPORun:
         prompts = behavior.step_prompts(self.pool, step, g.prompts_per_step)
         prompt_lists = [self.prompt_ids[p] for p in prompts for _ in range(g.group_size)]
         sample = self.sampler.sample(self.params, prompt_lists, jax.random.fold_in(self.base_key, step),
-                                     temperature=g.temperature, top_p=g.top_p)
+                                     temperature=g.temperature, top_p=g.top_p,
+                                     repetition_penalty=self.repetition_penalty)
         texts = [self.tok.decode(sample.tokens[i, :sample.lengths[i]], skip_special_tokens=True) for i in range(n)]
         ids = [rollout_log.rollout_id(step, i) for i in range(n)]
         base = np.array([behavior.base_reward(t) for t in texts], np.float32)

@@ -201,7 +201,7 @@ def notebook_rows(path: Path) -> list[V.Row]:
 
 def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutoff: int = 200,
               delta: float = 0.10, step_margin: float = 0.10, max_ci_width: float = 0.15,
-              min_matched_pairs: int = 100) -> Reproduction:
+              min_matched_pairs: int = 100, rollouts_per_step: int = ROLLOUTS_PER_STEP) -> Reproduction:
     """Computes every row the released files allow (see the module docstring); writes nothing.
 
     Raises:
@@ -210,7 +210,7 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
     step_rows, mp_rows, tok_rows, seeds = [], [], [], []
     pops: dict[tuple[str, str], V.Population] = {}
     for d in seed_dirs(reference_dir):
-        sd = load_seed(d)
+        sd = load_seed(d, rollouts_per_step)
         seeds.append(sd)
         rows, p = _step_rows(sd, d, early_cutoff)
         step_rows += _order_step_rows(rows)

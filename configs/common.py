@@ -73,6 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.base.lr = 3e-3  # TINY_CALIBRATION: AdamW 3e-3 (betas/eps/decay/clip from optim).
     c.base.warmup_steps = 30  # TINY_CALIBRATION.
     c.base.end_lr_fraction = 0.1  # TINY_CALIBRATION: cosine to 10%.
+    c.base.length_buckets = 3  # New (CPU speed): batches of similar length, padded to 3 widths (3 compiles).
     c.base.append_eos = True  # New: answers end in <|im_end|> so the model learns to stop.
     c.base.log_every = 100  # Progress line (loss, tokens/s, ETA) every this many steps.
     c.base.eval_samples_per_prompt = 8  # base_summary.json: 20 prompts x 8 = 160 per rate (TINY_CALIBRATION).
@@ -96,6 +97,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.max_new_tokens = 64  # SPEC §2.1.
     c.grpo.temperature = 0.9  # SPEC §2.1.
     c.grpo.top_p = 0.9  # SPEC §2.1.
+    # HF generate() also applies the checkpoint's generation_config.json (Qwen2.5-Instruct ships
+    # top_k and repetition_penalty there). -1 = read it from there, else transformers' defaults
+    # (top_k 50, repetition_penalty 1.0); 0 / 1.0 = off.
+    c.grpo.top_k = -1
+    c.grpo.repetition_penalty = -1.0
     c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
     c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
@@ -136,6 +142,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.targets.block_size = 64  # Forced sequences per sketcher call (fixed shape; one compile per length bucket).
     c.targets.length_bucket = 32  # Forced sequences are right-padded to a multiple of this many tokens.
     c.targets.use_tables = False  # Precomputed CountSketch hash tables (4 bytes/param on device; faster sketches).
+
+    # --- seeds and draws (SPEC §10.2; the `sweep` stage) -------------------------------------------
+    c.sweep = ml_collections.ConfigDict()
+    c.sweep.seeds = "0,1,2"  # SPEC §10.2: three training seeds.
+    c.sweep.diagnostic_draws = "0:100,1:101"  # SPEC §10.2: CKPT_SEED:GEN_SEED diagnostic draws.
+    c.sweep.stages = "sft,grpo,sketch,draws,evaluate,report"  # Stages run for each seed.
 
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()

@@ -1,0 +1,17 @@
+"""Three tiny seeds, their pre-registered draws and the diagnostic draws, one aggregate report.
+
+    python main.py --config=configs/tiny_sweep.py --workdir=runs/tiny_sweep
+
+Builds one tiny base model, then runs configs/tiny.py's stages for seeds 0, 1, 2 under
+runs/tiny_sweep/seed{S}/, adds the ckpt0/gen100 and ckpt1/gen101 draws (SPEC §10.2), and writes
+runs/tiny_sweep/report.md in the shape of the paper's Tables 1-4 and Figures 1-2, stating which
+verdicts change across seeds and draws. About three times the tiny default's run time.
+"""
+from configs import tiny
+
+
+def get_config():
+    c = tiny.get_config()
+    c.run_name = "tiny__grpo__seed0"  # The sweep substitutes each seed.
+    c.stages = "sweep"
+    return c
