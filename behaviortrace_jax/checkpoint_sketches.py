@@ -9,7 +9,7 @@ Outputs under ``workdir/sketches/`` (tensorstore arrays with metadata, see sketc
   are TracInCP's per-checkpoint targets (SPEC §4).
 * ``targets.json``: per checkpoint, the target's self-consistency (SPEC §5.2) and norm.
 * ``checkpoint_rollout_sketches.zarr`` float32 [C', R, D], ``checkpoint_rollout_fluency.zarr`` and
-  ``checkpoint_rollout_norms.zarr`` [C', R]: the sketch, masked mean log-prob (fluency) and exact
+  ``checkpoint_rollout_norms.zarr`` [C', R, 1]: the sketch, masked mean log-prob (fluency) and exact
   gradient norm of ``-(masked mean log-prob)`` of every logged training rollout at the checkpoints
   named by ``config.sketch.rollout_checkpoints`` (SPEC §3.2, rollout level; the loss has no
   advantage and no 1/B).
@@ -118,9 +118,9 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths,
         "sketches": sketch_store.SketchStore.open_or_create(
             paths.sketches / "checkpoint_rollout_sketches.zarr", (len(entries), r, d), block, meta),
         "fluency": sketch_store.SketchStore.open_or_create(
-            paths.sketches / "checkpoint_rollout_fluency.zarr", (len(entries), r), block, meta),
+            paths.sketches / "checkpoint_rollout_fluency.zarr", (len(entries), r, 1), block, meta),
         "norms": sketch_store.SketchStore.open_or_create(
-            paths.sketches / "checkpoint_rollout_norms.zarr", (len(entries), r), block, meta),
+            paths.sketches / "checkpoint_rollout_norms.zarr", (len(entries), r, 1), block, meta),
     }
     qset = frozenset()
     for c, e in enumerate(entries):
@@ -139,8 +139,8 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths,
                 whole, _, _ = targets.response_examples(rec.prompt_token_ids, toks, toks.size, eos, qset)
                 examples.append(whole)
             out = forced(params, examples)
-            stores["fluency"].write_rows(start, out.mean_logprob, lead=(c,))
-            stores["norms"].write_rows(start, out.grad_norms, lead=(c,))
+            stores["fluency"].write_rows(start, out.mean_logprob[:, None], lead=(c,))
+            stores["norms"].write_rows(start, out.grad_norms[:, None], lead=(c,))
             stores["sketches"].write_rows(start, out.sketches, lead=(c,))
         for s in stores.values():
             s.flush()
