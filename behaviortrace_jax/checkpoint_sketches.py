@@ -12,7 +12,8 @@ Outputs under ``workdir/sketches/`` (tensorstore arrays with metadata, see sketc
   ``checkpoint_rollout_norms.zarr`` [C', R, 1]: the sketch, masked mean log-prob (fluency) and exact
   gradient norm of ``-(masked mean log-prob)`` of every logged training rollout at the checkpoints
   named by ``config.sketch.rollout_checkpoints`` (SPEC §3.2, rollout level; the loss has no
-  advantage and no 1/B).
+  advantage and no 1/B); ``config.sketch.rollout_scope`` = "early" keeps the rollouts of the bonus
+  window (a prefix of the log), "all" every rollout.
 
 Resumable: finished target rows and rollout blocks are skipped (``SketchStore.missing_rows``).
 """
@@ -109,6 +110,10 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths,
                              forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry]) -> None:
     """Sketches ``-(masked mean log-prob)`` of every logged rollout at each of ``entries``."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
+    if config.sketch.rollout_scope == "early":  # the log is step-major: the early window is a prefix
+        records = [rec for rec in records if rec.step < config.contamination.early_step_cutoff]
+    elif config.sketch.rollout_scope != "all":
+        raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
     r, d = len(records), config.sketch.dim
     eos = (loader.tokenizer.eos_token_id,)
     meta = dict(sketch_metadata(config, loader.model_config, "checkpoint_rollout_sketches"),

@@ -117,12 +117,47 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         rows += V.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
                                        nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff,
                                        nboot=ev.nboot, rng_seed=int(config.seed))
+    rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(paths.workdir / "results_table.csv", rows)
     V.write_json(paths.workdir / "verdicts.json", {"decision_rules": rules, "checklist": check})
     shutil.copyfile(release / f"seed{int(config.seed)}" / "attribution_scores.json",
                     paths.workdir / "attribution_scores.json")
     logging.info("evaluate: %d rows -> %s", len(rows), paths.workdir / "results_table.csv")
+
+
+def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunPaths, *, nboot: int) -> list[V.Row]:
+    """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
+
+    Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C: within each GRPO
+    group (same step and prompt), ground-truth (bonus) rollouts are the positives; the target is the
+    continuation target at C. Tables ``mp_raw_train_ckpt{C}`` etc., in the layout of SPEC §6.7-§6.10
+    (GAS_centered = cos(g - group mean, t), C1_plain, norm_only, fluency; bootstrap rng = seed).
+    Empty when no checkpoint was re-sketched.
+    """
+    path = paths.sketches / "checkpoint_rollout_sketches.zarr"
+    if not (path / "metadata.json").exists():
+        return []
+    store = sketch_store.SketchStore.open(path)
+    fluency = sketch_store.SketchStore.open(paths.sketches / "checkpoint_rollout_fluency.zarr")
+    t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
+    t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
+    records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
+    gt = {e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)}
+    early = np.array([r.step < config.contamination.early_step_cutoff for r in records])
+    groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
+    positive = np.array([r.rollout_id in gt for r in records])[early]
+    rows = []
+    for c, step in enumerate(store.metadata["checkpoint_steps"]):
+        if store.missing_rows(lead=(c,)).size:
+            raise ValueError(f"{path}: checkpoint {step} is incomplete; rerun the `sketch` stage")
+        target = t_store.read(rows=[t_steps.index(int(step))])[0]
+        sk = store.read(lead=(c,))[early]
+        fl = fluency.read(lead=(c,))[early, 0]
+        mp_rows = E.score_rollout_rows(sk, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
+        rows += V.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
+                                       suffix=f"_train_ckpt{int(step)}", source=str(path))
+    return rows
 
 
 def evaluate_verdicts(rows: list[V.Row], rep: reproduce.Reproduction,

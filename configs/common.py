@@ -119,6 +119,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):
     # "" none, "all", "nearest" (to draws.target_step), or "100,1000". [C', R, D] floats on disk.
     c.sketch.rollout_checkpoints = "nearest"
+    c.sketch.rollout_scope = "all"  # Which rollouts: "all", or "early" (steps < contamination cutoff).
 
     # --- rollout-level draws (SPEC §5.6) --------------------------------------------------------
     c.draws = ml_collections.ConfigDict()
