@@ -84,7 +84,8 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
                                  final_rewards=np.array([r.reward for r in records]),
                                  group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
     out = release / f"seed{int(config.seed)}"
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # derived files only: rebuilt from the run every time
+    out.mkdir(parents=True)
     V.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     run_header = {k: header[k] for k in ("run_name", "seed", "gt_size", "n_rollouts", "late_early_norm_ratio",
@@ -94,8 +95,9 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
     V.write_json(out / "run_header.json", run_header)
     shutil.copyfile(paths.ground_truth, out / "ground_truth.jsonl")
     draws = paths.workdir / "draws"
-    for f in sorted(draws.glob("minimal_pair_rows_ckpt*_gen*.json")) + sorted(draws.glob("token_level_cos_temp*.json")):
-        shutil.copyfile(f, out / f.name)
+    for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
+        if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
+            shutil.copyfile(f, out / f.name)
     return header
 
 
