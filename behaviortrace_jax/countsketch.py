@@ -1,0 +1,335 @@
+"""The v3 gradient embedding: a splitmix64 CountSketch over HF-ordered parameters (SPEC §3.1).
+
+Coordinate ``i`` of the concatenated, row-major-flattened gradient (parameters in Hugging Face
+``model.parameters()`` order, ``offset`` = summed numel of the preceding parameters) goes to
+
+    x = i + seed                                              (mod 2**64)
+    bucket(i) = splitmix64(x + 0x9E3779B97F4A7C15) & (D - 1)
+    sign(i)   = 2 * (splitmix64(x + 6971419160186945601) & 1) - 1
+    sketch[bucket(i)] += sign(i) * float32(g_i)
+
+with the splitmix64 finalizer ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27;
+z *= 0x94D049BB133111EB; z ^= z >> 31`` on wrapping uint64. :func:`numpy_countsketch` is the plain
+numpy uint64 reference. The JAX side emulates uint64 with (hi, lo) pairs of uint32 (32x32->64
+products from 16-bit limbs), so it runs inside ``jax.jit`` without ``jax_enable_x64`` and is
+bit-exact with numpy for every index below 2**64 (tests/test_countsketch.py).
+
+Hashing is done on the fly inside the jitted function (the default): on CPU it measured about as
+fast as streaming precomputed bucket/sign tables and it costs no memory (docs/benchmarks.md). Pass
+``tables=layout_tables(...)`` to :func:`sketch_tree` / :func:`sketch_batch` to use device tables.
+
+Example::
+
+    layout = ParamLayout.from_entries([("w", (3, 4)), ("b", (4,))])
+    s = jax.jit(lambda g: sketch_tree(g, layout, 2**16, 0))([gw, gb])   # float32[65536]
+    assert np.allclose(s, numpy_countsketch(np.concatenate([gw.ravel(), gb]), 2**16, 0), rtol=1e-6)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HASH_FAMILY = "splitmix64-countsketch-v3"  # recorded in every sketch store's metadata
+BUCKET_SALT = 0x9E3779B97F4A7C15  # SPEC §3.1 step 5 (the code's signed -7046029254386353131)
+SIGN_SALT = 6971419160186945601  # SPEC §3.1 step 6 (0x60BF74CA3F4B8041)
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MASK64 = (1 << 64) - 1
+_NP_BLOCK = 1 << 23  # numpy reference works in blocks of 8M coordinates (as the torch code)
+
+
+def check_dim(dim: int) -> int:
+    """Returns ``dim`` as int; raises ValueError unless it is a power of two >= 2 (SPEC §3.1)."""
+    d = int(dim)
+    if d != dim or d < 2 or d & (d - 1):
+        raise ValueError(f"sketch dim must be a power of two >= 2, got {dim!r}")
+    return d
+
+
+def _check_seed(seed: int) -> int:
+    s = int(seed)
+    if s != seed or not 0 <= s <= _MASK64:
+        raise ValueError(f"sketch seed must be an integer in [0, 2**64), got {seed!r}")
+    return s
+
+
+# ------------------------------------------------------------------------------------------------
+# numpy uint64 reference
+# ------------------------------------------------------------------------------------------------
+
+
+def splitmix64_numpy(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer on a uint64 array (wrapping arithmetic, logical shifts) -> uint64."""
+    z = np.asarray(x, dtype=np.uint64)
+    z = z ^ (z >> np.uint64(30))
+    z = z * np.uint64(_M1)
+    z = z ^ (z >> np.uint64(27))
+    z = z * np.uint64(_M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def numpy_bucket_sign(indices: np.ndarray, dim: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Reference hash of global coordinate indices (uint64 array, any value < 2**64).
+
+    Returns (bucket int64 in [0, dim), sign float32 in {-1, +1}), same shape as ``indices``.
+    Raises ValueError for a dim that is not a power of two or a seed outside [0, 2**64).
+    """
+    dim, seed = check_dim(dim), _check_seed(seed)
+    with np.errstate(over="ignore"):
+        x = np.asarray(indices, dtype=np.uint64) + np.uint64(seed)
+        bucket = splitmix64_numpy(x + np.uint64(BUCKET_SALT)) & np.uint64(dim - 1)
+        sign = (splitmix64_numpy(x + np.uint64(SIGN_SALT)) & np.uint64(1)).astype(np.float32) * 2 - 1
+    return bucket.astype(np.int64), sign.astype(np.float32)
+
+
+def numpy_countsketch(vec: np.ndarray, dim: int, seed: int = 0, offset: int = 0) -> np.ndarray:
+    """Reference CountSketch of a flat vector whose first entry has global index ``offset``.
+
+    Args:
+        vec: any array; flattened row-major and cast to float32.
+        dim: sketch width D (power of two).
+        seed: hash seed (SPEC: 0).
+        offset: global index of ``vec[0]`` (Python int, may exceed 2**32).
+    Returns:
+        float32[D]. Accumulated in float64 (``np.bincount``, blocks of 8M coordinates) and rounded
+        once, so it is a slightly more accurate reference than float32 accumulation.
+    """
+    v = np.asarray(vec).reshape(-1).astype(np.float32)
+    dim, offset = check_dim(dim), int(offset)
+    if not 0 <= offset <= _MASK64:
+        raise ValueError(f"offset must be in [0, 2**64), got {offset}")
+    out = np.zeros(dim, np.float64)
+    for s in range(0, v.size, _NP_BLOCK):
+        blk = v[s:s + _NP_BLOCK]
+        with np.errstate(over="ignore"):
+            idx = np.arange(blk.size, dtype=np.uint64) + np.uint64((offset + s) & _MASK64)
+        bucket, sign = numpy_bucket_sign(idx, dim, seed)
+        out += np.bincount(bucket, (sign * blk).astype(np.float64), minlength=dim)
+    return out.astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX: uint64 emulated with (hi, lo) uint32 pairs
+# ------------------------------------------------------------------------------------------------
+
+_U32 = jnp.uint32
+
+
+def _c(v: int) -> jax.Array:
+    return jnp.asarray(v & 0xFFFFFFFF, _U32)
+
+
+def _mulhi32(a: jax.Array, c: int) -> jax.Array:
+    """High 32 bits of the 64-bit product ``a * c`` (a uint32 array, c a 32-bit constant)."""
+    a0, a1 = a & _c(0xFFFF), a >> _c(16)
+    c0, c1 = _c(c & 0xFFFF), _c(c >> 16)
+    p00, p01, p10, p11 = a0 * c0, a0 * c1, a1 * c0, a1 * c1
+    mid = (p00 >> _c(16)) + (p01 & _c(0xFFFF)) + (p10 & _c(0xFFFF))
+    return p11 + (p01 >> _c(16)) + (p10 >> _c(16)) + (mid >> _c(16))
+
+
+def _mul64(hi: jax.Array, lo: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) * c mod 2**64 for a 64-bit constant c."""
+    c_hi, c_lo = c >> 32, c & 0xFFFFFFFF
+    return _mulhi32(lo, c_lo) + hi * _c(c_lo) + lo * _c(c_hi), lo * _c(c_lo)
+
+
+def _xorshift(hi: jax.Array, lo: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) ^ ((hi, lo) >>> k) for 0 < k < 32."""
+    return hi ^ (hi >> _c(k)), lo ^ ((lo >> _c(k)) | (hi << _c(32 - k)))
+
+
+def _add64(hi: jax.Array, lo: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) + c mod 2**64 for a 64-bit constant c."""
+    new_lo = lo + _c(c)
+    return hi + _c(c >> 32) + (new_lo < lo).astype(_U32), new_lo
+
+
+def splitmix64_u32(hi: jax.Array, lo: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """splitmix64 finalizer on uint64 values given as (hi, lo) uint32 arrays -> (hi, lo)."""
+    hi, lo = _xorshift(hi, lo, 30)
+    hi, lo = _mul64(hi, lo, _M1)
+    hi, lo = _xorshift(hi, lo, 27)
+    hi, lo = _mul64(hi, lo, _M2)
+    return _xorshift(hi, lo, 31)
+
+
+def bucket_sign_u32(hi: jax.Array, lo: jax.Array, dim: int, seed: int = 0
+                    ) -> tuple[jax.Array, jax.Array]:
+    """JAX hash of global indices given as (hi, lo) uint32 arrays (may be traced).
+
+    Returns (bucket int32 in [0, dim), sign float32 in {-1, +1}); bit-exact with
+    :func:`numpy_bucket_sign` of ``hi * 2**32 + lo``.
+    """
+    dim, seed = check_dim(dim), _check_seed(seed)
+    hi, lo = _add64(hi.astype(_U32), lo.astype(_U32), seed)
+    _, b_lo = splitmix64_u32(*_add64(hi, lo, BUCKET_SALT))
+    _, s_lo = splitmix64_u32(*_add64(hi, lo, SIGN_SALT))
+    bucket = (b_lo & _c(dim - 1)).astype(jnp.int32)
+    sign = (s_lo & _c(1)).astype(jnp.float32) * 2.0 - 1.0
+    return bucket, sign
+
+
+def segment_bucket_sign(offset: int, n: int, dim: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Hash of the ``n`` consecutive global indices ``offset, ..., offset + n - 1`` (JAX, jittable).
+
+    ``offset`` is a static Python int in [0, 2**64) and ``n < 2**32``; the (hi, lo) split of
+    ``offset + local`` carries across 2**32. Returns (bucket int32[n], sign float32[n]).
+    """
+    if not 0 <= n < 1 << 32 or not 0 <= offset <= _MASK64:
+        raise ValueError(f"segment out of range: offset={offset}, n={n}")
+    local = jax.lax.iota(_U32, n)
+    lo = local + _c(offset)
+    hi = _c(offset >> 32) + (lo < local).astype(_U32)  # carry out of the low word
+    return bucket_sign_u32(hi, lo, dim, seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameter layout (HF order) and the sketch of a gradient list
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Names and shapes of the sketched parameters in HF ``model.parameters()`` order (SPEC §3.1).
+
+    ``offsets[k]`` = summed numel of parameters ``0..k-1`` (the global index of the first
+    coordinate of parameter k); ``fingerprint`` = sha256 hex of the JSON ``[[name, shape], ...]``,
+    stored with every sketch so sketches of different layouts are never mixed.
+
+    Raises ValueError on duplicate names, mismatched lengths or a shape with a negative/non-int dim.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        names, shapes = tuple(self.names), tuple(tuple(int(d) for d in s) for s in self.shapes)
+        if len(names) != len(shapes):
+            raise ValueError(f"ParamLayout: {len(names)} names but {len(shapes)} shapes")
+        seen = set()
+        for n, s in zip(names, shapes):
+            if n in seen:
+                raise ValueError(f"ParamLayout: duplicate parameter name {n!r}")
+            seen.add(n)
+            if any(d < 0 for d in s):
+                raise ValueError(f"ParamLayout: parameter {n!r} has a negative dim in {s}")
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "shapes", shapes)
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[tuple[str, Sequence[int]]]) -> "ParamLayout":
+        """From ``[(name, shape), ...]`` in HF order (e.g. ``model.named_parameters()`` shapes)."""
+        entries = list(entries)
+        return cls(tuple(n for n, _ in entries), tuple(tuple(s) for _, s in entries))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(int(np.prod(s, dtype=np.int64)) for s in self.shapes)
+
+    @functools.cached_property
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)[:-1]]))
+
+    @property
+    def total(self) -> int:
+        """Total number of coordinates (parameters) P."""
+        return int(sum(self.sizes))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        blob = json.dumps([[n, list(s)] for n, s in zip(self.names, self.shapes)], separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def check(self, arrays: Sequence[jax.Array], batch_dims: int = 0) -> None:
+        """Raises ValueError naming the parameter when ``arrays`` do not match the layout's shapes
+        (after ``batch_dims`` leading axes)."""
+        if len(arrays) != len(self.names):
+            raise ValueError(f"expected {len(self.names)} gradient arrays in layout order, got {len(arrays)}")
+        for n, s, a in zip(self.names, self.shapes, arrays):
+            if tuple(a.shape[batch_dims:]) != s:
+                raise ValueError(f"gradient of {n!r} has shape {tuple(a.shape)}, layout expects "
+                                 f"{'[batch] + ' if batch_dims else ''}{s}")
+
+
+def layout_tables(layout: ParamLayout, dim: int, seed: int = 0) -> list[jax.Array]:
+    """Precomputed device hash tables, one int32 array per parameter in the parameter's shape.
+
+    Entry = ``bucket | (sign < 0) << 31``: ``code & (dim - 1)`` is the bucket and ``code < 0`` the
+    negative sign. Costs 4 bytes per parameter; shard them like the parameters if needed.
+    """
+    dim, seed = check_dim(dim), _check_seed(seed)
+    if dim > 1 << 31:
+        raise ValueError(f"layout_tables needs dim <= 2**31, got {dim}")
+
+    def table(offset: int, n: int, shape: tuple[int, ...]) -> jax.Array:
+        b, s = segment_bucket_sign(offset, n, dim, seed)
+        return (b | jnp.where(s < 0, jnp.int32(-(1 << 31)), jnp.int32(0))).reshape(shape)
+
+    entries = list(zip(layout.offsets, layout.sizes, layout.shapes))
+    return jax.jit(lambda: [table(*e) for e in entries])()
+
+
+def _bucket_sign(k: int, layout: ParamLayout, dim: int, seed: int, tables: Sequence[jax.Array] | None
+                 ) -> tuple[jax.Array, jax.Array]:
+    if tables is None:
+        return segment_bucket_sign(layout.offsets[k], layout.sizes[k], dim, seed)
+    code = tables[k].reshape(-1)
+    return code & jnp.int32(dim - 1), jnp.where(code < 0, jnp.float32(-1), jnp.float32(1))
+
+
+def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed: int = 0,
+                tables: Sequence[jax.Array] | None = None) -> jax.Array:
+    """CountSketch of one gradient given as arrays in layout (HF) order (SPEC §3.1); jittable.
+
+    Args:
+        grads: one array per layout entry, shapes as in the layout, any float dtype (cast to
+            float32 before the signed scatter-add).
+        layout: the :class:`ParamLayout` (static).
+        dim, seed: sketch width (power of two) and hash seed (static).
+        tables: optional :func:`layout_tables` for ``(layout, dim, seed)``; default hashes on the fly.
+    Returns:
+        float32[dim] = sum over parameters of ``segment_sum(sign * g.ravel(), bucket, dim)``.
+    Raises:
+        ValueError: wrong number of arrays, a shape mismatch (naming the parameter), a bad dim.
+    """
+    dim = check_dim(dim)
+    layout.check(grads)
+    acc = jnp.zeros((dim,), jnp.float32)
+    for k, g in enumerate(grads):
+        if layout.sizes[k]:
+            b, s = _bucket_sign(k, layout, dim, seed, tables)
+            acc = acc.at[b].add(g.reshape(-1).astype(jnp.float32) * s)
+    return acc
+
+
+def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed: int = 0,
+                 tables: Sequence[jax.Array] | None = None) -> jax.Array:
+    """Per-example CountSketch of a batch of gradients; arrays in layout order with a leading axis C.
+
+    Returns float32[C, dim]; row c equals ``sketch_tree([g[c] for g in grads], ...)``. The hash is
+    computed once per call and the examples are scattered one after another (``lax.map``), which
+    measured faster on CPU than a batched scatter (docs/benchmarks.md).
+    """
+    dim = check_dim(dim)
+    layout.check(grads, batch_dims=1)
+    c = grads[0].shape[0] if grads else 0
+    hashes = [_bucket_sign(k, layout, dim, seed, tables) for k in range(len(layout)) if layout.sizes[k]]
+    flat = [g.reshape(c, -1) for k, g in enumerate(grads) if layout.sizes[k]]
+
+    def one(gs: list[jax.Array]) -> jax.Array:
+        acc = jnp.zeros((dim,), jnp.float32)
+        for g, (b, s) in zip(gs, hashes):
+            acc = acc.at[b].add(g.astype(jnp.float32) * s)
+        return acc
+
+    return jax.lax.map(one, flat)
