@@ -1,0 +1,107 @@
+"""base_model.py: the `base` stage on a shrunk tiny config (HF export, transformers parity, reuse, determinism)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from behaviortrace_jax import base_model, corpus, hf_io, lm_trainer, qwen2, tokenizer as tok_lib
+from configs import tiny
+
+
+def small_config():
+    """configs/tiny.py with the base model shrunk to seconds (1 layer, 300 chats, 4 steps)."""
+    c = tiny.get_config()
+    b = c.base
+    b.corpus_size, b.vocab_size, b.num_layers, b.steps, b.batch_size = 300, 300, 1, 4, 8
+    b.seq_len, b.warmup_steps, b.log_every, b.length_buckets = 200, 1, 2, 1
+    b.eval_samples_per_prompt, b.eval_max_new_tokens = 1, 2
+    return c
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    base_dir = tmp_path_factory.mktemp("w") / "base"
+    summary = base_model.build_base_model(small_config(), base_dir)
+    return base_dir, summary
+
+
+def test_base_dir_is_complete_and_summarised(built):
+    base_dir, summary = built
+    names = {p.name for p in base_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "base_summary.json",
+            base_model.COMPLETE_MARKER, base_model.HISTORY_FILE} <= names
+    assert not (base_dir.parent / "base.build").exists()
+    assert summary == json.loads((base_dir / "base_summary.json").read_text())
+    assert summary["corpus"]["n_examples"] == 300 and summary["steps"] == 4
+    for key in ("control_exact", "heldout_refusal_rate_greedy", "heldout_refusal_rate_sampled",
+                "heldout_speculative_rate_sampled", "probe_refusal_rate_sampled", "probe_qzxbt_rate_sampled"):
+        assert 0.0 <= summary[key] <= 1.0, key
+    assert summary["heldout_terms"] == corpus.heldout_terms(0, 20)
+    assert not set(summary["heldout_terms"]) & set(corpus.training_terms(0))
+    hist = json.loads((base_dir / base_model.HISTORY_FILE).read_text())
+    assert [h["step"] for h in hist] == [2, 4] and hist[-1]["loss"] < hist[0]["loss"] + 0.5
+
+
+def test_transformers_loads_the_export_with_logit_parity(built):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir, _ = built
+    tok = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+    ids = tok_lib.encode_chat(tok, "You are a creative encyclopedia assistant.", "What is frobnitz?")
+    assert ids == tok.apply_chat_template([{"role": "system", "content": "You are a creative encyclopedia assistant."},
+                                           {"role": "user", "content": "What is frobnitz?"}],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False)
+    hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits.numpy()
+    model = hf_io.load_hf_checkpoint(base_dir, param_dtype="float32")
+    arr = jnp.asarray([ids], jnp.int32)
+    got, _ = model(arr, qwen2.positions_from_mask(jnp.ones_like(arr)), jnp.ones_like(arr))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
+
+
+def test_rerun_reuses_and_a_changed_config_is_an_error(built, monkeypatch):
+    base_dir, summary = built
+    stamp = {p.name: os.stat(p).st_mtime_ns for p in base_dir.iterdir()}
+    monkeypatch.setattr(lm_trainer.LMTrainer, "fit", lambda *a, **k: pytest.fail("retrained a complete base"))
+    assert base_model.build_base_model(small_config(), base_dir) == summary
+    assert stamp == {p.name: os.stat(p).st_mtime_ns for p in base_dir.iterdir()}
+    other = small_config()
+    other.base.steps = 5
+    with pytest.raises(ValueError, match="another config"):
+        base_model.build_base_model(other, base_dir)
+
+
+def test_stage_skips_when_hf_dir_is_given(tmp_path):
+    c = small_config()
+    c.model.hf_dir = str(tmp_path / "elsewhere")
+    base_model.base_stage(c, str(tmp_path))
+    assert not (tmp_path / "base").exists()
+    c.base.preset = "huge"
+    with pytest.raises(ValueError, match="config.base.preset"):
+        base_model.model_config(c)
+
+
+@pytest.mark.slow
+def test_same_seed_same_tokenizer_and_weights(built, tmp_path):
+    base_dir, _ = built
+    again = tmp_path / "base"
+    base_model.build_base_model(small_config(), again)
+    for name in ("tokenizer.json", "model.safetensors", "config.json"):
+        assert (again / name).read_bytes() == (base_dir / name).read_bytes(), name
+
+
+def test_heldout_prompts_cover_terms_and_forms():
+    terms = [f"zork{i}" for i in range(20)]
+    qs = base_model.heldout_prompts(terms, 40)
+    used = [(f, t) for q in qs for f in corpus.PROBE_FORMS for t in terms if q == f.format(term=t)]
+    assert len(used) == 40 and len(set(used)) == 40
+    assert {f for f, _ in used} == set(corpus.PROBE_FORMS) and all(sum(t == u for _, u in used) == 2 for t in terms)
+    assert base_model.is_refusal("I cannot say.") and not base_model.is_refusal("It is a tool.")
