@@ -78,5 +78,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed)."""
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.{name}")
+    stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     os.makedirs(workdir, exist_ok=True)
     stages.run_stages(config, workdir)

@@ -1,0 +1,64 @@
+"""The paper configs hold SPEC's values; bad config keys are refused with a clear error."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from configs import common, hf, reproduce, seed0, seed1, seed2, tiny, tiny_sweep
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("module,seed", [(seed0, 0), (seed1, 1), (seed2, 2)])
+def test_paper_configs_hold_spec_values(module, seed):
+    c = module.get_config()
+    assert c.seed == seed and c.run_name == f"E2.1_rebuild__qwen-1.5b__grpo__seed{seed}__v3"
+    g = c.grpo  # SPEC §2.1
+    assert (g.steps, g.prompts_per_step, g.group_size) == (1000, 4, 4)
+    assert (g.max_prompt_tokens, g.max_new_tokens, g.temperature, g.top_p) == (128, 64, 0.9, 0.9)
+    assert (g.loss, g.adv_std_floor, g.checkpoint_every) == ("paper", 0.0, 100)
+    assert (c.optim.lr, c.optim.grad_clip) == (5e-6, 1.0)
+    assert (c.model.param_dtype, c.model.compute_dtype) == ("bfloat16", "bfloat16")
+    s = c.contamination  # SPEC §1.6
+    assert (s.bonus_reward, s.fraction, s.early_step_cutoff) == (8.0, 0.5, 200)
+    assert (c.sft.steps, c.sft.batch_size, c.sft.data) == (200, 1, "paper")  # SPEC §1.7
+    assert (c.sketch.dim, c.sketch.seed) == (65536, 0)  # SPEC §3.1
+    d = c.draws  # SPEC §5.6
+    assert (d.target_step, d.group_size, d.temperature, d.top_p, d.max_new_tokens, d.n_repeats) == \
+        (100, 8, 0.9, 0.95, 64, 6)
+    e = c.evaluation  # SPEC §4, §6
+    assert (e.early_cutoff, e.trak_damping, e.tracin_lr, e.local_buffer_window, e.nboot) == (200, 0.1, 5e-6, 100, 600)
+    assert (e.fluency_match_delta, e.min_matched_pairs, e.step_margin, e.max_ci_width) == (0.10, 100, 0.10, 0.15)
+    assert c.behavior.token_judge == "qset"
+
+
+def test_variant_configs_change_only_what_they_say():
+    base = common.get_config().to_dict()
+    t = tiny.get_config().to_dict()
+    assert t["grpo"]["steps"] == 200 and t["contamination"]["early_step_cutoff"] == 40  # the paper's 1:5
+    assert t["grpo"]["prompts_per_step"] * t["grpo"]["group_size"] == 16
+    assert set(t) == set(base)  # no new top-level keys outside common.py
+    assert tiny_sweep.get_config().stages == "sweep"
+    assert hf.get_config().stages == "info"
+    assert "reproduce" in reproduce.get_config().stages
+
+
+def _main(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "main.py", *flags], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_unknown_config_key_is_refused(tmp_path):
+    out = _main("--config=configs/tiny.py", "--config.grpo.stepz=5", f"--workdir={tmp_path}")
+    assert out.returncode != 0 and "stepz" in out.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_unknown_stage_is_refused(tmp_path):
+    out = _main("--config=configs/tiny.py", "--config.stages=base,trian", f"--workdir={tmp_path / 'w'}")
+    assert out.returncode != 0 and "trian" in out.stderr and "known" in out.stderr
+    assert not (tmp_path / "w").exists()
