@@ -294,9 +294,13 @@ def save_hf_checkpoint(model_or_state: Any, config: Qwen2Config, out_dir: str | 
                 json.dump(obj, f, indent=2, sort_keys=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        umask = os.umask(0)
+        os.umask(umask)
         for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)  # mkdtemp / safetensors create private files
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        os.chmod(tmp, 0o777 & ~umask)
         _fsync_dir(tmp)
         old = None
         if out_dir.exists():
