@@ -20,16 +20,14 @@ import pytest
 from behaviortrace_jax import grpo, pipeline, rollout_log, sketch_store
 from configs import tiny
 
+import test_base_model
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def smoke_config():
     """configs/tiny.py shrunk: every stage, a few seconds of compute each."""
-    c = tiny.get_config()
-    b = c.base
-    b.corpus_size, b.vocab_size, b.num_layers, b.steps, b.batch_size = 300, 300, 1, 4, 8
-    b.seq_len, b.warmup_steps, b.log_every, b.length_buckets = 200, 1, 2, 2
-    b.eval_samples_per_prompt, b.eval_max_new_tokens = 1, 4
+    c = test_base_model.small_config()  # the base model shrunk to seconds
     c.sft.steps, c.sft.stop_every, c.sft.eval_samples_per_prompt, c.sft.max_prompt_tokens = 3, 0, 1, 256
     c.behavior.gate_max_new_tokens = 4
     g = c.grpo
