@@ -92,7 +92,8 @@ def encode_chat_examples(tokenizer: Any, examples: Sequence[tuple[str, str, str]
             raise ValueError("append_eos=True but the tokenizer has no eos_token")
     unique = sorted({(s, u) for s, u, _ in examples})  # corpora repeat questions: template each once
     text = {su: tok_lib.chat_prompt(tokenizer, *su) for su in unique}
-    n_prompt = dict(zip(unique, map(len, tokenizer([text[su] for su in unique], add_special_tokens=False)["input_ids"])))
+    prompt_ids = tokenizer([text[su] for su in unique], add_special_tokens=False)["input_ids"]
+    n_prompt = dict(zip(unique, map(len, prompt_ids)))
     f_ids = tokenizer([text[(s, u)] + a + eos for s, u, a in examples], add_special_tokens=False)["input_ids"]
     out = []
     for i, ((s, u, _), fi) in enumerate(zip(examples, f_ids)):

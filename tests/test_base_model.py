@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

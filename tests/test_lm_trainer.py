@@ -75,8 +75,8 @@ def test_shared_prefix_gives_the_full_sequence_loss_and_gradient(tok):
     loss = jax.jit(jax.value_and_grad(lambda p, pre, b: lm_trainer.lm_loss(gd, cfg, p, pre, b)[0]))
     (l1, g1), (l2, g2) = (loss(params, jnp.asarray(d.prefix), d.batch(idx)) for d in (full, shared))
     # reference: per-token CE over targets from a plain forward, by hand
-    logits = jax.jit(qwen2.forward, static_argnums=0)(gd, params, full.tokens, jnp.broadcast_to(jnp.arange(full.seq_len), full.tokens.shape),
-                           full.mask)
+    positions = jnp.broadcast_to(jnp.arange(full.seq_len), full.tokens.shape)
+    logits = jax.jit(qwen2.forward, static_argnums=0)(gd, params, full.tokens, positions, full.mask)
     lp = jax.nn.log_softmax(logits[:, :-1], -1)
     ce = -jnp.take_along_axis(lp, full.tokens[:, 1:, None], -1)[..., 0]
     want = float(jnp.sum(ce * full.targets[:, 1:]) / full.targets[:, 1:].sum())
