@@ -21,7 +21,6 @@ import importlib
 import os
 
 import ml_collections
-from absl import logging
 
 from behaviortrace_jax import stages
 from behaviortrace_jax.stages import register_stage
@@ -69,9 +68,7 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         f"probe: {probe.prompt!r}",
         f"greedy completion: {text!r}",
     ]
-    for line in lines:
-        logging.info("%s", line)
-        print(line)
+    print("\n".join(lines))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> None:
