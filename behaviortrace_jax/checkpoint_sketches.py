@@ -19,10 +19,10 @@ Resumable: finished target rows and rollout blocks are skipped (``SketchStore.mi
 """
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
-import jax
 import ml_collections
 import numpy as np
 from absl import logging
@@ -153,12 +153,8 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths,
 
 
 def _read_json(path: pathlib.Path) -> Any:
-    import json
-
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def _write_json(path: pathlib.Path, obj: Any) -> None:
-    import json
-
     rollout_log.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")

@@ -24,11 +24,9 @@ The orbax save is the last write of a checkpoint, so every artefact of steps < L
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import pathlib
-import time
 from typing import Any
 
 import jax
