@@ -19,7 +19,6 @@ Resumable: finished target rows and rollout blocks are skipped (``SketchStore.mi
 """
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Any
 
@@ -28,9 +27,9 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax import behavior, checkpoints, hf_io, qwen2, rollout_log, sketch_store, targets
+from behaviortrace_jax import behavior, checkpoints, evaluation, hf_io, qwen2, rollout_log, sketch_store, targets
 from behaviortrace_jax import tokenizer as tok_lib
-from behaviortrace_jax.grpo import RunPaths, sketch_metadata
+from behaviortrace_jax.grpo import RunPaths, read_json, sketch_metadata
 from behaviortrace_jax.stages import register_stage
 
 
@@ -91,14 +90,14 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     t_store = sketch_store.SketchStore.open_or_create(paths.sketches / "targets_continuation.zarr",
                                                       (len(steps), config.sketch.dim), 1, meta)
     stats_path = paths.sketches / "targets.json"
-    stats = {int(k): v for k, v in (_read_json(stats_path) or {}).items()}
+    stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
     for k in t_store.missing_rows():
         e = entries[int(k)]
         ct = targets.continuation_target(forced, loader.params(e.path), tok, probes, pattern=config.behavior.pattern)
         t_store.write_rows(int(k), ct.target[None])
         t_store.flush()
         stats[e.step] = {"self_consistency": ct.self_consistency, "norm": float(np.linalg.norm(ct.target))}
-        _write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
+        evaluation.write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
         logging.info("sketch: continuation target at step %d (self-consistency %.3f)", e.step, ct.self_consistency)
 
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
@@ -150,11 +149,3 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths,
         for s in stores.values():
             s.flush()
         logging.info("sketch: %d training rollouts at checkpoint %d", r, e.step)
-
-
-def _read_json(path: pathlib.Path) -> Any:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _write_json(path: pathlib.Path, obj: Any) -> None:
-    rollout_log.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")

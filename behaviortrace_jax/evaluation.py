@@ -30,6 +30,7 @@ import numpy as np
 
 from behaviortrace_jax import estimators as E
 from behaviortrace_jax import metrics as M
+from behaviortrace_jax.rollout_log import atomic_write_text  # noqa: F401  (re-exported for report.py)
 
 CSV_COLUMNS = ("seed", "table", "method", "value", "lo", "hi", "chance", "ceiling", "n")
 STEP_TABLES = ("overall", "early_nonzero")
@@ -57,21 +58,8 @@ class Row:
 
 
 # --------------------------------------------------------------------------------------------
-# small I/O helpers
+# small I/O helpers (atomic_write_text: rollout_log.py)
 # --------------------------------------------------------------------------------------------
-def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
-    """Writes ``text`` (str as UTF-8, or bytes) to ``path`` via ``path.tmp`` + fsync +
-    os.replace, creating parent folders."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(text.encode("utf-8") if isinstance(text, str) else text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _fmt(x) -> str:
     if x is None:
         return ""

@@ -37,7 +37,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax import behavior, checkpoints, contaminator, countsketch, grpo_loss, hf_io
+from behaviortrace_jax import behavior, checkpoints, contaminator, countsketch, evaluation, grpo_loss, hf_io
 from behaviortrace_jax import qwen2, rollout_log, sampler as sampler_lib, sharding, sketch_store
 from behaviortrace_jax import sketcher, train_state, tokenizer as tok_lib
 from behaviortrace_jax.stages import register_stage
@@ -203,7 +203,7 @@ def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalt
     A value of -1 means: the checkpoint's ``generation_config.json`` if it sets one, else
     transformers' defaults (top_k 50, repetition_penalty 1.0). Explicit values win.
     """
-    gen = _read_json(pathlib.Path(hf_dir) / "generation_config.json", {})
+    gen = read_json(pathlib.Path(hf_dir) / "generation_config.json", {})
     k = int(gen.get("top_k", 50)) if top_k < 0 else int(top_k)
     rp = float(gen.get("repetition_penalty", 1.0)) if repetition_penalty < 0 else float(repetition_penalty)
     return k, rp
@@ -248,7 +248,7 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
     state = train_state.restore(sft_dir / "state", abstract)
     return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
-                      abstract.as_dict(), _read_json(sft_dir / "sft_summary.json", {}))
+                      abstract.as_dict(), read_json(sft_dir / "sft_summary.json", {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,11 +319,8 @@ class BehaviorProbe:
                 "responses": texts}
 
 
-def _atomic_json(path: pathlib.Path, obj: Any) -> None:
-    rollout_log.atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
-
-
-def _read_json(path: pathlib.Path, default: Any) -> Any:
+def read_json(path: pathlib.Path, default: Any) -> Any:
+    """The JSON value stored at ``path``, or ``default`` when the file does not exist."""
     if not path.exists():
         return default
     with open(path) as f:
@@ -334,7 +331,7 @@ def _read_json(path: pathlib.Path, default: Any) -> Any:
 def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Runs (or resumes) GRPO from the SFT train state; see the module docstring (SPEC §2)."""
     paths = RunPaths(pathlib.Path(workdir))
-    if _read_json(paths.summary, {}).get("complete"):
+    if read_json(paths.summary, {}).get("complete"):
         logging.info("grpo: %s is complete; skipping", paths.summary)
         return
     run = GRPORun(config, paths)
@@ -398,7 +395,7 @@ class GRPORun:
                                            early_step_cutoff=config.contamination.early_step_cutoff),
             self.gt_log, stats={"total_seen": self.start_step * self.shapes.num_rollouts,
                                 "boosted": len(self.gt_log.events)})
-        self.curve = [c for c in _read_json(paths.curve, []) if c["step"] <= self.start_step]
+        self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
         self.stores = open_sketch_stores(config, self.model_cfg, paths)
         self.base_key = jax.random.key(config.seed)
@@ -454,7 +451,7 @@ class GRPORun:
         rates = self.probe.rates(self.params)
         point = {"step": step, "probe_rate": rates["probe_rate"], "control_rate": rates["control_rate"]}
         self.curve = [c for c in self.curve if c["step"] < step] + [point]
-        _atomic_json(self.paths.curve, self.curve)
+        evaluation.write_json(self.paths.curve, self.curve)
         checkpoints.save_train_state(self.paths.state, step, {
             "params": self.params, "opt_state": self.opt_state, "step": jnp.int32(step), "rng": self.base_key})
         return point
@@ -496,6 +493,6 @@ class GRPORun:
             "learning_curve": self.curve, "gate": gate,
             "final_responses": {k: v for k, v in rates["responses"].items()},
         }
-        _atomic_json(self.paths.summary, summary)
+        evaluation.write_json(self.paths.summary, summary)
         logging.info("grpo: gate %s (probe %.2f, control %.2f)", "PASSED" if gate["passed"] else "FAILED",
                      gate["probe_rate"], gate["control_rate"])

@@ -27,13 +27,14 @@ SCHEMA_FORMAT = "behaviortrace_jax.rollout_log"
 _SHARD_RE = re.compile(r"^shard_(\d{8})\.jsonl$")
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Writes ``text`` (UTF-8) to ``path`` atomically: ``path.tmp``, fsync, ``os.replace``, then
-    fsync of the directory (best effort)."""
+def atomic_write_text(path: str | Path, text: str | bytes) -> None:
+    """Writes ``text`` (str as UTF-8, or bytes) to ``path`` atomically: ``path.tmp``, fsync,
+    ``os.replace``, then fsync of the directory (best effort). Creates missing parent folders."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(text.encode("utf-8") if isinstance(text, str) else text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
