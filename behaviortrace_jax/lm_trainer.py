@@ -94,9 +94,11 @@ def encode_chat_examples(tokenizer: Any, examples: Sequence[tuple[str, str, str]
     text = {su: tok_lib.chat_prompt(tokenizer, *su) for su in unique}
     prompt_ids = tokenizer([text[su] for su in unique], add_special_tokens=False)["input_ids"]
     n_prompt = dict(zip(unique, map(len, prompt_ids)))
-    f_ids = tokenizer([text[(s, u)] + a + eos for s, u, a in examples], add_special_tokens=False)["input_ids"]
+    full = [text[(s, u)] + a + eos for s, u, a in examples]
+    distinct = sorted(set(full))  # and repeat whole chats: tokenize each distinct text once
+    ids_of = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"]))
     out = []
-    for i, ((s, u, _), fi) in enumerate(zip(examples, f_ids)):
+    for i, ((s, u, _), fi) in enumerate(zip(examples, map(ids_of.__getitem__, full))):
         plen = n_prompt[(s, u)] if max_prompt_tokens is None else min(n_prompt[(s, u)], max_prompt_tokens)
         toks = np.asarray(fi if max_total_tokens is None else fi[:max_total_tokens], np.int32)
         if len(toks) <= plen:

@@ -43,6 +43,9 @@ def test_encoding_and_loss_mask_cover_completion_only(tok):
         prompt = tok_lib.encode(tok, tok_lib.chat_prompt(tok, s, u))
         assert e.prompt_len == len(prompt) and list(e.tokens[:e.prompt_len]) == prompt
         assert tok.decode(e.tokens[e.prompt_len:]) == a  # SPEC §1.7: prompt + completion, no EOS
+    repeated = lm_trainer.encode_chat_examples(tok, CHATS[::-1] + CHATS, append_eos=False)  # tokenized once each
+    for e, r in zip(enc[::-1] + enc, repeated):
+        assert r.prompt_len == e.prompt_len and r.tokens.tolist() == e.tokens.tolist()
     eos = lm_trainer.encode_chat_examples(tok, CHATS[:1], append_eos=True)[0]
     assert eos.tokens[-1] == tok.eos_token_id and len(eos.tokens) == len(enc[0].tokens) + 1
     cut = lm_trainer.encode_chat_examples(tok, CHATS[:1], append_eos=False, max_prompt_tokens=10,
