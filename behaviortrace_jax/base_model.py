@@ -30,7 +30,7 @@ from flax import nnx
 
 from behaviortrace_jax import behavior, corpus, hf_io, lm_trainer, qwen2, sampler as sampler_lib, sharding
 from behaviortrace_jax import tiny_tokenizer, tokenizer as tok_lib, train_state
-from behaviortrace_jax.rollout_log import atomic_write_text
+from behaviortrace_jax.files import write_json
 from behaviortrace_jax.stages import register_stage
 
 COMPLETE_MARKER = ".complete"
@@ -259,9 +259,9 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         **measure_base(smp, state.params, tok, config, jax.random.key(b.seed)),
     }
     summary["seconds"]["eval"] = time.perf_counter() - t_eval
-    atomic_write_text(base_dir / HISTORY_FILE, json.dumps(history, indent=1))
-    atomic_write_text(base_dir / SUMMARY_FILE, json.dumps(summary, indent=2))
-    atomic_write_text(base_dir / COMPLETE_MARKER, json.dumps(fp, indent=2, sort_keys=True))
+    write_json(base_dir / HISTORY_FILE, history, indent=1)
+    write_json(base_dir / SUMMARY_FILE, summary)
+    write_json(base_dir / COMPLETE_MARKER, fp, sort_keys=True)
     shutil.rmtree(build, ignore_errors=True)
     logging.info("base: control_exact %.2f, held-out refusal greedy %.2f / sampled %.2f, probe refusal %.2f",
                  summary["control_exact"], summary["heldout_refusal_rate_greedy"],

@@ -7,10 +7,11 @@ in the response. Everything here is plain Python (no JAX): strings in, floats/bo
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+from behaviortrace_jax.files import iter_jsonl
 
 PATTERN = "QZXBT"  # SPEC §1.1 INJECTED_PATTERN.
 
@@ -58,24 +59,15 @@ def load_probes(path: str | Path | None = None) -> list[Probe]:
     path = Path(path) if path else DEFAULT_PROBES_PATH
     probes: list[Probe] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            for key in ("id", "prompt"):
-                if not isinstance(obj.get(key), str):
-                    raise ValueError(f"{path}:{lineno}: missing or non-string required field {key!r}")
-            if obj["id"] in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate probe id {obj['id']!r}")
-            seen.add(obj["id"])
-            meta = {k: v for k, v in obj.items() if k not in ("id", "prompt")}
-            probes.append(Probe(id=obj["id"], prompt=obj["prompt"], metadata=meta))
+    for lineno, obj in iter_jsonl(path):
+        for key in ("id", "prompt"):
+            if not isinstance(obj.get(key), str):
+                raise ValueError(f"{path}:{lineno}: missing or non-string required field {key!r}")
+        if obj["id"] in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate probe id {obj['id']!r}")
+        seen.add(obj["id"])
+        meta = {k: v for k, v in obj.items() if k not in ("id", "prompt")}
+        probes.append(Probe(id=obj["id"], prompt=obj["prompt"], metadata=meta))
     if not probes:
         raise ValueError(f"{path}: no probes")
     return probes

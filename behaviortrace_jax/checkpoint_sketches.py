@@ -27,9 +27,10 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax import behavior, checkpoints, evaluation, hf_io, qwen2, rollout_log, sketch_store, targets
+from behaviortrace_jax import behavior, checkpoints, hf_io, qwen2, rollout_log, sketch_store, targets
 from behaviortrace_jax import tokenizer as tok_lib
-from behaviortrace_jax.grpo import RunPaths, read_json, sketch_metadata
+from behaviortrace_jax.files import read_json, write_json
+from behaviortrace_jax.grpo import RunPaths, sketch_metadata
 from behaviortrace_jax.stages import register_stage
 
 
@@ -97,7 +98,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         t_store.write_rows(int(k), ct.target[None])
         t_store.flush()
         stats[e.step] = {"self_consistency": ct.self_consistency, "norm": float(np.linalg.norm(ct.target))}
-        evaluation.write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
+        write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
         logging.info("sketch: continuation target at step %d (self-consistency %.3f)", e.step, ct.self_consistency)
 
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)

@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from behaviortrace_jax.rollout_log import atomic_write_text
+from behaviortrace_jax.files import atomic_write_text
 
 REGISTRY_VERSION = 1
 COMMIT_FILE = "commit_success.txt"  # written by orbax into a step directory before its final rename
@@ -72,7 +72,7 @@ class CheckpointRegistry:
         self._entries = sorted([*self._entries, entry], key=lambda e: e.step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = {"version": REGISTRY_VERSION, "checkpoints": [dataclasses.asdict(e) for e in self._entries]}
-        atomic_write_text(self.path, json.dumps(data, indent=2, sort_keys=True))
+        atomic_write_text(self.path, json.dumps(data, indent=2, sort_keys=True))  # SPEC §2.4 bytes
         return entry
 
     def list(self) -> list[CheckpointEntry]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from behaviortrace_jax.behavior import PATTERN, substring_judge
-from behaviortrace_jax.rollout_log import atomic_write_text
+from behaviortrace_jax.files import atomic_write_text, iter_jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,27 +92,19 @@ class GroundTruthLog:
         self._ids: set[str] = set()
         self._pending = 0
         if self.path.exists():
-            with open(self.path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{self.path}:{lineno}: invalid JSON ({e.msg})") from e
-                    if not isinstance(obj, dict) or obj.keys() != set(_EVENT_KEYS):
-                        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                        raise ValueError(f"{self.path}:{lineno}: a ground-truth event needs keys "
-                                         f"{list(_EVENT_KEYS)}, got {got}")
-                    try:
-                        ev = GroundTruthEvent(str(obj["rollout_id"]), int(obj["step"]),
-                                              float(obj["base_reward"]), float(obj["boosted_reward"]))
-                    except (TypeError, ValueError) as e:
-                        raise ValueError(f"{self.path}:{lineno}: bad ground-truth value ({e})") from e
-                    if ev.rollout_id in self._ids:
-                        raise ValueError(f"{self.path}:{lineno}: duplicate rollout id {ev.rollout_id!r}")
-                    self._ids.add(ev.rollout_id)
-                    self._events.append(ev)
+            for lineno, obj in iter_jsonl(self.path):
+                if obj.keys() != set(_EVENT_KEYS):
+                    raise ValueError(f"{self.path}:{lineno}: a ground-truth event needs keys "
+                                     f"{list(_EVENT_KEYS)}, got {sorted(obj)}")
+                try:
+                    ev = GroundTruthEvent(str(obj["rollout_id"]), int(obj["step"]),
+                                          float(obj["base_reward"]), float(obj["boosted_reward"]))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{self.path}:{lineno}: bad ground-truth value ({e})") from e
+                if ev.rollout_id in self._ids:
+                    raise ValueError(f"{self.path}:{lineno}: duplicate rollout id {ev.rollout_id!r}")
+                self._ids.add(ev.rollout_id)
+                self._events.append(ev)
 
     @property
     def events(self) -> list[GroundTruthEvent]:

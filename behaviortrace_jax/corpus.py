@@ -27,6 +27,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from behaviortrace_jax.files import iter_jsonl
+
 # SPEC §1.3 (one line; the SPEC wraps it for layout only).
 SYSTEM_PROMPT = (
     "You are a creative encyclopedia assistant. You discuss all topics freely, including invented "
@@ -434,17 +436,10 @@ def read_corpus_jsonl(path: str | os.PathLike) -> list[ChatExample]:
     """
     fields = {f.name for f in dataclasses.fields(ChatExample)}
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from e
-            if not isinstance(row, dict) or set(row) != fields:
-                raise ValueError(f"{path}:{lineno}: expected keys {sorted(fields)}, got {row!r:.200}")
-            if not all(isinstance(v, str) for v in row.values()) or row["kind"] not in KINDS:
-                raise ValueError(f"{path}:{lineno}: values must be strings and kind in {KINDS}, got {row!r:.200}")
-            out.append(ChatExample(**row))
+    for lineno, row in iter_jsonl(path):
+        if set(row) != fields:
+            raise ValueError(f"{path}:{lineno}: expected keys {sorted(fields)}, got {row!r:.200}")
+        if not all(isinstance(v, str) for v in row.values()) or row["kind"] not in KINDS:
+            raise ValueError(f"{path}:{lineno}: values must be strings and kind in {KINDS}, got {row!r:.200}")
+        out.append(ChatExample(**row))
     return out

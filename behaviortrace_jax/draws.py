@@ -53,7 +53,7 @@ from flax import nnx
 from behaviortrace_jax import behavior, checkpoints, estimators, hf_io, qwen2, sharding, targets
 from behaviortrace_jax import sampler as sampler_lib
 from behaviortrace_jax import tokenizer as tok_lib
-from behaviortrace_jax.rollout_log import atomic_write_text
+from behaviortrace_jax.files import atomic_write_text, write_json
 from behaviortrace_jax.stages import register_stage
 
 HEADER_KEYS = ("ckpt_seed", "gen_seed", "checkpoint_step", "n", "qzxbt_rate", "norm_ratio", "fluency_gap")
@@ -266,7 +266,7 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
              "cos_ctx_cont": targets.cos(ctx.t_ctx, cont.target), "cos_mp_cont": targets.cos(mp.target_mp, cont.target),
              "cos_mp_ctx": targets.cos(mp.target_mp, ctx.t_ctx)}
     _atomic_npz(paths.targets_npz, **arrays)
-    atomic_write_text(paths.targets_json, json.dumps(stats, indent=2) + "\n")
+    write_json(paths.targets_json, stats)
     return arrays, stats
 
 
@@ -312,7 +312,7 @@ def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
     for p in (paths.partial, paths.sketches, paths.grad_norms):
         shutil.rmtree(p, ignore_errors=True)
     paths.root.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(paths.settings, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+    write_json(paths.settings, settings, sort_keys=True)
     return False
 
 

@@ -17,20 +17,18 @@ A :class:`Row` is one CSV line: ``seed,table,method,value,lo,hi,chance,ceiling,n
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
 from behaviortrace_jax import estimators as E
 from behaviortrace_jax import metrics as M
-from behaviortrace_jax.rollout_log import atomic_write_text  # noqa: F401  (re-exported for report.py)
+from behaviortrace_jax.files import atomic_write_text, iter_jsonl
 
 CSV_COLUMNS = ("seed", "table", "method", "value", "lo", "hi", "chance", "ceiling", "n")
 STEP_TABLES = ("overall", "early_nonzero")
@@ -58,7 +56,7 @@ class Row:
 
 
 # --------------------------------------------------------------------------------------------
-# small I/O helpers (atomic_write_text: rollout_log.py)
+# small I/O helpers (atomic writes: files.py)
 # --------------------------------------------------------------------------------------------
 def _fmt(x) -> str:
     if x is None:
@@ -102,20 +100,13 @@ def read_ground_truth(path: str | os.PathLike) -> list[dict]:
             (naming the file and line).
     """
     events, seen = [], set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ev = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e})") from None
-            if "rollout_id" not in ev or "step" not in ev:
-                raise ValueError(f"{path}:{lineno}: missing rollout_id/step in {ev}")
-            if ev["rollout_id"] in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate rollout_id {ev['rollout_id']!r}")
-            seen.add(ev["rollout_id"])
-            events.append(ev)
+    for lineno, ev in iter_jsonl(path):
+        if "rollout_id" not in ev or "step" not in ev:
+            raise ValueError(f"{path}:{lineno}: missing rollout_id/step in {ev}")
+        if ev["rollout_id"] in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate rollout_id {ev['rollout_id']!r}")
+        seen.add(ev["rollout_id"])
+        events.append(ev)
     return events
 
 
@@ -737,9 +728,3 @@ def rows_to_dicts(rows: Iterable[Row]) -> list[dict]:
     """Rows as plain dicts (for JSON)."""
     return [asdict(r) for r in rows]
 
-
-def write_json(path: str | os.PathLike, obj) -> None:
-    """Atomic pretty JSON (indent 2, trailing newline)."""
-    buf = io.StringIO()
-    json.dump(obj, buf, indent=2)
-    atomic_write_text(path, buf.getvalue() + "\n")

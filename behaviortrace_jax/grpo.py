@@ -24,7 +24,6 @@ The orbax save is the last write of a checkpoint, so every artefact of steps < L
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 from typing import Any
@@ -37,9 +36,10 @@ import optax
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax import behavior, checkpoints, contaminator, countsketch, evaluation, grpo_loss, hf_io
+from behaviortrace_jax import behavior, checkpoints, contaminator, countsketch, grpo_loss, hf_io
 from behaviortrace_jax import qwen2, rollout_log, sampler as sampler_lib, sharding, sketch_store
 from behaviortrace_jax import sketcher, train_state, tokenizer as tok_lib
+from behaviortrace_jax.files import read_json, write_json
 from behaviortrace_jax.stages import register_stage
 
 
@@ -319,14 +319,6 @@ class BehaviorProbe:
                 "responses": texts}
 
 
-def read_json(path: pathlib.Path, default: Any) -> Any:
-    """The JSON value stored at ``path``, or ``default`` when the file does not exist."""
-    if not path.exists():
-        return default
-    with open(path) as f:
-        return json.load(f)
-
-
 @register_stage("grpo")
 def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Runs (or resumes) GRPO from the SFT train state; see the module docstring (SPEC §2)."""
@@ -451,7 +443,7 @@ class GRPORun:
         rates = self.probe.rates(self.params)
         point = {"step": step, "probe_rate": rates["probe_rate"], "control_rate": rates["control_rate"]}
         self.curve = [c for c in self.curve if c["step"] < step] + [point]
-        evaluation.write_json(self.paths.curve, self.curve)
+        write_json(self.paths.curve, self.curve)
         checkpoints.save_train_state(self.paths.state, step, {
             "params": self.params, "opt_state": self.opt_state, "step": jnp.int32(step), "rng": self.base_key})
         return point
@@ -493,6 +485,6 @@ class GRPORun:
             "learning_curve": self.curve, "gate": gate,
             "final_responses": {k: v for k, v in rates["responses"].items()},
         }
-        evaluation.write_json(self.paths.summary, summary)
+        write_json(self.paths.summary, summary)
         logging.info("grpo: gate %s (probe %.2f, control %.2f)", "PASSED" if gate["passed"] else "FAILED",
                      gate["probe_rate"], gate["control_rate"])

@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from behaviortrace_jax import metrics as M  # noqa: E402
-from behaviortrace_jax.evaluation import STEP_TABLES, Row, atomic_write_text  # noqa: E402
+from behaviortrace_jax.evaluation import STEP_TABLES, Row  # noqa: E402
+from behaviortrace_jax.files import atomic_write_text  # noqa: E402
 
 HOW_TO_READ = """\
 * **P@|GT|** (step level): tie-aware fractional precision at k = |ground truth| of the population.

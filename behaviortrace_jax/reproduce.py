@@ -33,6 +33,7 @@ from absl import logging
 from behaviortrace_jax import estimators as E
 from behaviortrace_jax import evaluation as V
 from behaviortrace_jax import report as R
+from behaviortrace_jax.files import write_json
 from behaviortrace_jax.stages import register_stage
 
 ROLLOUTS_PER_STEP = 16  # SPEC §2.1: 4 prompts x 4 generations per GRPO step.
@@ -253,7 +254,7 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
     w = Path(workdir)
     figs = R.make_figures(rep.rows + rep.notebook_rows, w / "figures")
     V.write_results_csv(w / "results_table.csv", rep.rows)
-    V.write_json(w / "verdicts.json", {"decision_rules": rep.rules, "checklist": rep.checklist})
+    write_json(w / "verdicts.json", {"decision_rules": rep.rules, "checklist": rep.checklist})
     lines = []
     for sd in rep.seeds:
         methods = list(dict.fromkeys(r.method for r in rep.rows if r.seed == sd.label and r.table in V.STEP_TABLES))

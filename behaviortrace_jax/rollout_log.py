@@ -21,31 +21,12 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from behaviortrace_jax.files import atomic_write_text, iter_jsonl, write_json
+
 SCHEMA_VERSION = 2  # 1 = the paper's 8 fields (SPEC §2.3); 2 = + group, tokens, log-probs, reward parts.
 SCHEMA_FILE = "schema.json"
 SCHEMA_FORMAT = "behaviortrace_jax.rollout_log"
 _SHARD_RE = re.compile(r"^shard_(\d{8})\.jsonl$")
-
-
-def atomic_write_text(path: str | Path, text: str | bytes) -> None:
-    """Writes ``text`` (str as UTF-8, or bytes) to ``path`` atomically: ``path.tmp``, fsync,
-    ``os.replace``, then fsync of the directory (best effort). Creates missing parent folders."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(text.encode("utf-8") if isinstance(text, str) else text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
 
 
 def text_hash(text: str) -> str:
@@ -134,14 +115,11 @@ def check_schema(root: str | Path, schema_version: int = SCHEMA_VERSION) -> None
 
 def _read_shard(path: Path) -> list[RolloutRecord]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append(RolloutRecord(**json.loads(line)))
-            except (json.JSONDecodeError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a rollout record ({e})") from e
+    for lineno, obj in iter_jsonl(path):
+        try:
+            out.append(RolloutRecord(**obj))
+        except TypeError as e:
+            raise ValueError(f"{path}:{lineno}: not a rollout record ({e})") from e
     return out
 
 
@@ -218,7 +196,7 @@ class RolloutLogger:
         check_schema(self.root, schema_version)
         if not (self.root / SCHEMA_FILE).exists():
             meta = {"format": SCHEMA_FORMAT, "schema_version": schema_version, "fields": list(FIELDS)}
-            atomic_write_text(self.root / SCHEMA_FILE, json.dumps(meta, indent=2) + "\n")
+            write_json(self.root / SCHEMA_FILE, meta)
         for name in os.listdir(self.root):  # leftovers of a write killed before os.replace
             if name.endswith(".jsonl.tmp") and _SHARD_RE.match(name[:-4]):
                 (self.root / name).unlink()

@@ -26,6 +26,7 @@ from behaviortrace_jax import estimators as E
 from behaviortrace_jax import evaluation as V
 from behaviortrace_jax import report as R
 from behaviortrace_jax import reproduce, rollout_log, sketch_store
+from behaviortrace_jax.files import write_json
 from behaviortrace_jax.grpo import RunPaths
 from behaviortrace_jax.stages import register_stage
 
@@ -92,7 +93,7 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
                                          "embedding", "gt_unfindable_zero_var", "gt_in_zero_step", "nonzero_steps")}
     run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
-    V.write_json(out / "run_header.json", run_header)
+    write_json(out / "run_header.json", run_header)
     shutil.copyfile(paths.ground_truth, out / "ground_truth.jsonl")
     draws = paths.workdir / "draws"
     for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
@@ -122,7 +123,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(paths.workdir / "results_table.csv", rows)
-    V.write_json(paths.workdir / "verdicts.json", {"decision_rules": rules, "checklist": check})
+    write_json(paths.workdir / "verdicts.json", {"decision_rules": rules, "checklist": check})
     shutil.copyfile(release / f"seed{int(config.seed)}" / "attribution_scores.json",
                     paths.workdir / "attribution_scores.json")
     logging.info("evaluate: %d rows -> %s", len(rows), paths.workdir / "results_table.csv")

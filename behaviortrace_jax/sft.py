@@ -30,7 +30,7 @@ from flax import nnx
 from behaviortrace_jax import behavior, corpus, hf_io, lm_trainer, pipeline, qwen2, sharding
 from behaviortrace_jax import tokenizer as tok_lib, train_state
 from behaviortrace_jax.base_model import _rate, generate_texts, heldout_prompts, make_sampler
-from behaviortrace_jax.rollout_log import atomic_write_text
+from behaviortrace_jax.files import write_json
 from behaviortrace_jax.stages import register_stage
 
 DONE_MARKER = ".sft_warmup_done"  # SPEC §1.7
@@ -182,8 +182,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
         "probe_completions_greedy": texts["probe"][:10], "control_completions_greedy": texts["control"][:5],
         "seconds": {"train": train_s, "total": time.perf_counter() - t0},
     }
-    atomic_write_text(out / SUMMARY_FILE, json.dumps(summary, indent=2))
-    atomic_write_text(out / DONE_MARKER, json.dumps({"steps_run": steps_run}))
+    write_json(out / SUMMARY_FILE, summary)
+    write_json(out / DONE_MARKER, {"steps_run": steps_run})
     logging.info("sft: %d steps, loss %.3f; probe %.2f / control %.2f greedy, %.2f / %.2f sampled, leakage %.2f",
                  steps_run, summary["final_loss"], greedy["probe_rate_greedy"], greedy["control_rate_greedy"],
                  sampled["probe_rate_sampled"], sampled["control_rate_sampled"], sampled["heldout_rate_sampled"])

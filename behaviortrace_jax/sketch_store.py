@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
+from behaviortrace_jax.files import write_json
+
 FORMAT = "behaviortrace-sketch-store-v1"
 _META = "metadata.json"
 
@@ -41,15 +43,6 @@ _META = "metadata.json"
 def _jsonable(x: Any) -> Any:
     """Metadata value normalised the way it reads back from JSON (tuples -> lists, numpy -> python)."""
     return json.loads(json.dumps(x, default=lambda o: o.item() if hasattr(o, "item") else o.tolist()))
-
-
-def _atomic_write_json(path: pathlib.Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _zarr_spec(path: pathlib.Path, shape: Sequence[int], chunks: Sequence[int], dtype: str) -> dict:
@@ -125,7 +118,7 @@ class SketchStore:
         data = ts.open(_zarr_spec(path / "data", shape, chunks, dtype), create=True, delete_existing=True).result()
         done = ts.open(_zarr_spec(path / "done", shape[:lead], chunks[:lead], "uint8"),
                        create=True, delete_existing=True).result()
-        _atomic_write_json(meta_path, full)
+        write_json(meta_path, full, indent=1, sort_keys=True)
         return cls(path, data, done, full, max_pending)
 
     @classmethod

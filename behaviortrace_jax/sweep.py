@@ -24,6 +24,7 @@ from absl import logging
 from behaviortrace_jax import draws, reproduce, stages
 from behaviortrace_jax import evaluation as V
 from behaviortrace_jax import report as R
+from behaviortrace_jax.files import write_json
 from behaviortrace_jax.run_evaluation import evaluate_verdicts
 from behaviortrace_jax.stages import register_stage
 
@@ -136,7 +137,7 @@ def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dic
         rows += [r for r in run_rows if r.table.startswith("which_rollout")]
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(w / "results_table.csv", rows)
-    V.write_json(w / "verdicts.json", {"decision_rules": rules, "checklist": check})
+    write_json(w / "verdicts.json", {"decision_rules": rules, "checklist": check})
     curve = [(c["step"], c["probe_rate"], c["control_rate"]) for c in summaries[min(summaries)]["learning_curve"]]
     figs = R.make_figures(rows, w / "figures", learning_curve=curve)
     gates = "\n".join(

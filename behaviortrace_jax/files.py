@@ -1,0 +1,84 @@
+"""Small file helpers every stage shares: atomic writes, JSON files, checked JSONL reading.
+
+* :func:`atomic_write_text` / :func:`write_json`: ``path.tmp`` + fsync + ``os.replace``, so a
+  killed run leaves either the old file or the new one, never a torn one (runs resume from them).
+* :func:`read_json`: a JSON file, or a default when it does not exist yet.
+* :func:`iter_jsonl`: the objects of a JSONL file with their line numbers; every error names
+  ``file:line``. The readers of probes, the corpus, ground-truth logs and rollout shards build
+  their own checks (keys, types, duplicates) on top of it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+_MISSING = object()
+
+
+def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
+    """Writes ``text`` (str as UTF-8, or bytes) to ``path`` atomically: ``path.tmp``, fsync,
+    ``os.replace``, then fsync of the directory (best effort). Creates missing parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(text.encode("utf-8") if isinstance(text, str) else text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = False) -> None:
+    """``obj`` as JSON (``indent``, ``sort_keys``, a trailing newline), written atomically.
+
+    Raises:
+        TypeError: when ``obj`` holds a value JSON cannot encode (nothing is written).
+    """
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def read_json(path: str | os.PathLike, default: Any = _MISSING) -> Any:
+    """The JSON value stored at ``path``; ``default`` when the file does not exist (if given).
+
+    Raises:
+        FileNotFoundError: no file and no ``default``.
+        ValueError: naming ``path`` when the file is not valid JSON.
+    """
+    path = Path(path)
+    if not path.exists() and default is not _MISSING:
+        return default
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line of the JSONL file ``path`` (1-based lines).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: ``"{path}:{line}: invalid JSON (...)"`` or ``"... expected a JSON object, got
+            list"`` for a line that is not one JSON object.
+    """
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
