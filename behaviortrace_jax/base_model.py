@@ -11,6 +11,8 @@ greedy and sampled, refusal rate on the frobnitz probes, which must vary for GRP
 The directory is complete when ``.complete`` exists (written last); it holds the fingerprint of
 every config value that shaped the model. A complete directory with the same fingerprint is
 reused; one with another fingerprint is an error (a different base model under the same workdir).
+Right after the export, ``.trained`` (the fingerprint, the training history and times) marks the
+weights as final: a run killed during the behaviour evaluation resumes there instead of retraining.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from flax import nnx
 
 from behaviortrace_jax import behavior, corpus, hf_io, lm_trainer, qwen2, sampler as sampler_lib, sharding
 from behaviortrace_jax import tiny_tokenizer, tokenizer as tok_lib, train_state
-from behaviortrace_jax.files import write_json
+from behaviortrace_jax.files import read_json, write_json
 from behaviortrace_jax.stages import register_stage
 
 COMPLETE_MARKER = ".complete"
+TRAINED_MARKER = ".trained"
 SUMMARY_FILE = "base_summary.json"
 HISTORY_FILE = "train_history.json"
 _PRESETS = ("tiny",)  # Qwen2Config class methods a base model may use
@@ -194,14 +197,19 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         if int(b[key]) < 1:
             raise ValueError(f"config.base.{key}={b[key]} must be >= 1")
     t_start = time.perf_counter()
+    trained = read_json(base_dir / TRAINED_MARKER, None)
+    resume = bool(trained) and trained.get("digest") == fp["digest"]
     build = base_dir.parent / (base_dir.name + ".build")
     shutil.rmtree(build, ignore_errors=True)
-    build.mkdir(parents=True)
 
-    # 1. corpus and tokenizer
+    # 1. corpus and tokenizer (the exported one when the weights are already final)
     examples = corpus.build_corpus(b.seed, b.corpus_size, n_terms=b.n_terms, n_heldout=b.n_heldout)
-    tiny_tokenizer.train_tokenizer(tiny_tokenizer.training_texts(examples), build / "tokenizer", b.vocab_size)
-    tok = tok_lib.load_tokenizer(build / "tokenizer")
+    if resume:
+        tok = tok_lib.load_tokenizer(base_dir)
+    else:
+        build.mkdir(parents=True)
+        tiny_tokenizer.train_tokenizer(tiny_tokenizer.training_texts(examples), build / "tokenizer", b.vocab_size)
+        tok = tok_lib.load_tokenizer(build / "tokenizer")
     cfg = model_config(config)
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens > config.base.vocab_size={cfg.vocab_size}")
@@ -213,8 +221,51 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
                  "data %.1f s", len(enc), int(np.mean([len(e.tokens) for e in enc])), max(len(e.tokens) for e in enc),
                  len(data.prefix), data.n_truncated, b.seq_len, data.buckets, time.perf_counter() - t_data)
 
-    # 2. model and training
+    # 2. the weights: trained and exported, or read back when a killed run had finished them
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    if resume:
+        logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
+        model = hf_io.load_hf_checkpoint(base_dir, param_dtype=config.model.param_dtype,
+                                         compute_dtype=config.model.compute_dtype)
+        graphdef, params = nnx.split(model, nnx.Param)
+        params = jax.device_put(params, sharding.param_shardings(params, mesh))
+        history, seconds = trained["history"], trained["seconds"]
+    else:
+        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, t_start)
+
+    # 3. behaviour of the exported model
+    tok = tok_lib.load_tokenizer(base_dir)
+    smp = make_sampler(graphdef, cfg, tok, mesh, b.eval_max_new_tokens)
+    t_eval = time.perf_counter()
+    summary = {
+        "n_params": qwen2.count_params(cfg), "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
+        "corpus": {"n_examples": len(examples),
+                   "kinds": {k: sum(e.kind == k for e in examples) for k in corpus.KINDS},
+                   "mean_tokens": float(np.mean([len(e.tokens) for e in enc])),
+                   "max_tokens": max(len(e.tokens) for e in enc), "shared_prefix_tokens": len(data.prefix),
+                   "batch_widths": list(data.buckets),
+                   "n_truncated": data.n_truncated},
+        "steps": b.steps, "final_loss": history[-1]["loss"] if history else float("nan"),
+        "seconds": dict(seconds),
+        **measure_base(smp, params, tok, config, jax.random.key(b.seed)),
+    }
+    summary["seconds"]["eval"] = time.perf_counter() - t_eval
+    write_json(base_dir / SUMMARY_FILE, summary)
+    write_json(base_dir / COMPLETE_MARKER, fp, sort_keys=True)
+    shutil.rmtree(build, ignore_errors=True)
+    logging.info("base: control_exact %.2f (any corpus variant %.2f), held-out refusal greedy %.2f / sampled %.2f, "
+                 "probe refusal %.2f", summary["control_exact"], summary["control_any_variant"],
+                 summary["heldout_refusal_rate_greedy"], summary["heldout_refusal_rate_sampled"],
+                 summary["probe_refusal_rate_sampled"])
+    return summary
+
+
+def _train_and_export(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, data: lm_trainer.PackedData,
+                      tok: Any, mesh: Any, base_dir: pathlib.Path, t_start: float
+                      ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
+    """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
+    ``.trained`` marker; returns (graphdef, trained params, history, seconds)."""
+    b = config.base
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(params=b.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     param_sh = sharding.param_shardings(params, mesh)
@@ -234,39 +285,18 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
                                  lr_schedule=schedule)
     train_s = time.perf_counter() - t_train
 
-    # 3. export (hf_io writes the directory atomically, replacing any partial one)
+    # export (hf_io writes the directory atomically, replacing any partial one), then mark it final
     eos = tok.convert_tokens_to_ids(tiny_tokenizer.IM_END)
     eot = tok.convert_tokens_to_ids(tiny_tokenizer.ENDOFTEXT)
     hf_io.save_hf_checkpoint(state.params, cfg, base_dir, tokenizer=tok,
                              generation_config={"eos_token_id": [eos, eot], "pad_token_id": eot})
-    export_s = time.perf_counter() - t_start
-    logging.info("base: checkpoint written to %s after %.1f s (training %.1f s)", base_dir, export_s, train_s)
-
-    # 4. behaviour of the exported model
-    tok = tok_lib.load_tokenizer(base_dir)
-    smp = make_sampler(graphdef, cfg, tok, mesh, b.eval_max_new_tokens)
-    t_eval = time.perf_counter()
-    summary = {
-        "n_params": qwen2.count_params(cfg), "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
-        "corpus": {"n_examples": len(examples),
-                   "kinds": {k: sum(e.kind == k for e in examples) for k in corpus.KINDS},
-                   "mean_tokens": float(np.mean([len(e.tokens) for e in enc])),
-                   "max_tokens": max(len(e.tokens) for e in enc), "shared_prefix_tokens": len(data.prefix),
-                   "batch_widths": list(data.buckets),
-                   "n_truncated": data.n_truncated},
-        "steps": b.steps, "final_loss": history[-1]["loss"] if history else float("nan"),
-        "seconds": {"to_checkpoint": export_s, "train": train_s},
-        **measure_base(smp, state.params, tok, config, jax.random.key(b.seed)),
-    }
-    summary["seconds"]["eval"] = time.perf_counter() - t_eval
+    seconds = {"to_checkpoint": time.perf_counter() - t_start, "train": train_s}
     write_json(base_dir / HISTORY_FILE, history, indent=1)
-    write_json(base_dir / SUMMARY_FILE, summary)
-    write_json(base_dir / COMPLETE_MARKER, fp, sort_keys=True)
-    shutil.rmtree(build, ignore_errors=True)
-    logging.info("base: control_exact %.2f, held-out refusal greedy %.2f / sampled %.2f, probe refusal %.2f",
-                 summary["control_exact"], summary["heldout_refusal_rate_greedy"],
-                 summary["heldout_refusal_rate_sampled"], summary["probe_refusal_rate_sampled"])
-    return summary
+    write_json(base_dir / TRAINED_MARKER, {**fingerprint(config), "history": history, "seconds": seconds},
+               sort_keys=True)
+    logging.info("base: checkpoint written to %s after %.1f s (training %.1f s)", base_dir, seconds["to_checkpoint"],
+                 train_s)
+    return graphdef, state.params, history, seconds
 
 
 @register_stage("base")

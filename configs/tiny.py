@@ -1,6 +1,6 @@
 """The embedded default: the whole harness at tiny scale on a 2-core CPU.
 
-    python main.py --config=configs/tiny.py --workdir=/tmp/bt_tiny
+    python main.py --config=configs/tiny.py --workdir=runs/tiny
 
 Builds its own tiny Qwen2 instruct model (no download), plants the behaviour with SFT, runs
 200 GRPO steps (4 prompts x G=4; the bonus window is steps 0-39, the paper's 1:5 ratio), sketches

@@ -77,6 +77,26 @@ def test_rerun_reuses_and_a_changed_config_is_an_error(built, monkeypatch):
         base_model.build_base_model(other, base_dir)
 
 
+def test_a_run_killed_after_the_export_evaluates_without_retraining(built, tmp_path, monkeypatch):
+    _, summary = built
+    base_dir = tmp_path / "base"
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed during the behaviour evaluation")
+
+    with monkeypatch.context() as m:
+        m.setattr(base_model, "measure_base", killed)
+        with pytest.raises(KeyboardInterrupt):
+            base_model.build_base_model(small_config(), base_dir)
+    assert (base_dir / base_model.TRAINED_MARKER).is_file() and not base_model.is_complete(base_dir)
+    weights = (base_dir / "model.safetensors").read_bytes()
+    monkeypatch.setattr(lm_trainer.LMTrainer, "fit", lambda *a, **k: pytest.fail("retrained final weights"))
+    resumed = base_model.build_base_model(small_config(), base_dir)
+    assert base_model.is_complete(base_dir) and (base_dir / "model.safetensors").read_bytes() == weights
+    drop = lambda d: {k: v for k, v in d.items() if k != "seconds"}  # noqa: E731
+    assert drop(resumed) == drop(summary)  # the same weights give the same summary
+
+
 def test_stage_skips_when_hf_dir_is_given(tmp_path):
     c = small_config()
     c.model.hf_dir = str(tmp_path / "elsewhere")
