@@ -11,7 +11,7 @@ import sys
 # step in page faults; these settings keep them on the heap. They only act at process start, so the
 # entry point re-executes itself once with them (set BEHAVIORTRACE_MALLOC_TUNING=0 to skip). With one
 # malloc arena, the `tokenizers` library's worker threads contend for it and tokenize ~1.7x slower
-# than one thread does, so its parallelism is off too (the base stage's data: 27 s -> 14 s).
+# than one thread does, so its parallelism is off too (base data 22.5 s -> 13.2 s, bench/bench_base_data.py).
 _CPU_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967295", "MALLOC_ARENA_MAX": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 if (os.environ.get("BEHAVIORTRACE_MALLOC_TUNING", "1") != "0" and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu"

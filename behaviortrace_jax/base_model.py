@@ -11,7 +11,7 @@ greedy and sampled, refusal rate on the frobnitz probes, which must vary for GRP
 The directory is complete when ``.complete`` exists (written last); it holds the fingerprint of
 every config value that shaped the model. A complete directory with the same fingerprint is
 reused; one with another fingerprint is an error (a different base model under the same workdir).
-Right after the export, ``.trained`` (the fingerprint, the training history and times) marks the
+Right after the export, ``.trained`` (the fingerprint and the training times) marks the
 weights as final: a run killed during the behaviour evaluation resumes there instead of retraining.
 """
 from __future__ import annotations
@@ -185,13 +185,13 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     base_dir = pathlib.Path(base_dir)
     fp = fingerprint(config)
     if is_complete(base_dir):
-        done = json.loads((base_dir / COMPLETE_MARKER).read_text())
+        done = read_json(base_dir / COMPLETE_MARKER)
         if done.get("digest") != fp["digest"]:
             raise ValueError(f"{base_dir} holds a base model built from another config (fingerprint "
                              f"{done.get('digest', '?')[:12]} vs {fp['digest'][:12]}); use another workdir "
                              f"or delete {base_dir}")
         logging.info("base: reusing the complete base model in %s", base_dir)
-        return json.loads((base_dir / SUMMARY_FILE).read_text())
+        return read_json(base_dir / SUMMARY_FILE)
     b = config.base
     for key in ("corpus_size", "steps", "batch_size", "seq_len", "vocab_size", "num_layers"):
         if int(b[key]) < 1:
@@ -229,12 +229,12 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
                                          compute_dtype=config.model.compute_dtype)
         graphdef, params = nnx.split(model, nnx.Param)
         params = jax.device_put(params, sharding.param_shardings(params, mesh))
-        history, seconds = trained["history"], trained["seconds"]
+        history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
-        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, t_start)
+        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, fp, t_start)
+        tok = tok_lib.load_tokenizer(base_dir)  # evaluate what was exported
 
     # 3. behaviour of the exported model
-    tok = tok_lib.load_tokenizer(base_dir)
     smp = make_sampler(graphdef, cfg, tok, mesh, b.eval_max_new_tokens)
     t_eval = time.perf_counter()
     summary = {
@@ -261,10 +261,11 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
 
 
 def _train_and_export(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, data: lm_trainer.PackedData,
-                      tok: Any, mesh: Any, base_dir: pathlib.Path, t_start: float
+                      tok: Any, mesh: Any, base_dir: pathlib.Path, fp: dict[str, Any], t_start: float
                       ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
     """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
-    ``.trained`` marker; returns (graphdef, trained params, history, seconds)."""
+    ``.trained`` marker (fingerprint ``fp`` and times); returns (graphdef, trained params, history,
+    seconds since ``t_start`` to the export and of the training)."""
     b = config.base
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(params=b.seed))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -292,8 +293,7 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config,
                              generation_config={"eos_token_id": [eos, eot], "pad_token_id": eot})
     seconds = {"to_checkpoint": time.perf_counter() - t_start, "train": train_s}
     write_json(base_dir / HISTORY_FILE, history, indent=1)
-    write_json(base_dir / TRAINED_MARKER, {**fingerprint(config), "history": history, "seconds": seconds},
-               sort_keys=True)
+    write_json(base_dir / TRAINED_MARKER, {**fp, "seconds": seconds}, sort_keys=True)
     logging.info("base: checkpoint written to %s after %.1f s (training %.1f s)", base_dir, seconds["to_checkpoint"],
                  train_s)
     return graphdef, state.params, history, seconds

@@ -95,7 +95,7 @@ def encode_chat_examples(tokenizer: Any, examples: Sequence[tuple[str, str, str]
     prompt_ids = tokenizer([text[su] for su in unique], add_special_tokens=False)["input_ids"]
     n_prompt = dict(zip(unique, map(len, prompt_ids)))
     full = [text[(s, u)] + a + eos for s, u, a in examples]
-    distinct = sorted(set(full))  # and repeat whole chats: tokenize each distinct text once
+    distinct = list(dict.fromkeys(full))  # corpora repeat whole chats too: tokenize each text once
     ids_of = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"]))
     out = []
     for i, ((s, u, _), fi) in enumerate(zip(examples, map(ids_of.__getitem__, full))):
