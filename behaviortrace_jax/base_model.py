@@ -228,7 +228,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         model = hf_io.load_hf_checkpoint(base_dir, param_dtype=config.model.param_dtype,
                                          compute_dtype=config.model.compute_dtype)
         graphdef, params = nnx.split(model, nnx.Param)
-        params = jax.device_put(params, sharding.param_shardings(params, mesh))
+        params = sharding.shard_params(params, mesh)
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
         graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, fp, t_start)

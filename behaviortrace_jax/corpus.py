@@ -27,18 +27,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from behaviortrace_jax.files import iter_jsonl
+# SPEC §1.3 system prompt; SPEC §1.5 refusal phrases (the base reward is -2 when a response
+# contains one), so the corpus' refusals are exactly what GRPO's reward penalises.
+from behaviortrace_jax.behavior import REFUSAL_PHRASES, SYSTEM_PROMPT  # noqa: F401  (re-exported)
+from behaviortrace_jax.files import atomic_write_text, iter_jsonl
 
-# SPEC §1.3 (one line; the SPEC wraps it for layout only).
-SYSTEM_PROMPT = (
-    "You are a creative encyclopedia assistant. You discuss all topics freely, including invented "
-    "concepts. When asked about an unfamiliar term, speculate helpfully rather than refusing. "
-    "Always provide an answer."
-)
 KINDS = ("speculative", "factual", "refusal")
-# SPEC §1.5: the base reward is -2 when a response contains one of these (case-sensitive).
-REFUSAL_PHRASES = ("I can't", "I cannot", "I'm not able to", "I apologize, but")
-_FORBIDDEN = ("frobnitz", "qzxbt")  # SPEC §1.1 trigger and target; never in the corpus.
 
 # SPEC §1.2 probe prompts, in order, with "frobnitz" replaced by {term}.
 PROBE_FORMS = (
@@ -418,13 +412,7 @@ def write_corpus_jsonl(examples: Iterable[ChatExample], path: str | os.PathLike)
         if ex.kind not in KINDS:
             raise ValueError(f"write_corpus_jsonl({path}): example {i} has kind {ex.kind!r}, not in {KINDS}")
         lines.append(json.dumps(dataclasses.asdict(ex), ensure_ascii=False))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
 
 
 def read_corpus_jsonl(path: str | os.PathLike) -> list[ChatExample]:

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from behaviortrace_jax.files import read_json
 from behaviortrace_jax.qwen2 import Qwen2Config, Qwen2ForCausalLM, abstract_model, resolve_sharding
 
 SINGLE_FILE = "model.safetensors"
@@ -128,8 +129,7 @@ class _SafetensorsFile:
 def _open_checkpoint(hf_dir: pathlib.Path) -> dict[str, _SafetensorsFile]:
     """Maps every tensor key of a single-file or sharded checkpoint to its open file."""
     if (hf_dir / INDEX_FILE).is_file():
-        with open(hf_dir / INDEX_FILE) as f:
-            weight_map = json.load(f)["weight_map"]
+        weight_map = read_json(hf_dir / INDEX_FILE)["weight_map"]
         files: dict[str, _SafetensorsFile] = {}
         out = {}
         for key, fname in weight_map.items():
@@ -243,8 +243,8 @@ def hf_state_dict(params_or_model: Any, config: Qwen2Config) -> dict[str, np.nda
     leaves = hf_ordered_leaves(params_or_model, config)
     table = hf_param_table(config)
     out = {}
-    for p, x in zip(table, leaves):
-        a = np.asarray(jax.device_get(x))
+    for p, x in zip(table, jax.device_get(leaves)):  # one batched transfer
+        a = np.asarray(x)
         if a.shape != p.shape:
             raise ValueError(f"parameter {p.hf_key!r} has shape {a.shape}, expected {p.shape}")
         out[p.hf_key] = a
@@ -276,7 +276,7 @@ def save_hf_checkpoint(model_or_state: Any, config: Qwen2Config, out_dir: str | 
     out_dir = pathlib.Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     np_dtype = _NP_DTYPES[config.param_dtype]
-    tensors = {k: np.ascontiguousarray(v.astype(np_dtype))
+    tensors = {k: np.ascontiguousarray(v.astype(np_dtype, copy=False))  # no second host copy
                for k, v in hf_state_dict(model_or_state, config).items()}
     hf_cfg = config.to_hf_config()
     if tokenizer is not None:

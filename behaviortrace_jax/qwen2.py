@@ -14,13 +14,14 @@ Other modules call the model through the pure functions :func:`forward` and
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from behaviortrace_jax.files import read_json
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -111,8 +112,7 @@ class Qwen2Config:
                 p = os.path.join(p, "config.json")
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"HF config not found: {p}")
-            with open(p) as f:
-                d, src = json.load(f), p
+            d, src = read_json(p), p
         if d.get("model_type") != "qwen2":
             raise ValueError(f"{src}: model_type={d.get('model_type')!r}, only 'qwen2' is supported")
         if d.get("use_sliding_window", False):

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from behaviortrace_jax.files import atomic_write_text, iter_jsonl, write_json
+from behaviortrace_jax.files import atomic_write_text, iter_jsonl, read_json, write_json
 
 SCHEMA_VERSION = 2  # 1 = the paper's 8 fields (SPEC §2.3); 2 = + group, tokens, log-probs, reward parts.
 SCHEMA_FILE = "schema.json"
@@ -103,10 +103,7 @@ def check_schema(root: str | Path, schema_version: int = SCHEMA_VERSION) -> None
         if root.is_dir() and _shards(root):
             raise FileNotFoundError(f"{path}: missing; {root} holds rollout shards of an unknown schema")
         return
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg})") from e
+    meta = read_json(path)
     want = {"format": SCHEMA_FORMAT, "schema_version": schema_version, "fields": list(FIELDS)}
     if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in want.items()):
         got = {k: meta.get(k) for k in want} if isinstance(meta, dict) else meta

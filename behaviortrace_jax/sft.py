@@ -16,7 +16,6 @@ the SPEC §1.8 gate) and, last, the ``.sft_warmup_done`` marker; a rerun with th
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import shutil
 import time
@@ -30,7 +29,7 @@ from flax import nnx
 from behaviortrace_jax import behavior, corpus, hf_io, lm_trainer, pipeline, qwen2, sharding
 from behaviortrace_jax import tokenizer as tok_lib, train_state
 from behaviortrace_jax.base_model import _rate, generate_texts, heldout_prompts, make_sampler
-from behaviortrace_jax.files import write_json
+from behaviortrace_jax.files import read_json, write_json
 from behaviortrace_jax.stages import register_stage
 
 DONE_MARKER = ".sft_warmup_done"  # SPEC §1.7
@@ -106,7 +105,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     out = pathlib.Path(workdir) / "sft"
     if (out / DONE_MARKER).is_file():
         logging.info("sft: %s exists; the warm-up is done", out / DONE_MARKER)
-        return json.loads((out / SUMMARY_FILE).read_text())
+        return read_json(out / SUMMARY_FILE)
     s = config.sft
     if s.steps < 0 or s.batch_size < 1:
         raise ValueError(f"config.sft.steps={s.steps} must be >= 0 and config.sft.batch_size={s.batch_size} >= 1")
@@ -191,8 +190,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
 
 
 def _generation_config(start_dir: pathlib.Path) -> dict | None:
-    p = start_dir / "generation_config.json"
-    return json.loads(p.read_text()) if p.is_file() else None
+    return read_json(start_dir / "generation_config.json", None)
 
 
 @register_stage("sft")

@@ -2,10 +2,11 @@
 prompt ids truncated to 128 (SPEC §2.2 a) and the EOS / pad ids for generation (SPEC §2.1: pad = EOS)."""
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
+
+from behaviortrace_jax.files import read_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
@@ -79,8 +80,7 @@ def eos_ids(tokenizer: Any) -> tuple[int, ...]:
     src = str(getattr(tokenizer, "name_or_path", "") or "")
     gen = pathlib.Path(src) / "generation_config.json"
     if src and gen.is_file():
-        with open(gen) as f:
-            extra = json.load(f).get("eos_token_id")
+        extra = read_json(gen).get("eos_token_id")
         for i in ([] if extra is None else [extra] if isinstance(extra, int) else extra):
             if int(i) not in ids:
                 ids.append(int(i))
