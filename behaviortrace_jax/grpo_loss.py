@@ -118,11 +118,13 @@ def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
 
 @register_loss("grpo_clip")
 def grpo_clip_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
-    """DeepSeekMath GRPO: clipped ratio + k3 KL to the initial policy; float32 [N] terms."""
+    """DeepSeekMath GRPO: clipped ratio + k3 KL to the initial policy; float32 [N] terms, each
+    divided by the batch size ``G * B`` (not by the rows passed in: the step evaluates one rollout's
+    term at a time for its in-run sketch, and the terms must add up to the batch loss)."""
     ratio = jnp.exp(inp.logprobs - inp.old_logprobs)
     adv = inp.advantages[:, None]
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
     log_r = inp.ref_logprobs - inp.logprobs
     kl = jnp.exp(log_r) - log_r - 1.0
     per_token = -(surrogate - cfg.kl_beta * kl)
-    return masked_mean(per_token, inp.mask) / inp.logprobs.shape[0]
+    return masked_mean(per_token, inp.mask) / (inp.group_size * inp.num_prompts)

@@ -173,6 +173,16 @@ def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
     np.testing.assert_allclose(total, np.asarray(want), rtol=2e-4, atol=1e-6)
 
 
+def test_grpo_clip_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
+    """The same linearity under grpo_clip (each rollout's term is scaled by the batch size)."""
+    cfg, graphdef, params, opt_state, step = _setup(_single_mesh(), loss="grpo_clip", dim=512)
+    ref = jax.tree.map(jnp.copy, params)
+    _, _, out = step(params, opt_state, _batch(seed=3), ref)
+    total = np.asarray(out["rollout_sketches"]).sum(0)
+    scale = 1.0 / max(float(out["grad_norm"]), 1.0)
+    np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * scale, rtol=2e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("loss", ["paper", "grpo_clip"])
 def test_sharded_step_equals_single_device(loss):
     batch = _batch(seed=5)
