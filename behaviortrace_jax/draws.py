@@ -50,10 +50,10 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax import behavior, checkpoints, estimators, hf_io, qwen2, sharding, targets
+from behaviortrace_jax import behavior, checkpoints, estimators, hf_io, qwen2, sharding, sketch_store, targets
 from behaviortrace_jax import sampler as sampler_lib
 from behaviortrace_jax import tokenizer as tok_lib
-from behaviortrace_jax.files import atomic_write_text, write_json
+from behaviortrace_jax.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.stages import register_stage
 
 HEADER_KEYS = ("ckpt_seed", "gen_seed", "checkpoint_step", "n", "qzxbt_rate", "norm_ratio", "fluency_gap")
@@ -190,15 +190,9 @@ def token_level_text(vs_cont: list[float], vs_ctx: list[float], cos_full: list[f
 
 
 def _atomic_npz(path: pathlib.Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, buf.getvalue())
 
 
 def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -248,7 +242,7 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
              ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Computes (or reloads) the targets of the draw: (arrays, statistics)."""
     if paths.targets_npz.exists() and paths.targets_json.exists():
-        return _load_npz(paths.targets_npz), json.loads(paths.targets_json.read_text())
+        return _load_npz(paths.targets_npz), read_json(paths.targets_json)
     probes = _probes(config)
     cont = targets.continuation_target(env.sketcher, env.params, env.tokenizer, probes)
     mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer)
@@ -299,7 +293,7 @@ def _repeat(config: ml_collections.ConfigDict, env: _Env, rep: int, key: jax.Arr
 def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
     """True if the draw is complete with ``settings``; clears stale partial state; raises on a
     complete draw made with other settings."""
-    old = json.loads(paths.settings.read_text()) if paths.settings.exists() else None
+    old = read_json(paths.settings, None)
     complete = paths.rows.exists() and paths.token_level.exists()
     if old == settings:
         return complete
@@ -319,7 +313,7 @@ def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
 def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPaths, cat: dict[str, np.ndarray],
                    settings: dict[str, Any]) -> None:
     """Writes the draw's sketches / grad norms (sketch_store, one chunk per repeat) and rollouts."""
-    from behaviortrace_jax import grpo, sketch_store
+    from behaviortrace_jax import grpo
 
     rows_per_rep = len(cat["groups"]) // int(config.draws.n_repeats)
     for path, arr, kind in ((paths.sketches, cat["sketches"], "draw_sketches"),
@@ -331,14 +325,6 @@ def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPath
         store.flush()
     _atomic_npz(paths.rollouts, tokens=cat["tokens"], lengths=cat["lengths"], groups=cat["groups"],
                 has_qzxbt=cat["has_qzxbt"], fluency=cat["fluency"])
-
-
-def _open_store(path: pathlib.Path) -> np.ndarray:
-    from behaviortrace_jax import sketch_store
-
-    meta = json.loads((path / "metadata.json").read_text())
-    extra = {k: v for k, v in meta.items() if k not in ("format", "shape", "chunk_rows")}
-    return sketch_store.SketchStore.open_or_create(path, meta["shape"], meta["chunk_rows"], extra).read()
 
 
 def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int | None = None,
@@ -361,10 +347,11 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
         if not p.exists():
             raise FileNotFoundError(f"draw file not found: {p}")
     out: dict[str, Any] = dict(_load_npz(paths.rollouts))
-    out["sketches"], out["grad_norms"] = _open_store(paths.sketches), _open_store(paths.grad_norms)
+    out["sketches"] = sketch_store.SketchStore.open(paths.sketches).read()
+    out["grad_norms"] = sketch_store.SketchStore.open(paths.grad_norms).read()
     out["targets"] = _load_npz(paths.targets_npz)
-    out["target_stats"] = json.loads(paths.targets_json.read_text())
-    out["settings"] = json.loads(paths.settings.read_text())
+    out["target_stats"] = read_json(paths.targets_json)
+    out["settings"] = read_json(paths.settings)
     return out
 
 

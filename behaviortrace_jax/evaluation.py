@@ -22,13 +22,13 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from behaviortrace_jax import estimators as E
 from behaviortrace_jax import metrics as M
-from behaviortrace_jax.files import atomic_write_text, iter_jsonl
+from behaviortrace_jax.files import atomic_write_text, iter_jsonl, read_json
 
 CSV_COLUMNS = ("seed", "table", "method", "value", "lo", "hi", "chance", "ceiling", "n")
 STEP_TABLES = ("overall", "early_nonzero")
@@ -378,19 +378,13 @@ def read_mp_rows(path: str | os.PathLike) -> tuple[dict, list[dict]]:
     Raises:
         ValueError: not an object with ``rows``, or ``n`` != len(rows).
     """
-    with open(path, encoding="utf-8") as f:
-        d = json.load(f)
+    d = read_json(path)
     if not isinstance(d, dict) or not isinstance(d.get("rows"), list):
         raise ValueError(f"{path}: expected an object with a 'rows' list")
     rows = d.pop("rows")
     if "n" in d and d["n"] != len(rows):
         raise ValueError(f"{path}: n={d['n']} but {len(rows)} rows")
     return d, rows
-
-
-def mp_rows_json(header: Mapping, rows: Sequence[Mapping]) -> str:
-    """The §7.3 file text: header keys then ``rows``, default separators, no trailing newline."""
-    return json.dumps(dict(header, rows=list(rows)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,8 +470,7 @@ def read_attribution_scores(path: str | os.PathLike) -> ScoreFile:
     Raises:
         ValueError: missing keys, unknown/missing rollout ids or NaN in a method (naming it).
     """
-    with open(path, encoding="utf-8") as f:
-        d = json.load(f)
+    d = read_json(path)
     for key in ("rollout_steps", "methods"):
         if key not in d:
             raise ValueError(f"{path}: missing key {key!r}")
@@ -722,9 +715,3 @@ def checklist(rows: Sequence[Row], *, gt_sizes: Mapping[str, int] | None = None,
                        ", ".join(f"{k} = {preregistered.get(k, 'MISSING')}" for k in keys)
                        if preregistered is not None else "none given"))
     return out
-
-
-def rows_to_dicts(rows: Iterable[Row]) -> list[dict]:
-    """Rows as plain dicts (for JSON)."""
-    return [asdict(r) for r in rows]
-

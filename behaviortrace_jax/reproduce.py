@@ -20,7 +20,6 @@ workdir. Everything is computed before anything is written.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from absl import logging
 from behaviortrace_jax import estimators as E
 from behaviortrace_jax import evaluation as V
 from behaviortrace_jax import report as R
-from behaviortrace_jax.files import write_json
+from behaviortrace_jax.files import read_json, write_json
 from behaviortrace_jax.stages import register_stage
 
 ROLLOUTS_PER_STEP = 16  # SPEC §2.1: 4 prompts x 4 generations per GRPO step.
@@ -89,7 +88,7 @@ def load_seed(d: Path, per_step: int = ROLLOUTS_PER_STEP) -> SeedData:
     for p in (hp, gp):
         if not p.is_file():
             raise ValueError(f"{d}: missing {p.name}")
-    header = json.loads(hp.read_text())
+    header = read_json(hp)
     seed = int(d.name[4:])
     if int(header.get("seed", seed)) != seed:
         raise ValueError(f"{hp}: seed {header['seed']} != folder {d.name}")
@@ -168,7 +167,7 @@ def _order_step_rows(rows: list[V.Row]) -> list[V.Row]:
 def token_level_rows(label: str, path: Path) -> list[V.Row]:
     """Means of the §7.4 lists -> rows ``token_level`` (temperature 0.9) or ``token_level_temp{T}``."""
     temp = TOKEN_FILE.search(path.name).group(1)
-    d = json.loads(path.read_text())
+    d = read_json(path)
     table = "token_level" if temp == "0.9" else f"token_level_temp{temp}"
     out = []
     for key in ("vs_cont", "vs_ctx", "cos_full"):
@@ -182,7 +181,7 @@ def token_level_rows(label: str, path: Path) -> list[V.Row]:
 def notebook_rows(path: Path) -> list[V.Row]:
     """rollout_seed01.json (§7.5) -> rows tables ``mp_residualized_notebook``,
     ``mp_matched_notebook`` and ``mp_raw_notebook`` (fluency), values [pt, lo, hi]."""
-    d = json.loads(path.read_text())
+    d = read_json(path)
     out = []
     for key, block in d.items():
         m = re.fullmatch(r"seed(\d+)", key)

@@ -26,7 +26,7 @@ from behaviortrace_jax import estimators as E
 from behaviortrace_jax import evaluation as V
 from behaviortrace_jax import report as R
 from behaviortrace_jax import reproduce, rollout_log, sketch_store
-from behaviortrace_jax.files import write_json
+from behaviortrace_jax.files import read_json, write_json
 from behaviortrace_jax.grpo import RunPaths
 from behaviortrace_jax.stages import register_stage
 
@@ -89,8 +89,7 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
     out.mkdir(parents=True)
     V.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
-    run_header = {k: header[k] for k in ("run_name", "seed", "gt_size", "n_rollouts", "late_early_norm_ratio",
-                                         "embedding", "gt_unfindable_zero_var", "gt_in_zero_step", "nonzero_steps")}
+    run_header = {k: header[k] for k in V.SCORE_FILE_KEYS}
     run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
     write_json(out / "run_header.json", run_header)
@@ -179,7 +178,8 @@ def evaluate_verdicts(rows: list[V.Row], rep: reproduce.Reproduction,
     return rules, check
 
 
-def _learning_curve(summary: dict) -> list[tuple[float, float, float]]:
+def learning_curve(summary: dict) -> list[tuple[float, float, float]]:
+    """(step, probe rate, control rate) points of a GRPO ``summary.json`` (empty without a curve)."""
     return [(c["step"], c["probe_rate"], c["control_rate"]) for c in summary.get("learning_curve", [])]
 
 
@@ -205,9 +205,9 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
     w = pathlib.Path(workdir)
     rows = V.read_results_csv(w / "results_table.csv")
-    verdicts = json.loads((w / "verdicts.json").read_text())
-    summary = json.loads((w / "grpo" / "summary.json").read_text())
-    figs = R.make_figures(rows, w / "figures", learning_curve=_learning_curve(summary))
+    verdicts = read_json(w / "verdicts.json")
+    summary = read_json(w / "grpo" / "summary.json")
+    figs = R.make_figures(rows, w / "figures", learning_curve=learning_curve(summary))
     R.write_report(w / "report.md", rows, title=f"BehaviorTrace-JAX: {config.run_name}",
                    intro=run_intro(config, summary), rules=verdicts["decision_rules"],
                    checklist=verdicts["checklist"], figures=figs)

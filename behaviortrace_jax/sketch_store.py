@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
-from behaviortrace_jax.files import write_json
+from behaviortrace_jax.files import read_json, write_json
 
 FORMAT = "behaviortrace-sketch-store-v1"
 _META = "metadata.json"
@@ -99,27 +99,24 @@ class SketchStore:
         full = _jsonable({**metadata, "format": FORMAT, "shape": list(shape), "chunk_rows": int(chunk_rows),
                           "dtype": dtype})
         meta_path = path / _META
+        lead = 2 if len(shape) == 3 else 1
+        chunks = cls._chunks(shape, chunk_rows)
         if meta_path.exists():
-            with open(meta_path) as f:
-                stored = json.load(f)
+            stored = read_json(meta_path)
             for key in sorted(set(full) | set(stored)):
                 if full.get(key, "<absent>") != stored.get(key, "<absent>"):
                     raise ValueError(f"{meta_path}: metadata key {key!r} is {stored.get(key, '<absent>')!r} "
                                      f"in the store but {full.get(key, '<absent>')!r} was requested")
-            data = ts.open(_zarr_spec(path / "data", shape, cls._chunks(shape, chunk_rows), dtype),
-                           open=True).result()
-            done = ts.open(_zarr_spec(path / "done", shape[:2 if len(shape) == 3 else 1],
-                                      cls._chunks(shape, chunk_rows)[:2 if len(shape) == 3 else 1], "uint8"),
-                           open=True).result()
-            return cls(path, data, done, stored, max_pending)
-        path.mkdir(parents=True, exist_ok=True)  # no metadata.json: a fresh (or never finished) store
-        lead = 2 if len(shape) == 3 else 1
-        chunks = cls._chunks(shape, chunk_rows)
-        data = ts.open(_zarr_spec(path / "data", shape, chunks, dtype), create=True, delete_existing=True).result()
-        done = ts.open(_zarr_spec(path / "done", shape[:lead], chunks[:lead], "uint8"),
-                       create=True, delete_existing=True).result()
-        write_json(meta_path, full, indent=1, sort_keys=True)
-        return cls(path, data, done, full, max_pending)
+            mode = {"open": True}
+        else:  # no metadata.json: a fresh (or never finished) store
+            path.mkdir(parents=True, exist_ok=True)
+            mode = {"create": True, "delete_existing": True}
+        data = ts.open(_zarr_spec(path / "data", shape, chunks, dtype), **mode).result()
+        done = ts.open(_zarr_spec(path / "done", shape[:lead], chunks[:lead], "uint8"), **mode).result()
+        if "create" in mode:
+            write_json(meta_path, full, indent=1, sort_keys=True)
+            stored = full
+        return cls(path, data, done, stored, max_pending)
 
     @classmethod
     def open(cls, path: str | os.PathLike, max_pending: int = 8) -> "SketchStore":
@@ -131,8 +128,7 @@ class SketchStore:
         meta_path = pathlib.Path(path) / _META
         if not meta_path.is_file():
             raise FileNotFoundError(f"{path}: not a sketch store (no {_META})")
-        with open(meta_path) as f:
-            stored = json.load(f)
+        stored = read_json(meta_path)
         meta = {k: v for k, v in stored.items() if k not in ("format", "shape", "chunk_rows")}
         return cls.open_or_create(path, stored["shape"], stored["chunk_rows"], meta, max_pending=max_pending)
 

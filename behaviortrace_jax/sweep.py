@@ -24,8 +24,8 @@ from absl import logging
 from behaviortrace_jax import draws, reproduce, stages
 from behaviortrace_jax import evaluation as V
 from behaviortrace_jax import report as R
-from behaviortrace_jax.files import write_json
-from behaviortrace_jax.run_evaluation import evaluate_verdicts
+from behaviortrace_jax.files import read_json, write_json
+from behaviortrace_jax.run_evaluation import evaluate_verdicts, learning_curve
 from behaviortrace_jax.stages import register_stage
 
 
@@ -119,7 +119,7 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
             stages.STAGES[name](cfg, str(run_dir))
         src = run_dir / "release" / f"seed{seed}"
         shutil.copytree(src, release / f"seed{seed}", dirs_exist_ok=True)
-        summaries[seed] = json.loads((run_dir / "grpo" / "summary.json").read_text())
+        summaries[seed] = read_json(run_dir / "grpo" / "summary.json")
     aggregate(config, w, summaries)
 
 
@@ -138,8 +138,7 @@ def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dic
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(w / "results_table.csv", rows)
     write_json(w / "verdicts.json", {"decision_rules": rules, "checklist": check})
-    curve = [(c["step"], c["probe_rate"], c["control_rate"]) for c in summaries[min(summaries)]["learning_curve"]]
-    figs = R.make_figures(rows, w / "figures", learning_curve=curve)
+    figs = R.make_figures(rows, w / "figures", learning_curve=learning_curve(summaries[min(summaries)]))
     gates = "\n".join(
         f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "
         f"control {m['gate']['control_rate']:.2f}); |GT| = {m['gt_size']}; post-SFT "
