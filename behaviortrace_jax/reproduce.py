@@ -235,17 +235,25 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
     rows = step_rows + main + diag + tok_rows
     nb_path = Path(reference_dir) / "rollout_seed01.json"
     nb = notebook_rows(nb_path) if nb_path.is_file() else []
-    all_rows = rows + nb
-    rules = V.decision_rules(all_rows, step_margin=step_margin, max_ci_width=max_ci_width,
+    rules, check = verdicts(rows + nb, seeds, step_margin=step_margin, max_ci_width=max_ci_width,
+                            min_matched_pairs=min_matched_pairs)
+    return Reproduction(rows, nb, pops, rules, check, seeds)
+
+
+def verdicts(rows: list[V.Row], seeds: list[SeedData], *, step_margin: float, max_ci_width: float,
+             min_matched_pairs: int) -> tuple[list[dict], list[dict]]:
+    """SPEC §6.11 decision rules and the SPEC §8 checklist of ``rows`` for these seed folders, with
+    the pre-registered thresholds (the checklist records them). Returns (rules, checklist)."""
+    rules = V.decision_rules(rows, step_margin=step_margin, max_ci_width=max_ci_width,
                              min_matched_pairs=min_matched_pairs)
-    check = V.checklist(all_rows, gt_sizes={s.label: len(s.gt_ids) for s in seeds},
+    check = V.checklist(rows, gt_sizes={s.label: len(s.gt_ids) for s in seeds},
                         gt_in_zero_step={s.label: int(s.header["gt_in_zero_step"]) for s in seeds
                                          if "gt_in_zero_step" in s.header},
                         row_files=[f for s in seeds for f in s.files],
                         preregistered=dict(step_margin=step_margin, max_ci_width=max_ci_width,
                                            min_matched_pairs=min_matched_pairs),
                         max_ci_width=max_ci_width, min_matched_pairs=min_matched_pairs)
-    return Reproduction(rows, nb, pops, rules, check, seeds)
+    return rules, check
 
 
 def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: str | os.PathLike) -> None:

@@ -47,12 +47,14 @@ def _read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
 
 
 def step_method_scores(config: ml_collections.ConfigDict, paths: RunPaths, rollout_ids: list[str],
-                       rollout_steps: np.ndarray, *, per_rollout: bool = False) -> dict[str, np.ndarray]:
+                       rollout_steps: np.ndarray, *, per_rollout: bool = False,
+                       step_sketches: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Every step-level estimator's per-rollout scores (log order), SPEC §4.
 
     With ``per_rollout`` the in-run rollout sketches replace the step sketches (the "which rollout"
     scores). Targets: the final checkpoint's continuation target (C1, TRAK, local-buffer) and one
-    per checkpoint (TracInCP).
+    per checkpoint (TracInCP). ``step_sketches`` (float32 [steps, D]) saves re-reading
+    ``step_sketches.zarr`` when the caller already holds it.
     """
     ev = config.evaluation
     t_store = _read_complete(paths.sketches / "targets_continuation.zarr")
@@ -61,7 +63,8 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunPaths, rollo
     if per_rollout:
         sketches, steps = _read_complete(paths.sketches / "rollout_sketches.zarr").read(), rollout_steps
     else:
-        sketches = _read_complete(paths.sketches / "step_sketches.zarr").read()
+        sketches = (step_sketches if step_sketches is not None
+                    else _read_complete(paths.sketches / "step_sketches.zarr").read())
         steps = np.arange(sketches.shape[0])
     return E.score_step_methods(
         sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
@@ -78,8 +81,8 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)]
-    scores = step_method_scores(config, paths, ids, steps)
     step_sk = _read_complete(paths.sketches / "step_sketches.zarr").read()
+    scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     header = V.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
                                  final_rewards=np.array([r.reward for r in records]),
@@ -167,15 +170,8 @@ def evaluate_verdicts(rows: list[V.Row], rep: reproduce.Reproduction,
     """SPEC §6.11 decision rules and the SPEC §8 checklist on ``rows`` (pre-registered thresholds
     from ``config.evaluation``)."""
     ev = config.evaluation
-    rules = V.decision_rules(rows, step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
-                             min_matched_pairs=ev.min_matched_pairs)
-    check = V.checklist(rows, gt_sizes={s.label: len(s.gt_ids) for s in rep.seeds},
-                        gt_in_zero_step={s.label: int(s.header["gt_in_zero_step"]) for s in rep.seeds},
-                        row_files=[f for s in rep.seeds for f in s.files],
-                        preregistered=dict(step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
-                                           min_matched_pairs=ev.min_matched_pairs),
-                        max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs)
-    return rules, check
+    return reproduce.verdicts(rows, rep.seeds, step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
+                              min_matched_pairs=ev.min_matched_pairs)
 
 
 def learning_curve(summary: dict) -> list[tuple[float, float, float]]:
