@@ -223,6 +223,8 @@ class StartState:
     opt_shardings: Any
     abstract_state: dict
     summary: dict
+    optimizer: optax.GradientTransformation  # the SFT optimizer, which GRPO continues (SPEC §1.7)
+    abstract_params: Any  # jax.ShapeDtypeStruct leaves of params
 
 
 def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> StartState:
@@ -240,15 +242,14 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
     cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
                                            compute_dtype=config.model.compute_dtype)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))),
-                                          nnx.Param)
+    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
     param_sh = sharding.param_shardings(abstract_params, mesh)
     tx = train_state.make_optimizer(config.optim)
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
     state = train_state.restore(sft_dir / "state", abstract)
     return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
-                      abstract.as_dict(), read_json(sft_dir / "sft_summary.json", {}))
+                      abstract.as_dict(), read_json(sft_dir / "sft_summary.json", {}), tx, abstract_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,11 +343,10 @@ class GRPORun:
         self.graphdef = start.graphdef
         self.eos_ids, self.pad_id = tok_lib.eos_ids(self.tok), tok_lib.pad_id(self.tok)
         self.shapes = StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
-        self.tx = train_state.make_optimizer(config.optim)
+        self.tx = start.optimizer
         self.order = sketcher.qwen2_param_order(self.model_cfg)
         self.step_fn = make_train_step(
-            self.graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), start.params),
-            self.tx, self.shapes, loss_name=g.loss,
+            self.graphdef, start.abstract_params, self.tx, self.shapes, loss_name=g.loss,
             loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta),
             grad_clip=config.optim.grad_clip, order=self.order, sketch_dim=config.sketch.dim,
             sketch_seed=config.sketch.seed, in_run_rollouts=config.sketch.in_run_rollouts,
@@ -359,8 +359,7 @@ class GRPORun:
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
                                            pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
         self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
-        probes, _ = behavior.load_probe_sets(config.behavior.probes_path or None, config.behavior.controls_path or None)
-        self.pool = behavior.prompt_pool(probes)
+        self.pool = behavior.prompt_pool(self.probe.probes)
         self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
                            for p in dict.fromkeys(self.pool)}
         paths.root.mkdir(parents=True, exist_ok=True)
