@@ -226,9 +226,8 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     if resume:
         logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
         model = hf_io.load_hf_checkpoint(base_dir, param_dtype=config.model.param_dtype,
-                                         compute_dtype=config.model.compute_dtype)
+                                         compute_dtype=config.model.compute_dtype, mesh=mesh)
         graphdef, params = nnx.split(model, nnx.Param)
-        params = sharding.shard_params(params, mesh)
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
         graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, fp, t_start)

@@ -221,9 +221,8 @@ def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
                                            compute_dtype=config.model.compute_dtype)
-    shardings = sharding.param_shardings(nnx.state(qwen2.abstract_model(cfg), nnx.Param), mesh)
     model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                                     shardings=shardings)
+                                     mesh=mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 

@@ -26,6 +26,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from behaviortrace_jax import sharding
 from behaviortrace_jax.files import read_json
 from behaviortrace_jax.qwen2 import Qwen2Config, Qwen2ForCausalLM, abstract_model, resolve_sharding
 
@@ -150,7 +151,7 @@ def _open_checkpoint(hf_dir: pathlib.Path) -> dict[str, _SafetensorsFile]:
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = None,
                        compute_dtype: str | None = None, shardings: Any = None,
-                       remat: bool = False) -> Qwen2ForCausalLM:
+                       mesh: Any = None, remat: bool = False) -> Qwen2ForCausalLM:
     """Loads a HF Qwen2 checkpoint directory into :class:`Qwen2ForCausalLM`, strictly and lazily.
 
     Args:
@@ -160,14 +161,19 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
         compute_dtype: activation dtype; None -> ``param_dtype``.
         shardings: where each parameter goes (see ``qwen2.resolve_sharding``): None (first
             device), one ``Sharding``, a callable ``nnx_path -> Sharding`` or a dict / ``nnx.State``.
+        mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): the parameters go straight into
+            ``sharding.param_shardings`` on it (instead of ``shardings``; give one or neither).
         remat: passed to the model (gradient checkpointing per layer).
 
     Raises:
         FileNotFoundError: naming the missing config.json / weights file / shard.
         KeyError: naming a tensor the checkpoint lacks.
         ValueError: naming an unexpected tensor, a tensor of the wrong shape or dtype, or a tied
-            checkpoint whose stored ``lm_head.weight`` differs from the embedding.
+            checkpoint whose stored ``lm_head.weight`` differs from the embedding; or both
+            ``shardings`` and ``mesh``.
     """
+    if mesh is not None and shardings is not None:
+        raise ValueError("load_hf_checkpoint: give shardings or mesh, not both")
     hf_dir = pathlib.Path(hf_dir)
     cfg = Qwen2Config.from_hf_config(hf_dir)
     pdt = param_dtype or cfg.param_dtype
@@ -193,6 +199,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
     flat = dict(nnx.to_flat_state(abstract))
     if set(flat) != {p.nnx_path for p in table}:  # the table and the module tree must agree
         raise AssertionError(f"weight map and model disagree: {set(flat) ^ {p.nnx_path for p in table}}")
+    if mesh is not None:
+        shardings = sharding.param_shardings(abstract, mesh)
     np_dtype = _NP_DTYPES[pdt]
     for p in table:
         src = tensors[p.hf_key].tensor(p.hf_key)

@@ -47,10 +47,8 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
                                            compute_dtype=config.model.compute_dtype)
-    abstract = nnx.eval_shape(lambda: qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)))
-    shardings = sharding.param_shardings(nnx.state(abstract, nnx.Param), mesh)
     model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                                     shardings=shardings)
+                                     mesh=mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     probe = behavior.load_probes(config.behavior.probes_path or None)[0]

@@ -120,8 +120,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     cfg = qwen2.Qwen2Config.from_hf_config(start_dir, param_dtype=config.model.param_dtype,
                                            compute_dtype=config.model.compute_dtype)
-    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh)
+    abstract_params = nnx.state(qwen2.abstract_model(cfg), nnx.Param)
+    param_sh = sharding.param_shardings(abstract_params, mesh)  # also the train state's layout
     model = hf_io.load_hf_checkpoint(start_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
                                      shardings=param_sh)
     graphdef, params = nnx.split(model, nnx.Param)

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from behaviortrace_jax import hf_io, qwen2, tokenizer as tok_lib
+from behaviortrace_jax import hf_io, qwen2, sharding as sharding_lib, tokenizer as tok_lib
 from behaviortrace_jax.qwen2 import Qwen2Config
 from hf_fixtures import save_random_qwen2
 
@@ -163,6 +163,16 @@ def test_sharded_index_load_into_a_sharded_layout(tmp_path, hf_tied):
     assert model2.model.layers[1].mlp.down_proj.weight[...].sharding == NamedSharding(mesh, P(None, "model"))
     for k, v in _flat(model2).items():
         np.testing.assert_array_equal(v, tensors[k], err_msg=k)
+    # mesh=: straight into sharding.param_shardings on that mesh
+    mesh3 = sharding_lib.make_mesh(2, 4, devices=jax.devices()[:8])
+    model3 = hf_io.load_hf_checkpoint(d, mesh=mesh3)
+    want = sharding_lib.param_shardings(nnx.state(qwen2.abstract_model(model3.config), nnx.Param), mesh3)
+    for got_leaf, want_sh in zip(jax.tree.leaves(nnx.state(model3, nnx.Param)), jax.tree.leaves(want)):
+        assert got_leaf.sharding == want_sh
+    for k, v in _flat(model3).items():
+        np.testing.assert_array_equal(v, tensors[k], err_msg=k)
+    with pytest.raises(ValueError, match="not both"):
+        hf_io.load_hf_checkpoint(d, shardings=state_sh, mesh=mesh3)
     # an index naming a shard that is absent
     os.remove(d / "model-00002-of-00002.safetensors")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
