@@ -2,6 +2,8 @@
 
 * :func:`atomic_write_text` / :func:`write_json`: ``path.tmp`` + fsync + ``os.replace``, so a
   killed run leaves either the old file or the new one, never a torn one (runs resume from them).
+* :func:`atomic_write_dir`: a whole directory (an HF checkpoint, a tokenizer) filled in a temporary
+  sibling and renamed into place, replacing any older one.
 * :func:`read_json`: a JSON file, or a default when it does not exist yet.
 * :func:`iter_jsonl`: the objects of a JSONL file with their line numbers; every error names
   ``file:line``. The readers of probes, the corpus, ground-truth logs and rollout shards build
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 _MISSING = object()
 
@@ -36,6 +40,52 @@ def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_dir(out_dir: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Writes the directory ``out_dir`` atomically: ``fill(tmp)`` writes the files into a fresh
+    ``<out_dir>.tmp-XXXX`` sibling; the files get the umask's normal modes (``mkdtemp`` and some
+    writers create private ones) and are fsynced; then an existing ``out_dir`` is moved aside, the
+    new one renamed into place and the old one deleted. Readers see the old directory or the new
+    one, never a mix; an error in ``fill`` removes the temporary directory and re-raises.
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        fill(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o777 & ~umask)
+        _fsync_dir(tmp)
+        old = None
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=out_dir.name + ".old-", dir=out_dir.parent))
+            os.rmdir(old)
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        _fsync_dir(out_dir.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = False) -> None:

@@ -16,10 +16,8 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import struct
-import tempfile
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_dtypes
@@ -27,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from behaviortrace_jax import sharding
-from behaviortrace_jax.files import read_json
+from behaviortrace_jax.files import atomic_write_dir, read_json
 from behaviortrace_jax.qwen2 import Qwen2Config, Qwen2ForCausalLM, abstract_model, resolve_sharding
 
 SINGLE_FILE = "model.safetensors"
@@ -259,14 +257,6 @@ def hf_state_dict(params_or_model: Any, config: Qwen2Config) -> dict[str, np.nda
     return out
 
 
-def _fsync_dir(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_hf_checkpoint(model_or_state: Any, config: Qwen2Config, out_dir: str | os.PathLike,
                        tokenizer: Any = None, generation_config: dict | None = None) -> pathlib.Path:
     """Writes a transformers-loadable checkpoint: config.json, model.safetensors (+ tokenizer files).
@@ -291,35 +281,16 @@ def save_hf_checkpoint(model_or_state: Any, config: Qwen2Config, out_dir: str | 
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if getattr(tokenizer, name, None) is not None:
                 hf_cfg[name] = getattr(tokenizer, name)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    files = [("config.json", hf_cfg)]
+    if generation_config is not None:
+        files.append(("generation_config.json", generation_config))
+
+    def fill(tmp: pathlib.Path) -> None:
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        files: Iterable[tuple[str, Any]] = [("config.json", hf_cfg)]
-        if generation_config is not None:
-            files = [*files, ("generation_config.json", generation_config)]
         for name, obj in files:
             with open(tmp / name, "w") as f:
                 json.dump(obj, f, indent=2, sort_keys=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)  # mkdtemp / safetensors create private files
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        os.chmod(tmp, 0o777 & ~umask)
-        _fsync_dir(tmp)
-        old = None
-        if out_dir.exists():
-            old = pathlib.Path(tempfile.mkdtemp(prefix=out_dir.name + ".old-", dir=out_dir.parent))
-            os.rmdir(old)
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return atomic_write_dir(out_dir, fill)

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from behaviortrace_jax import corpus
+from behaviortrace_jax.files import atomic_write_dir
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2.
@@ -52,26 +50,6 @@ def training_texts(examples: Iterable[corpus.ChatExample], system_prompt: str = 
         texts.append(render_chatml([{"role": "system", "content": system_prompt},
                                     {"role": "user", "content": prompt}], add_generation_prompt=True))
     return texts + list(RARE_STRINGS)
-
-
-def _atomic_save(tok: PreTrainedTokenizerFast, out_dir: Path) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
-        tok.save_pretrained(str(tmp))
-        for p in sorted(tmp.iterdir()):
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        old = None
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=out_dir.name + ".old-", dir=out_dir.parent))
-            os.replace(out_dir, old / "dir")
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size: int = 1500,
@@ -107,5 +85,5 @@ def train_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, vocab_size
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT,
                                    additional_special_tokens=[IM_START], chat_template=CHAT_TEMPLATE,
                                    model_max_length=32768, clean_up_tokenization_spaces=False)
-    _atomic_save(fast, Path(out_dir))
+    atomic_write_dir(out_dir, lambda d: fast.save_pretrained(str(d)))
     return fast

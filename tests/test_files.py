@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -38,3 +39,22 @@ def test_iter_jsonl_skips_blanks_and_names_the_line(tmp_path):
         path.write_text('{"a": 1}\n' + bad + "\n")
         with pytest.raises(ValueError, match=msg):
             list(files.iter_jsonl(path))
+
+
+def test_atomic_write_dir_replaces_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "ckpt"
+    files.atomic_write_dir(out, lambda d: (d / "a.txt").write_text("1"))
+    files.atomic_write_dir(out, lambda d: (d / "b.txt").write_text("2"))
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]  # the old directory is gone, not merged
+
+    def broken(d):
+        (d / "c.txt").write_text("3")
+        raise RuntimeError("killed while writing")
+
+    with pytest.raises(RuntimeError):
+        files.atomic_write_dir(out, broken)
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old siblings left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "b.txt").stat().st_mode & 0o777 == 0o666 & ~umask
