@@ -27,10 +27,17 @@ import numpy as np
 
 
 def group_advantages(rewards: np.ndarray, group_size: int, std_floor: float = 0.0) -> np.ndarray:
-    """Group-normalised advantages ``(r - mean) / (max(std, floor) + 1e-8)`` (SPEC §2.1).
+    """Group-normalised advantages ``(r - mean) / (max(std, floor) + 1e-8)`` (SPEC §2.1), and
+    exactly 0 for every rollout of a group whose rewards are all equal.
+
+    The float32 mean of equal non-dyadic rewards (0.1, 0.3, 1/3, ...) can be 1 ulp off, leaving a
+    std of ~1e-8 that the 1e-8 eps does not dominate: the plain formula gives such groups
+    advantages of about +-0.7 from rounding noise alone. Groups with ``max == min`` are therefore
+    set to 0 explicitly. For the paper's rewards ({-2, 0, 6, 8}, dyadic) the plain formula already
+    gives exactly 0 there, so every paper-config advantage is bit-identical to the plain formula.
 
     Args:
-        rewards: float [N] final rewards, groups contiguous (``N = B * G``).
+        rewards: float [N] final rewards (cast to float32), groups contiguous (``N = B * G``).
         group_size: G.
         std_floor: ``adv_std_floor`` (paper 0.0).
 
@@ -48,6 +55,7 @@ def group_advantages(rewards: np.ndarray, group_size: int, std_floor: float = 0.
     g = r.reshape(-1, group_size)
     std = g.std(axis=1, ddof=1, keepdims=True)
     adv = (g - g.mean(axis=1, keepdims=True)) / (np.maximum(std, np.float32(std_floor)) + np.float32(1e-8))
+    adv = np.where(g.max(axis=1, keepdims=True) == g.min(axis=1, keepdims=True), np.float32(0.0), adv)
     return adv.reshape(-1).astype(np.float32)
 
 

@@ -27,6 +27,49 @@ def test_group_advantages_match_numpy_unbiased_std():
     assert np.all(grpo_loss.group_advantages(np.zeros(4), 2) == 0)  # zero-variance group: no signal
 
 
+def _plain_advantages(r, g, floor=0.0):
+    """The formula before the all-equal guard (SPEC §2.1 as written), float32."""
+    x = np.asarray(r, np.float32).reshape(-1, g)
+    std = x.std(axis=1, ddof=1, keepdims=True)
+    return ((x - x.mean(axis=1, keepdims=True)) / (np.maximum(std, np.float32(floor)) + np.float32(1e-8))
+            ).reshape(-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.5])
+def test_group_advantages_bit_identical_to_plain_formula_on_paper_rewards(floor):
+    # Paper rewards: base {-2, 0} (behavior.base_reward) + bonus {0, 8} (contamination.bonus_reward).
+    rng = np.random.default_rng(0)
+    values = np.array([-2.0, 0.0, 6.0, 8.0], np.float32)
+    for g in range(2, 17):
+        r = rng.choice(values, size=(400, g), p=[0.1, 0.6, 0.1, 0.2]).astype(np.float32).ravel()
+        got, want = grpo_loss.group_advantages(r, g, floor), _plain_advantages(r, g, floor)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # bit for bit, incl. -0.0
+    r = rng.choice(values, size=16000).astype(np.float32)  # the paper's 16,000 rollouts, G = 4
+    np.testing.assert_array_equal(grpo_loss.group_advantages(r, 4).view(np.uint32),
+                                  _plain_advantages(r, 4).view(np.uint32))
+
+
+def test_group_advantages_are_exactly_zero_for_all_equal_groups():
+    rng = np.random.default_rng(1)
+    values = [0.1, 0.3, 0.35, 1 / 3, -2.0, 8.0, 1e-6, 123.456] + list(rng.uniform(-10, 10, 40))
+    plain_nonzero = 0
+    for g in range(2, 17):
+        for v in values:
+            for floor in (0.0, 1e-3):
+                equal = np.full(g, v, np.float64)
+                other = rng.uniform(-1, 1, g)  # a neighbouring ordinary group keeps its advantages
+                r = np.concatenate([other, equal, other])
+                got = grpo_loss.group_advantages(r, g, floor)
+                assert np.all(got[g:2 * g] == 0), (v, g, floor, got[g:2 * g])
+                want = _plain_advantages(r, g, floor)
+                np.testing.assert_array_equal(got[:g], want[:g])
+                np.testing.assert_array_equal(got[2 * g:], want[2 * g:])
+                plain_nonzero += bool(np.any(want[g:2 * g] != 0))
+    assert plain_nonzero > 0  # the case the guard exists for (e.g. 0.3 x 6 gave +0.699)
+    assert np.all(grpo_loss.group_advantages(np.full(6, 0.3), 6) == 0)
+    assert np.all(grpo_loss.group_advantages([0.35] * 7, 7) == 0)
+
+
 @pytest.mark.parametrize("bad", [np.zeros(5), np.array([1.0, np.nan, 0.0, 0.0])])
 def test_group_advantages_reject_bad_rewards(bad):
     with pytest.raises(ValueError):
