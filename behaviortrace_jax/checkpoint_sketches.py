@@ -115,7 +115,7 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths,
     elif config.sketch.rollout_scope != "all":
         raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
     r, d = len(records), config.sketch.dim
-    eos = (loader.tokenizer.eos_token_id,)
+    eos = tok_lib.mask_eos_ids(loader.tokenizer, config.model.mask_eos)  # as the GRPO loss mask
     meta = dict(sketch_metadata(config, loader.model_config, "checkpoint_rollout_sketches"),
                 checkpoint_steps=[e.step for e in entries], n_rollouts=r)
     block = forced.block_size

@@ -213,7 +213,8 @@ class _Env:
     sampler: sampler_lib.Sampler
     ctx_sampler: sampler_lib.Sampler
     sketcher: targets.ForcedSketcher
-    eos_ids: tuple[int, ...]
+    eos_ids: tuple[int, ...]  # the sampler's stop set (tokenizer.eos_ids)
+    mask_eos_ids: tuple[int, ...]  # masked out of response losses (tokenizer.mask_eos_ids)
 
 
 def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
@@ -234,7 +235,7 @@ def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
     n_ctx = _ctx_new_tokens(config)
     ctx = s if n_ctx == config.draws.max_new_tokens else make_sampler(n_ctx)
     sk = targets.ForcedSketcher.from_config(config, graphdef, cfg, params, pad_id=pad)
-    return _Env(cfg, params, tok, s, ctx, sk, eos)
+    return _Env(cfg, params, tok, s, ctx, sk, eos, tok_lib.mask_eos_ids(tok, config.model.mask_eos))
 
 
 def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths: DrawPaths
@@ -247,7 +248,7 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
     mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer)
     t = config.targets
     ctx = targets.context_target(env.sketcher, env.params, env.ctx_sampler, env.tokenizer, probes, key,
-                                 fallback=cont.target, eos_ids=env.eos_ids, group_size=t.ctx_group_size,
+                                 fallback=cont.target, eos_ids=env.mask_eos_ids, group_size=t.ctx_group_size,
                                  temperature=t.ctx_temperature, top_p=t.ctx_top_p,
                                  token_judge=config.behavior.token_judge)
     arrays = {"t_cont": cont.target, "t_ctx": ctx.t_ctx, "t_contrast": ctx.t_contrast, "t_mp": mp.target_mp,
@@ -274,7 +275,7 @@ def _repeat(config: ml_collections.ConfigDict, env: _Env, rep: int, key: jax.Arr
     out = env.sampler.sample(env.params, rows, key, temperature=d.temperature, top_p=d.top_p)
     whole, token, has = [], [], []
     for r, ids in enumerate(rows):
-        w, t, h = targets.response_examples(ids, out.tokens[r], out.lengths[r], env.eos_ids, qset)
+        w, t, h = targets.response_examples(ids, out.tokens[r], out.lengths[r], env.mask_eos_ids, qset)
         whole.append(w)
         has.append(h)
         if h and len(token) < n_token_level:

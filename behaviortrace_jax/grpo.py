@@ -72,7 +72,8 @@ def build_batch(prompt_ids: list[list[int]], completions: np.ndarray, lengths: n
         completions: int [N, T] sampled completion tokens (pad after EOS).
         lengths: int [N] number of generated tokens (incl. the EOS, if any).
         advantages: float32 [N].
-        eos_ids: ids masked out of the loss (SPEC §2.2 f: every EOS-id token).
+        eos_ids: ids masked out of the loss (SPEC §2.2 f), ``tokenizer.mask_eos_ids(tok,
+            config.model.mask_eos)``, the same ids ``targets.response_examples`` masks.
 
     Returns:
         dict of numpy arrays: ``input_ids`` int32 [N, P+T], ``attention_mask`` int32 [N, P+T],
@@ -342,6 +343,7 @@ class GRPORun:
         self.tok, self.model_cfg, self.mesh = start.tokenizer, start.model_config, start.mesh
         self.graphdef = start.graphdef
         self.eos_ids, self.pad_id = tok_lib.eos_ids(self.tok), tok_lib.pad_id(self.tok)
+        self.mask_eos_ids = tok_lib.mask_eos_ids(self.tok, config.model.mask_eos)
         self.shapes = StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
         self.tx = start.optimizer
         self.order = sketcher.qwen2_param_order(self.model_cfg)
@@ -406,7 +408,7 @@ class GRPORun:
         applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
         rewards = np.array([r for r, _ in applied], np.float32)
         adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
-        batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, (self.tok.eos_token_id,),
+        batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
                             self.shapes, self.pad_id)
         batch = jax.device_put(batch, sharding.data_sharding(self.mesh))
         self.params, self.opt_state, out = self.step_fn(self.params, self.opt_state, batch, self.ref_params)

@@ -129,7 +129,7 @@ def response_examples(prompt_ids: Sequence[int], tokens: np.ndarray, length: int
     Args:
         prompt_ids: the chat prompt's token ids (unpadded).
         tokens: int [N] generated ids (pad after the first EOS); length: generated tokens incl. EOS.
-        eos_ids: ids that are masked out (SPEC §2.2f: every EOS-id token).
+        eos_ids: ids that are masked out (SPEC §2.2f, §3.2: ``tokenizer.mask_eos_ids``, as the GRPO loss).
         qset: the QZXBT token ids (``behavior.qzxbt_token_ids``) or a ``behavior.QzxbtTokenMatcher``.
     Returns:
         (whole, token, has_qzxbt): ``whole`` weights the generated tokens that are not EOS;
@@ -341,7 +341,7 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
     Args:
         sampler: a ``sampler.Sampler`` whose ``max_new_tokens`` is the response length (SPEC: 64).
         fallback: float32 [D] ``t_cont``, used (with a flag) when no prompt contributes.
-        eos_ids: ids masked out of the whole-response loss.
+        eos_ids: ids masked out of the whole-response loss (``tokenizer.mask_eos_ids``).
         token_judge: ``behavior.QzxbtTokenMatcher`` mode ("qset" = SPEC §1.1, "sequence").
     """
     users = context_prompts(probes)

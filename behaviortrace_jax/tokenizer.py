@@ -68,20 +68,61 @@ def pad_id(tokenizer: Any) -> int:
     return int(tokenizer.eos_token_id)
 
 
+def _id_list(value: Any, source: str) -> list[int]:
+    """``eos_token_id`` as HF writes it (absent/None, an int, or a list of ints) -> list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"eos_token_id in {source} must be an int or a list of ints, got {value!r}")
+    return [int(v) for v in values]
+
+
 def eos_ids(tokenizer: Any) -> tuple[int, ...]:
-    """Ids that end a generated row: ``tokenizer.eos_token_id`` first, then any further
-    ``eos_token_id`` of ``generation_config.json`` beside the tokenizer files (as HF ``generate``
-    stops on; Qwen2.5-Instruct: ``(<|im_end|>, <|endoftext|>)`` = (151645, 151643)).
+    """THE EOS set of a checkpoint: every id that ends a generated row, used everywhere (the
+    sampler's stop set; the loss / sketch / target masks through :func:`mask_eos_ids`).
+
+    The union, in this order without repeats, of ``tokenizer.eos_token_id`` (first, = the pad id,
+    SPEC §2.1), the ``eos_token_id`` of ``generation_config.json`` and that of ``config.json`` beside
+    the tokenizer files (``tokenizer.name_or_path``); each may be absent, an int or a list of ints.
+    HF ``generate`` stops on generation_config's ids, or config.json's when there is no
+    generation_config. Qwen2.5-Instruct: ``(<|im_end|>, <|endoftext|>)`` = (151645, 151643).
+
+    Returns:
+        tuple of Python ints, length >= 1, ``[0] == tokenizer.eos_token_id``.
 
     Raises:
-        ValueError: if the tokenizer has no ``eos_token_id``.
+        ValueError: if the tokenizer has no ``eos_token_id``, or a JSON ``eos_token_id`` is not an
+            int or a list of ints.
     """
     ids = [pad_id(tokenizer)]
     src = str(getattr(tokenizer, "name_or_path", "") or "")
-    gen = pathlib.Path(src) / "generation_config.json"
-    if src and gen.is_file():
-        extra = read_json(gen).get("eos_token_id")
-        for i in ([] if extra is None else [extra] if isinstance(extra, int) else extra):
-            if int(i) not in ids:
-                ids.append(int(i))
+    for name in ("generation_config.json", "config.json"):
+        path = pathlib.Path(src).expanduser() / name
+        if src and path.is_file():
+            for i in _id_list(read_json(path).get("eos_token_id"), str(path)):
+                if i not in ids:
+                    ids.append(i)
     return tuple(ids)
+
+
+MASK_EOS_MODES = ("eos_token_id", "all")
+
+
+def mask_eos_ids(tokenizer: Any, mode: str) -> tuple[int, ...]:
+    """The ids masked out of a completion's loss (GRPO loss, rollout sketches / fluency, targets).
+
+    ``mode`` is ``config.model.mask_eos``: "eos_token_id" = ``eos_ids(tokenizer)[:1]``, the one id
+    the paper's harness compares against (SPEC §2.2 f ``token != eos_token_id``, §3.2, §4 fluency);
+    "all" = the whole :func:`eos_ids` set the sampler stops on.
+
+    Returns:
+        tuple of Python ints, a prefix of :func:`eos_ids`.
+
+    Raises:
+        ValueError: an unknown ``mode``, or as :func:`eos_ids`.
+    """
+    if mode not in MASK_EOS_MODES:
+        raise ValueError(f"mask_eos={mode!r} is not one of {MASK_EOS_MODES}")
+    ids = eos_ids(tokenizer)
+    return ids[:1] if mode == "eos_token_id" else ids

@@ -19,6 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.hf_dir = ""  # Local HF checkpoint dir (config.json, safetensors, tokenizer). "" -> workdir/base.
     c.model.param_dtype = "bfloat16"  # SPEC §2.1: weights loaded in bf16.
     c.model.compute_dtype = "bfloat16"  # SPEC §2.1: bf16 autocast.
+    # EOS ids masked from completion losses (GRPO loss, rollout sketches, targets); the sampler stops on all.
+    c.model.mask_eos = "eos_token_id"  # SPEC §2.2 f, §3.2: `token != eos_token_id` (one id); "all" = eos_ids.
 
     # --- device mesh --------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()
