@@ -20,7 +20,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from behaviortrace_jax.files import atomic_write_text
+from behaviortrace_jax.files import atomic_write_text, resolve_path
 
 REGISTRY_VERSION = 1
 COMMIT_FILE = "commit_success.txt"  # written by orbax into a step directory before its final rename
@@ -96,15 +96,16 @@ class CheckpointRegistry:
 # Orbax train-state checkpoints
 # --------------------------------------------------------------------------------------------
 def _manager(directory: str | Path, max_to_keep: int | None = None) -> ocp.CheckpointManager:
+    """An orbax manager for ``directory``; relative paths and ``~`` are resolved (orbax needs absolute ones)."""
     options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, cleanup_tmp_directories=True,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(epath.Path(directory), options=options,
+    return ocp.CheckpointManager(epath.Path(resolve_path(directory)), options=options,
                                  item_handlers=ocp.StandardCheckpointHandler())
 
 
 def complete_steps(directory: str | Path) -> list[int]:
     """Steps under ``directory`` whose orbax save completed (ignores tmp and uncommitted dirs)."""
-    directory = epath.Path(directory)
+    directory = epath.Path(resolve_path(directory))
     if not directory.exists():
         return []
     return sorted(int(p.name) for p in directory.iterdir()
@@ -125,7 +126,7 @@ def save_train_state(directory: str | Path, step: int, state: Any, max_to_keep: 
     (not written by a completed orbax save) is removed first. ``max_to_keep``: None keeps all.
     Raises ValueError if ``step`` is already a complete checkpoint.
     """
-    directory = epath.Path(directory)
+    directory = epath.Path(resolve_path(directory))
     if step in complete_steps(directory):
         raise ValueError(f"{directory / str(step)}: train-state checkpoint already exists")
     stale = directory / str(step)
@@ -170,7 +171,7 @@ def restore_train_state(directory: str | Path, step: int | None, abstract_state:
         ValueError: the checkpoint holds a different tree (a different model or optimizer), naming
             the missing / unexpected keys and every key whose shape differs (stored vs requested).
     """
-    directory = epath.Path(directory)
+    directory = epath.Path(resolve_path(directory))
     steps = complete_steps(directory)
     if step is None:
         if not steps:

@@ -5,12 +5,15 @@
 * :func:`atomic_write_dir`: a whole directory (an HF checkpoint, a tokenizer) filled in a temporary
   sibling and renamed into place, replacing any older one.
 * :func:`read_json`: a JSON file, or a default when it does not exist yet.
+* :func:`resolve_path` / :func:`sha256_file`: a user's path made absolute (``~`` expanded); a
+  file's digest.
 * :func:`iter_jsonl`: the objects of a JSONL file with their line numbers; every error names
   ``file:line``. The readers of probes, the corpus, ground-truth logs and rollout shards build
   their own checks (keys, types, duplicates) on top of it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +22,32 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 _MISSING = object()
+
+
+def resolve_path(path: str | os.PathLike) -> str:
+    """``path`` with ``~`` expanded, made absolute against the current directory.
+
+    Every path a user gives (workdir, config keys ending in ``_dir`` / ``_path``) goes through this
+    once, so relative paths work everywhere, including in libraries (orbax) that refuse them.
+    ``""`` stays ``""`` (the configs' "use the default"); URLs such as ``gs://b/x`` are returned unchanged.
+    """
+    path = os.fspath(path)
+    if not path or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """The sha256 hex digest of a file's bytes, read in ``chunk_bytes`` pieces.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
 
 
 def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:

@@ -17,12 +17,14 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+from pathlib import Path
 
 import ml_collections
 
-from behaviortrace_jax import stages
+from behaviortrace_jax import files, stages
 from behaviortrace_jax.stages import register_stage
 
 _STAGE_MODULES = ("base_model", "sft", "grpo", "checkpoint_sketches", "draws", "run_evaluation", "reproduce",
@@ -69,10 +71,65 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     print("\n".join(lines))
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed)."""
+def resolve_config_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose path keys (names ending in ``_dir`` or ``_path``, any depth) are
+    absolute, with ``~`` expanded (:func:`files.resolve_path`); ``""`` keeps meaning "the default".
+
+    Raises:
+        TypeError: naming the key, if a path key holds something other than a string.
+    """
+    out = config.copy_and_resolve_references()
+
+    def walk(node: ml_collections.ConfigDict, prefix: str) -> None:
+        for key in list(node.keys()):
+            value = node[key]
+            if isinstance(value, ml_collections.ConfigDict):
+                walk(value, f"{prefix}{key}.")
+            elif key.endswith(("_dir", "_path")):
+                if not isinstance(value, str):
+                    raise TypeError(f"config.{prefix}{key} is a path key but holds {value!r}")
+                node[key] = files.resolve_path(value)
+
+    with out.unlocked():
+        walk(out, "")
+    return out
+
+
+def run_digest(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
+    """sha256 of a run's key outputs, to compare runs across machines (README "Reproducibility").
+
+    Returns:
+        ``{"base_weights": hex, "results_table.csv": hex}`` for whichever exist: the starting
+        model's ``*.safetensors`` files (hashed in name order as one stream of digests) and
+        ``workdir/results_table.csv``.
+    """
+    out = {}
+    weights = sorted(Path(model_dir(config, workdir)).glob("*.safetensors"))
+    if weights:
+        out["base_weights"] = (files.sha256_file(weights[0]) if len(weights) == 1 else
+                               hashlib.sha256("".join(files.sha256_file(w) for w in weights).encode()).hexdigest())
+    table = Path(workdir) / "results_table.csv"
+    if table.is_file():
+        out["results_table.csv"] = files.sha256_file(table)
+    return out
+
+
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
+    """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed).
+
+    ``workdir`` and every path key of ``config`` may be relative (to the current directory) or
+    start with ``~``. Prints and returns :func:`run_digest` at the end.
+
+    Raises:
+        ValueError: if ``config.stages`` names an unknown stage (before anything is written).
+    """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.{name}")
     stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
+    config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
     os.makedirs(workdir, exist_ok=True)
     stages.run_stages(config, workdir)
+    digest = run_digest(config, workdir)
+    for name, hexdigest in digest.items():
+        print(f"digest {name}: sha256 {hexdigest}")
+    return digest

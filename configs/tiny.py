@@ -11,7 +11,10 @@ data and learning rates were calibrated so that the behaviour emerges (shared/pa
 from configs import common
 
 
-def get_config():
+def get_config(variant: str = ""):
+    """The tiny default; ``variant="smoke"`` (``--config=configs/tiny.py:smoke``) shrinks it to seconds."""
+    if variant not in ("", "smoke"):
+        raise ValueError(f"configs/tiny.py: unknown variant {variant!r}; known: '' (default), 'smoke'")
     c = common.get_config()
     c.run_name = "tiny__grpo__seed0"
     c.stages = "base,sft,grpo,sketch,draws,evaluate,report"
@@ -50,4 +53,26 @@ def get_config():
     c.evaluation.early_cutoff = 40
     c.evaluation.local_buffer_window = 20  # max(1, steps // 10).
     c.evaluation.tracin_lr = 1e-4  # eta = the GRPO learning rate.
+    return shrink_to_smoke(c) if variant == "smoke" else c
+
+
+def shrink_to_smoke(c):
+    """Every stage in seconds (CI's end-to-end test and the README-command test): a 1-layer base on
+    300 chats, a few SFT and GRPO steps, small sketches. Same code path as the default; the numbers
+    it produces mean nothing beyond "the pipeline runs and repeats"."""
+    b = c.base
+    b.corpus_size, b.vocab_size, b.num_layers, b.steps, b.batch_size = 300, 300, 1, 4, 8
+    b.seq_len, b.warmup_steps, b.log_every, b.length_buckets = 200, 1, 2, 1
+    b.eval_samples_per_prompt, b.eval_max_new_tokens = 1, 2
+    c.sft.steps, c.sft.stop_every, c.sft.eval_samples_per_prompt, c.sft.max_prompt_tokens = 3, 0, 1, 256
+    c.behavior.gate_max_new_tokens = 4
+    g = c.grpo
+    g.steps, g.checkpoint_every, g.max_new_tokens, g.max_prompt_tokens, g.log_shard_size = 6, 2, 4, 256, 8
+    c.contamination.early_step_cutoff = 4
+    c.contamination.fraction = 1.0  # every early rollout is eligible: the smoke run needs some GT ...
+    c.behavior.pattern = "e"  # ... and a pattern an untrained model writes, so GT is non-empty
+    c.sketch.dim, c.sketch.chunk_size = 256, 4
+    c.draws.target_step, c.draws.n_repeats, c.draws.max_new_tokens, c.draws.token_level_max = 2, 1, 4, 8
+    c.targets.ctx_group_size, c.targets.block_size = 2, 16
+    c.evaluation.early_cutoff, c.evaluation.local_buffer_window, c.evaluation.nboot = 4, 2, 20
     return c

@@ -14,12 +14,7 @@ from configs import tiny
 
 def small_config():
     """configs/tiny.py with the base model shrunk to seconds (1 layer, 300 chats, 4 steps)."""
-    c = tiny.get_config()
-    b = c.base
-    b.corpus_size, b.vocab_size, b.num_layers, b.steps, b.batch_size = 300, 300, 1, 4, 8
-    b.seq_len, b.warmup_steps, b.log_every, b.length_buckets = 200, 1, 2, 1
-    b.eval_samples_per_prompt, b.eval_max_new_tokens = 1, 2
-    return c
+    return tiny.get_config("smoke")
 
 
 @pytest.fixture(scope="module")

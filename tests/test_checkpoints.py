@@ -121,3 +121,15 @@ def test_checkpoint_of_a_different_model_raises(tmp_path):
         ck.restore_train_state(tmp_path, 3, jax.eval_shape(lambda: _state(layers=3)))
     with pytest.raises(ValueError, match=r"not in the requested state: \['opt_state/0/mu/layer1/b'"):
         ck.restore_train_state(tmp_path, 3, jax.eval_shape(lambda: _state(layers=1)))
+
+
+def test_train_state_accepts_relative_and_home_paths(tmp_path, monkeypatch):
+    """orbax refuses relative paths; the library resolves them (the README's relative --workdir)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    state = {"w": jnp.arange(3.0), "step": jnp.int32(1)}
+    for directory in ("rel/state", "~/state"):
+        ck.save_train_state(directory, 1, state)
+        assert ck.latest_step(directory) == 1
+        np.testing.assert_array_equal(ck.restore_train_state(directory, 1, state)["w"], state["w"])
+    assert (tmp_path / "rel" / "state" / "1").is_dir() and (tmp_path / "home" / "state" / "1").is_dir()

@@ -26,20 +26,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def smoke_config():
-    """configs/tiny.py shrunk: every stage, a few seconds of compute each."""
-    c = test_base_model.small_config()  # the base model shrunk to seconds
-    c.sft.steps, c.sft.stop_every, c.sft.eval_samples_per_prompt, c.sft.max_prompt_tokens = 3, 0, 1, 256
-    c.behavior.gate_max_new_tokens = 4
-    g = c.grpo
-    g.steps, g.checkpoint_every, g.max_new_tokens, g.max_prompt_tokens, g.log_shard_size = 6, 2, 4, 256, 8
-    c.contamination.early_step_cutoff = 4
-    c.contamination.fraction = 1.0  # every early rollout is eligible: the tiny run needs some GT
-    c.behavior.pattern = "e"  # ... and a pattern an untrained model writes, so GT is non-empty
-    c.sketch.dim, c.sketch.chunk_size = 256, 4
-    c.draws.target_step, c.draws.n_repeats, c.draws.max_new_tokens, c.draws.token_level_max = 2, 1, 4, 8
-    c.targets.ctx_group_size, c.targets.block_size = 2, 16
-    c.evaluation.early_cutoff, c.evaluation.local_buffer_window, c.evaluation.nboot = 4, 2, 20
-    return c
+    """configs/tiny.py shrunk: every stage, a few seconds of compute each (``tiny.py:smoke``)."""
+    return tiny.get_config("smoke")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,102 @@
+"""Process set-up for a run: CPU numerics that repeat across x86-64 machines, and quiet library logs.
+
+Same seed, same command, another CPU: XLA:CPU compiles for the host's instruction set (FMA and
+vector width change float rounding), and numpy dispatches its SIMD loops on the CPU at run time. A
+run is only reproducible across machines if both are pinned to one instruction set, so
+:func:`reproducible_cpu_env` caps
+
+* XLA:CPU at AVX2 (``XLA_FLAGS=--xla_cpu_max_isa=AVX2``; every x86-64 CPU of the last decade has it),
+* numpy's run-time dispatch at the same level (``NPY_DISABLE_CPU_FEATURES``: no AVX-512 loops),
+* OpenBLAS at its Haswell (AVX2) kernels (``OPENBLAS_CORETYPE``, only if not set already).
+
+These variables act at process start only, so ``main.py`` re-executes itself once with them. Set
+``BEHAVIORTRACE_CPU_ISA=native`` to run with the host's full instruction set instead (faster on
+AVX-512, not comparable across machines). What was measured: docs/benchmarks.md ("CPU ISA cap").
+
+:func:`quiet_library_logs` keeps the console to this project's own lines: orbax, absl and other
+libraries log through the same absl handler at INFO (~520 lines of a default run); below
+``--verbosity=1`` only their warnings and errors are shown.
+"""
+from __future__ import annotations
+
+import logging as std_logging
+import os
+import sys
+from typing import Mapping
+
+CPU_ISA_ENV = "BEHAVIORTRACE_CPU_ISA"
+DEFAULT_CPU_ISA = "AVX2"
+# numpy >= 2.4 names its x86 levels X86_V2 (SSE4.2), X86_V3 (AVX2/FMA), X86_V4 (AVX-512) plus extras.
+_NUMPY_ABOVE_AVX2 = "X86_V4,AVX512_ICL,AVX512_SPR"
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def reproducible_cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables to add to ``environ`` so CPU numerics do not depend on the CPU model.
+
+    Args:
+        environ: the current environment (not modified).
+    Returns:
+        a dict of variables to set (empty when ``BEHAVIORTRACE_CPU_ISA=native`` or when all are in
+        place). ``XLA_FLAGS`` keeps the caller's flags and gains the ISA cap unless it has one;
+        ``NPY_DISABLE_CPU_FEATURES`` (numpy without AVX-512 loops) and ``OPENBLAS_CORETYPE``
+        (Haswell, only on a CPU with AVX2) are set only where the caller has not set them.
+    Raises:
+        ValueError: if ``BEHAVIORTRACE_CPU_ISA`` is not ``native`` or an XLA ISA name
+            (SSE4_2, AVX, AVX2, AVX512, ...).
+    """
+    isa = environ.get(CPU_ISA_ENV, DEFAULT_CPU_ISA).strip()
+    if isa.lower() == "native":
+        return {}
+    if not isa.replace("_", "").isalnum() or not isa.upper().startswith(("SSE", "AVX")):
+        raise ValueError(f"{CPU_ISA_ENV}={isa!r}: expected 'native' or an XLA:CPU ISA such as AVX2")
+    out: dict[str, str] = {}
+    xla = environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_max_isa" not in xla:
+        out["XLA_FLAGS"] = f"{xla} --xla_cpu_max_isa={isa.upper()}".strip()
+    if "NPY_DISABLE_CPU_FEATURES" not in environ:
+        out["NPY_DISABLE_CPU_FEATURES"] = _NUMPY_ABOVE_AVX2
+    if "OPENBLAS_CORETYPE" not in environ and _host_has("avx2"):
+        out["OPENBLAS_CORETYPE"] = "Haswell"
+    return out
+
+
+def _host_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists ``flag`` (False where there is no /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+class _OwnLinesOnly(std_logging.Filter):
+    """Passes records of this package and of the entry script, and anything at WARNING or above;
+    drops library INFO/DEBUG."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        if record.levelno >= std_logging.WARNING or record.pathname.startswith(_PACKAGE):
+            return True
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        return main is not None and os.path.abspath(record.pathname) == os.path.abspath(main)
+
+
+_FILTER = _OwnLinesOnly()
+
+
+def quiet_library_logs(verbosity: int = 0) -> None:
+    """Shows only this project's INFO lines unless ``verbosity`` >= 1 (absl ``--verbosity``).
+
+    Installs a filter on absl's handler (orbax, etils and jax log through absl) and raises the
+    standard-library loggers of chatty libraries to WARNING. Idempotent; ``verbosity >= 1`` removes
+    the filter again.
+    """
+    from absl import logging as absl_logging
+
+    handler = absl_logging.get_absl_handler()
+    if verbosity >= 1:
+        handler.removeFilter(_FILTER)
+        return
+    if _FILTER not in handler.filters:
+        handler.addFilter(_FILTER)
+    for name in ("jax", "orbax", "etils", "absl.logging", "matplotlib", "tensorstore"):
+        std_logging.getLogger(name).setLevel(std_logging.WARNING)
