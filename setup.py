@@ -30,6 +30,9 @@ EXTRAS = {
         # an unpinned torch pulls a multi-GB CUDA build.
         "torch==2.13.0",
     ],
+    # The `compile` stage's TPU targets (tpu:v5e:2x4, ...) and TPU VMs: libtpu (~700 MB, so not in
+    # the default install or CI). pip install -e '.[tpu]'
+    "tpu": ["jax[tpu]==0.10.2"],
 }
 
 setup(

@@ -61,6 +61,34 @@ def reproducible_cpu_env(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def platform_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """``JAX_PLATFORMS`` to set so a CPU run stays quiet where ``libtpu`` is installed (the ``tpu`` extra)
+    but no TPU is attached: JAX would otherwise try the TPU backend first and print its
+    initialisation errors. Returns ``{}`` when ``JAX_PLATFORMS`` is set, libtpu is absent or a TPU is
+    attached (``/dev/accel*`` or ``/dev/vfio/[0-9]*``); else ``cpu``, preceded by ``cuda`` when a JAX CUDA
+    plugin is installed. Compiling for a TPU topology (the ``compile`` stage) works with either.
+    """
+    import glob
+    import importlib.util
+
+    if "JAX_PLATFORMS" in environ or importlib.util.find_spec("libtpu") is None:
+        return {}
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return {}
+    cuda = any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+    return {"JAX_PLATFORMS": "cuda,cpu" if cuda else "cpu"}
+
+
+def compile_cpu_devices(config) -> int:
+    """n when ``config`` runs the ``compile`` stage with target ``cpu:<n>`` (main.py then sets
+    ``jax_num_cpu_devices`` before JAX starts its backends), else 0."""
+    c = config.get("compile") if hasattr(config, "get") else None
+    stages = [s.strip() for s in str(config.get("stages", "")).split(",")] if c is not None else []
+    if c is None or "compile" not in stages or not str(c.get("target", "")).startswith("cpu:"):
+        return 0
+    return int(str(c.target).split(":", 1)[1])
+
+
 def _host_has(flag: str) -> bool:
     """Whether /proc/cpuinfo lists ``flag`` (False where there is no /proc/cpuinfo)."""
     try:

@@ -152,6 +152,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.sweep.diagnostic_draws = "0:100,1:101"  # SPEC §10.2: CKPT_SEED:GEN_SEED diagnostic draws.
     c.sweep.stages = "sft,grpo,sketch,draws,evaluate,report"  # Stages run for each seed.
 
+    # --- ahead-of-time compilation (the `compile` stage, issue 12; nothing is allocated) ---------
+    c.compile = ml_collections.ConfigDict()
+    c.compile.target = "cpu:8"  # "tpu:<topology>" (tpu:v5e:2x4; needs the tpu extra), "cpu:<n>" fake host devices, or "local".
+    c.compile.model = ""  # Qwen2Config preset (e.g. "qwen2p5_1p5b"); "" = model.hf_dir's config.json, else base.preset.
+    c.compile.num_layers = -1  # > 0: override the model depth (a quick check at 2 layers); -1 = the model's own.
+    c.compile.losses = ""  # GRPO losses to compile: "" = grpo.loss, "all" = every registered loss, or "a,b".
+    c.compile.both_sketch_variants = True  # Also compile the GRPO step with in-run sketches flipped (for the FLOP ratio).
+    c.compile.programs = ""  # Comma-separated name prefixes to compile (e.g. "grpo_step,sampler"); "" = every program.
+
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()
     c.evaluation.early_cutoff = 200  # SPEC §6.6 EARLY_CUTOFF.

@@ -1,0 +1,425 @@
+"""The ``compile`` stage: ahead-of-time compilation of every jitted program a config runs (issue 12).
+
+    python main.py --config=configs/seed0.py --config.stages=compile \\
+        --config.compile.target=tpu:v5e:2x4 --config.compile.model=qwen2p5_1p5b --workdir=W
+
+Nothing is allocated on an accelerator: each program is built by the same constructor the run uses
+(``grpo.make_train_step``, ``sampler.Sampler``, ``lm_trainer.LMTrainer``, ``targets.ForcedSketcher``)
+and lowered with ``jax.ShapeDtypeStruct`` arguments that carry their shardings on a mesh of the
+target's devices, then compiled. ``config.compile.target``:
+
+* ``tpu:<topology>`` (``tpu:v5e:2x4``, ``tpu:v6e:2x4``, ``tpu:v5p:2x2x1``): the devices of
+  ``jax.experimental.topologies.get_topology_desc`` - XLA:TPU on this host; needs ``libtpu``
+  (``pip install -e '.[tpu]'``);
+* ``cpu:<n>``: n host CPU devices (``main.py`` sets ``jax_num_cpu_devices`` before JAX starts;
+  jax 0.10.2 has no CPU topology description);
+* ``local``: the attached devices (a GPU, a TPU VM).
+
+Per program: compile seconds, host peak RSS, per-chip bytes of ``compiled.memory_analysis()``
+(arguments, outputs, temps, aliased, generated code) against the chip's memory, FLOPs and bytes of
+``compiled.cost_analysis()`` and a roofline ``max(FLOPs / peak, bytes / bandwidth)`` from
+:data:`CHIPS`. XLA's cost analysis counts a loop body (``lax.map``, ``while_loop``) once, so
+``analytic_flops`` counts the model's matmul FLOPs times every trip (see :func:`model_flops`).
+Writes ``W/compile_report.{json,md}``; raises :class:`DoesNotFit` naming each program over budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+try:  # package layout after the layer-folder move
+    from behaviortrace_jax.io import files
+    from behaviortrace_jax.models import qwen2, sampler as sampler_lib, sharding
+    from behaviortrace_jax.sketch import sketcher, targets
+    from behaviortrace_jax.stages.registry import register_stage
+    from behaviortrace_jax.train import grpo_loss, lm_trainer, train_state
+    from behaviortrace_jax.train import grpo_step as grpo
+except ImportError:  # flat layout
+    from behaviortrace_jax import files, grpo, grpo_loss, lm_trainer, qwen2, sampler as sampler_lib
+    from behaviortrace_jax import sharding, sketcher, targets, train_state
+    from behaviortrace_jax.stages import register_stage
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """Peak dense bf16 FLOP/s, HBM bytes and HBM bytes/s of one chip (per chip, not per board)."""
+
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+
+
+CHIPS: dict[str, Chip] = {
+    # https://cloud.google.com/tpu/docs/v4 : 275 TFLOP/s bf16, 32 GiB HBM2, 1,200 GB/s.
+    "v4": Chip("v4", 275e12, 32 * GiB, 1200e9),
+    # https://cloud.google.com/tpu/docs/v5e : 197 TFLOP/s bf16, 16 GiB HBM2, 819 GB/s.
+    "v5e": Chip("v5e", 197e12, 16 * GiB, 819e9),
+    # https://cloud.google.com/tpu/docs/v5p : 459 TFLOP/s bf16, 95 GiB HBM2e, 2,765 GB/s.
+    "v5p": Chip("v5p", 459e12, 95 * GiB, 2765e9),
+    # https://cloud.google.com/tpu/docs/v6e : 918 TFLOP/s bf16, 32 GiB HBM, 1,640 GB/s.
+    "v6e": Chip("v6e", 918e12, 32 * GiB, 1640e9),
+    # https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+    # A100 80GB SXM: 312 TFLOP/s dense bf16, 80 GB HBM2e, 2,039 GB/s.
+    "A100": Chip("A100", 312e12, 80e9, 2039e9),
+    # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+    # H100 SXM: 989 TFLOP/s dense bf16 (1,979 with sparsity), 80 GB HBM3, 3.35 TB/s.
+    "H100": Chip("H100", 989e12, 80e9, 3350e9),
+    # https://www.nvidia.com/en-us/data-center/h200/ : H200 SXM: 989 TFLOP/s dense bf16, 141 GB HBM3e, 4.8 TB/s.
+    "H200": Chip("H200", 989e12, 141e9, 4800e9),
+}
+_KIND_TO_CHIP = (("v5 lite", "v5e"), ("v5e", "v5e"), ("v5litepod", "v5e"), ("v6 lite", "v6e"), ("v6e", "v6e"),
+                 ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"), ("h200", "H200"), ("h100", "H100"), ("a100", "A100"))
+
+
+class DoesNotFit(RuntimeError):
+    """A compiled program needs more memory per chip than the target has."""
+
+
+def chip_for(kind: str) -> Chip | None:
+    """The :data:`CHIPS` row of a device kind / topology name ("TPU v5 lite", "v5e", "NVIDIA H200")."""
+    k = kind.lower()
+    for pattern, name in _KIND_TO_CHIP:
+        if pattern in k:
+            return CHIPS[name]
+    return None
+
+
+def target_devices(target: str) -> tuple[list[Any], Chip | None, float | None]:
+    """(devices, chip row or None, memory bytes per device or None) of ``config.compile.target``.
+
+    Raises:
+        ValueError: for an unknown target, or ``cpu:<n>`` when JAX has fewer CPU devices.
+        RuntimeError: for ``tpu:...`` without libtpu (install the ``tpu`` extra).
+    """
+    kind, _, rest = target.partition(":")
+    if kind == "tpu":
+        from jax.experimental import topologies
+        try:
+            topo = topologies.get_topology_desc(topology_name=rest, platform="tpu")
+        except Exception as e:  # noqa: BLE001 - libtpu missing or unknown topology
+            raise RuntimeError(f"compile.target={target!r}: no TPU topology ({type(e).__name__}: {e}); "
+                               "install the tpu extra: pip install -e '.[tpu]'") from e
+        chip = chip_for(rest.split(":")[0])
+        return list(topo.devices), chip, chip.hbm_bytes if chip else None
+    if kind == "cpu":
+        n = int(rest)
+        devs = jax.devices("cpu")
+        if len(devs) < n:
+            raise ValueError(f"compile.target={target!r} but JAX has {len(devs)} CPU device(s): start through "
+                             f"main.py (it sets jax_num_cpu_devices) or set jax.config jax_num_cpu_devices={n} "
+                             "before JAX initialises")
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return devs[:n], None, host / n
+    if kind == "local":
+        devs = jax.devices()
+        chip = chip_for(devs[0].device_kind)
+        mem = None
+        try:
+            mem = float((devs[0].memory_stats() or {}).get("bytes_limit")) or None
+        except Exception:  # noqa: BLE001 - not every backend has memory stats
+            pass
+        return devs, chip, mem or (chip.hbm_bytes if chip else None)
+    raise ValueError(f"compile.target={target!r}: expected tpu:<topology>, cpu:<n> or local")
+
+
+def cpu_device_count(config: ml_collections.ConfigDict) -> int:
+    """n for a ``compile`` run with target ``cpu:<n>``, else 0 (main.py sets jax_num_cpu_devices)."""
+    c = config.get("compile")
+    stages = [s.strip() for s in str(config.get("stages", "")).split(",")]
+    if c is None or "compile" not in stages or not str(c.target).startswith("cpu:"):
+        return 0
+    return int(str(c.target).split(":")[1])
+
+
+def model_config(config: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
+    """The model to compile: ``compile.model`` = a ``Qwen2Config`` preset (e.g. ``qwen2p5_1p5b``), or
+    "" = ``model.hf_dir``'s config.json when present, else the ``base`` stage's preset. Only shapes
+    are read; no weights. ``compile.num_layers`` > 0 overrides the depth."""
+    c, dt = config.compile, dict(param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
+    hf = config.model.hf_dir
+    if c.model:
+        cfg = getattr(qwen2.Qwen2Config, c.model)(**dt)
+    elif hf and os.path.isfile(os.path.join(hf, "config.json")):
+        cfg = qwen2.Qwen2Config.from_hf_config(hf, **dt)
+    else:
+        cfg = getattr(qwen2.Qwen2Config, config.base.preset)(vocab_size=config.base.vocab_size,
+                                                            num_hidden_layers=config.base.num_layers, **dt)
+    return cfg.replace(num_hidden_layers=c.num_layers) if c.num_layers > 0 else cfg
+
+
+def model_flops(cfg: qwen2.Qwen2Config, rows: int, length: int, *, backward: bool = False,
+                context: int | None = None) -> float:
+    """Analytic matmul FLOPs of a forward (x3 with ``backward``) over ``rows x length`` tokens:
+    2 x (linear weights + LM head) per token, plus attention 4 x heads x head_dim x context per token
+    (``context`` = attended positions; default ``length``, causal halved). Elementwise work ignored."""
+    d, h, kv, hd, f = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
+    tokens = rows * length
+    ctx = context if context is not None else length / 2
+    fwd = 2 * tokens * (cfg.num_hidden_layers * per_layer + d * cfg.vocab_size)
+    fwd += 4 * tokens * cfg.num_hidden_layers * h * hd * ctx
+    return fwd * (3 if backward else 1)
+
+
+def _sds(shape, dtype, sh) -> jax.ShapeDtypeStruct:
+    dtype = dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else jnp.dtype(dtype)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sh)
+
+
+def _with_sh(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: _sds(a.shape, a.dtype, s), tree, shardings)
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _cost(compiled) -> dict[str, float]:
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0))}
+
+
+def _memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    out = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+           for k in ("argument", "output", "temp", "alias", "generated_code")}
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["generated_code"]
+    return out
+
+
+@dataclasses.dataclass
+class Program:
+    """One jitted program: ``lower()`` returns its ``jax.stages.Lowered``; ``analytic_flops`` (whole
+    program, all chips, every loop trip) and ``loop_trips`` document how XLA's count relates."""
+
+    name: str
+    lower: Callable[[], Any]
+    analytic_flops: float
+    note: str = ""
+
+
+def build_programs(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, mesh) -> list[Program]:
+    """Every jitted program of ``config`` at its real shapes, from the run's own constructors."""
+    graphdef, abs_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
+    param_sh = sharding.param_shardings(abs_params, mesh)
+    params = _with_sh(abs_params, param_sh)
+    tx = train_state.make_optimizer(config.optim)
+    state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)
+    state = train_state.abstract_train_state(abs_params, tx, state_sh)
+    rep, data = sharding.replicated(mesh), sharding.data_sharding(mesh)
+    n_data = mesh.shape[sharding.DATA]
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = _sds(key.shape, key.dtype, rep)
+    f32 = _sds((), jnp.float32, rep)
+    g, sk, tg = config.grpo, config.sketch, config.targets
+    progs: list[Program] = []
+
+    # --- sampler (GRPO rollouts: B x G rows, padded to the data axis) -------------------------
+    top_k = g.top_k if g.top_k >= 0 else 0
+    smp = sampler_lib.Sampler(graphdef, cfg, max_prompt_tokens=g.max_prompt_tokens, max_new_tokens=g.max_new_tokens,
+                              eos_ids=[0], pad_id=0, mesh=mesh, top_k=top_k)
+    rows = -(-g.prompts_per_step * g.group_size // n_data) * n_data
+    p = smp.bucket_for(g.max_prompt_tokens)
+    ids = _sds((rows, p), jnp.int32, data)
+    live = _sds((rows,), jnp.bool_, data)
+    prefill_args = (params, ids, ids, live, key, f32, f32, f32)
+    progs.append(Program("sampler_prefill", lambda: smp._prefill.lower(*prefill_args),
+                         model_flops(cfg, rows, p), f"{rows} rows x {p} prompt tokens"))
+
+    def lower_decode():
+        out = smp._prefill.lower(*prefill_args).out_info
+        # the prefill's output state, rows over "data" (as the prefill's constraints place them)
+        st = jax.tree.map(lambda o: _sds(o.shape, o.dtype, data if o.shape and o.shape[0] == rows else rep), out)
+        return smp._decode.lower(params, st, key, f32, f32, f32)
+
+    progs.append(Program("sampler_decode", lower_decode,
+                         model_flops(cfg, rows, g.max_new_tokens - 1, context=p + g.max_new_tokens / 2),
+                         f"while_loop of {g.max_new_tokens - 1} trips: XLA counts one"))
+
+    # --- SFT step (batch sft.batch_size x (prompt + completion) tokens, no shared prefix at batch 1)
+    s = config.sft
+    sft_len = s.max_prompt_tokens + s.max_completion_tokens
+    # LMTrainer places its prefix on a device at construction, which a compile-only TPU client cannot
+    # do: build it mesh-less and jit its step exactly as LMTrainer.__init__ does with a mesh.
+    trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, np.zeros((0,), np.int32))
+    sft_step = jax.jit(trainer._step_impl, donate_argnums=0, out_shardings=(state_sh, rep))
+    bsh = data if s.batch_size % n_data == 0 else rep
+    sft_batch = {"tokens": _sds((s.batch_size, sft_len), jnp.int32, bsh),
+                 "mask": _sds((s.batch_size, sft_len), jnp.int32, bsh),
+                 "targets": _sds((s.batch_size, sft_len), jnp.float32, bsh)}
+    prefix = _sds((0,), jnp.int32, rep)
+    progs.append(Program("sft_step", lambda: sft_step.lower(state, prefix, sft_batch),
+                         model_flops(cfg, s.batch_size, sft_len, backward=True), f"batch {s.batch_size} x {sft_len}"))
+
+    # --- GRPO step: every requested loss, in-run rollout sketches as configured (and off, for the ratio)
+    shapes = grpo.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+    n, t = shapes.num_rollouts, g.max_prompt_tokens + g.max_new_tokens
+    gbatch = {"input_ids": _sds((n, t), jnp.int32, data), "attention_mask": _sds((n, t), jnp.int32, data),
+              "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, data),
+              "advantages": _sds((n,), jnp.float32, data)}
+    order = sketcher.qwen2_param_order(cfg)
+    losses = sorted(grpo_loss.LOSSES) if config.compile.losses == "all" else [
+        x.strip() for x in (config.compile.losses or g.loss).split(",") if x.strip()]
+    variants = [sk.in_run_rollouts] + ([not sk.in_run_rollouts] if config.compile.both_sketch_variants else [])
+    for loss in losses:
+        for in_run in variants:
+            fn = grpo.make_train_step(
+                graphdef, abs_params, tx, shapes, loss_name=loss,
+                loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), grad_clip=config.optim.grad_clip,
+                order=order, sketch_dim=sk.dim, sketch_seed=sk.seed, in_run_rollouts=in_run,
+                chunk_size=sk.chunk_size, mesh=mesh, param_shardings=param_sh, opt_shardings=state_sh.opt_state,
+                inner_iterations=g.inner_iterations if loss == "grpo_clip" else 1)
+            ref = params if loss == "grpo_clip" else None
+            iters = g.inner_iterations if loss == "grpo_clip" else 1
+            fl = model_flops(cfg, n, t) * (1 + (loss == "grpo_clip")) + model_flops(cfg, n, t, backward=True) * iters
+            if in_run:
+                fl += model_flops(cfg, n, t, backward=True)
+            name = f"grpo_step[{loss},in_run={'on' if in_run else 'off'}]"
+            progs.append(Program(name, (lambda fn=fn, ref=ref: fn.lower(params, state.opt_state, gbatch, ref)), fl,
+                                 f"{n} rollouts x {t} tokens" + (f"; per-rollout sketches in lax.map of "
+                                                                 f"{-(-n // sk.chunk_size)} trips" if in_run else "")))
+
+    # --- checkpoint target sketcher, rollout re-sketcher, draws sketcher (targets.ForcedSketcher)
+    fs = targets.ForcedSketcher(graphdef, cfg, abs_params, dim=sk.dim, seed=sk.seed, chunk_size=sk.chunk_size,
+                                block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0, use_tables=False)
+    tables = None
+    if tg.use_tables:
+        tables = [_sds(shape, jnp.int32, rep) for shape in fs.sketcher.layout.shapes]
+    bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
+    ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
+    lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
+               "rollout_resketcher": bucket(g.max_prompt_tokens + g.max_new_tokens),
+               "draws_sketcher": bucket(g.max_prompt_tokens + config.draws.max_new_tokens)}
+    b = fs.block_size
+    fsh = data if b % n_data == 0 else rep
+    for name, length in lengths.items():
+        fb = {"input_ids": _sds((b, length), jnp.int32, fsh), "attention_mask": _sds((b, length), jnp.int32, fsh),
+              "loss_mask": _sds((b, length), jnp.float32, fsh)}
+        progs.append(Program(name, (lambda fb=fb: fs.sketcher._jitted.lower(params, fb, tables)),
+                             model_flops(cfg, b, length, backward=True),
+                             f"{b} sequences x {length}; lax.map of {b // fs.chunk_size} trips"))
+    fb_len = lengths["target_sketcher"]
+    lp_args = (params, _sds((b, fb_len), jnp.int32, fsh), _sds((b, fb_len), jnp.int32, fsh),
+               _sds((b, fb_len), jnp.float32, fsh))
+    progs.append(Program("target_mean_logprob", lambda: fs._mean_lp.lower(*lp_args), model_flops(cfg, b, fb_len),
+                         f"lax.map of {b // fs.chunk_size} trips"))
+    only = [x.strip() for x in config.compile.programs.split(",") if x.strip()]
+    return [pr for pr in progs if not only or any(pr.name.startswith(o) for o in only)]
+
+
+def compile_program(pr: Program, chip: Chip | None, memory: float | None, n_chips: int) -> dict[str, Any]:
+    """Lowers and compiles one program; its report row."""
+    t0 = time.perf_counter()
+    lowered = pr.lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem, cost = _memory(compiled), _cost(compiled)
+    row: dict[str, Any] = {"name": pr.name, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
+                           "host_peak_rss_bytes": _rss_bytes(), **{f"{k}_bytes": v for k, v in mem.items()},
+                           "flops": cost["flops"], "bytes_accessed": cost["bytes_accessed"],
+                           "analytic_flops_per_chip": pr.analytic_flops / n_chips, "note": pr.note}
+    if chip is not None:
+        flops = max(cost["flops"], row["analytic_flops_per_chip"])
+        row["roofline_s"] = max(flops / chip.peak_flops, cost["bytes_accessed"] / chip.hbm_bw)
+        row["roofline_compute_s"] = flops / chip.peak_flops
+    else:
+        row["roofline_s"] = None
+    row["memory_bytes"] = memory
+    row["fits"] = bool(memory is None or mem.get("total", 0) <= memory)
+    return row
+
+
+def _fmt_gib(x: Any) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    head = (f"# Compile report: {report['target']} ({report['n_devices']} devices, chip {report['chip'] or '-'}, "
+            f"mesh {report['mesh']})\n\nModel: {report['model']}. Host peak RSS {report['host_peak_rss_bytes'] / 1e9:.2f} GB; "
+            f"stage {report['stage_s']:.1f} s.\n\n"
+            "| program | compile s | args GiB | out GiB | temp GiB | alias GiB | code GiB | total GiB | of GiB | "
+            "XLA FLOPs/chip | analytic FLOPs/chip | XLA bytes/chip | roofline s | fits |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in report["programs"]:
+        rl = "-" if r["roofline_s"] is None else f"{r['roofline_s']:.3g}"
+        lines.append(f"| {r['name']} | {r['compile_s']:.1f} | {_fmt_gib(r.get('argument_bytes'))} | "
+                     f"{_fmt_gib(r.get('output_bytes'))} | {_fmt_gib(r.get('temp_bytes'))} | "
+                     f"{_fmt_gib(r.get('alias_bytes'))} | {_fmt_gib(r.get('generated_code_bytes'))} | "
+                     f"{_fmt_gib(r.get('total_bytes'))} | {_fmt_gib(r['memory_bytes'])} | {r['flops']:.3g} | "
+                     f"{r['analytic_flops_per_chip']:.3g} | {r['bytes_accessed']:.3g} | {rl} | {r['fits']} |")
+    ratio = report["grpo_step_flop_ratio"]
+    tail = ("\n\nXLA's cost analysis counts a loop body (lax.map, while_loop) once: the XLA FLOPs of the "
+            "sampler decode, the sketchers and the GRPO step with in-run sketches are one trip's worth. "
+            "`analytic FLOPs` = matmul FLOPs of every trip (2 x weights per token forward, x3 with the "
+            "backward, + attention); the roofline uses max(XLA, analytic) FLOPs. XLA:TPU's 'bytes accessed' is "
+            "inflated by several scatters into one accumulator (../shared/notes/AOT_FINDINGS.md), so "
+            "bandwidth-bound rooflines of sketching programs are upper bounds.\n\n"
+            f"grpo_step_flop_ratio (analytic, with / without in-run rollout sketches): "
+            f"{'-' if ratio is None else f'{ratio:.3f}'}; XLA's own (one loop trip): "
+            f"{report.get('grpo_step_flop_ratio_xla') or '-'}\n")
+    return head + "\n".join(lines) + tail
+
+
+@register_stage("compile")
+def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Compiles every program of ``config`` for ``config.compile.target``; writes the report.
+
+    Raises:
+        DoesNotFit: naming every program whose per-chip bytes exceed the chip's memory, and by how much.
+    """
+    t_start = time.perf_counter()
+    devs, chip, memory = target_devices(config.compile.target)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model, devices=devs)
+    cfg = model_config(config)
+    programs = build_programs(config, cfg, mesh)
+    rows = []
+    for pr in programs:
+        logging.info("compile: %s ...", pr.name)
+        row = compile_program(pr, chip, memory, len(devs))
+        rows.append(row)
+        logging.info("compile: %s in %.1f s, %s GiB/chip, fits=%s", pr.name, row["compile_s"],
+                     _fmt_gib(row.get("total_bytes")), row["fits"])
+    by = {r["name"]: r for r in rows}
+    ratio = ratio_xla = None
+    on, off = f"grpo_step[{config.grpo.loss},in_run=on]", f"grpo_step[{config.grpo.loss},in_run=off]"
+    if on in by and off in by:
+        ratio = by[on]["analytic_flops_per_chip"] / by[off]["analytic_flops_per_chip"]
+        ratio_xla = by[on]["flops"] / by[off]["flops"] if by[off]["flops"] else None
+    report = {"target": config.compile.target, "chip": chip.name if chip else None, "n_devices": len(devs),
+              "mesh": dict(mesh.shape), "model": f"{cfg.num_hidden_layers} layers, d {cfg.hidden_size}, "
+              f"vocab {cfg.vocab_size}, {cfg.param_dtype}", "programs": rows, "grpo_step_flop_ratio": ratio,
+              "grpo_step_flop_ratio_method": "analytic matmul FLOPs, every loop trip counted (model_flops)",
+              "grpo_step_flop_ratio_xla": ratio_xla, "host_peak_rss_bytes": _rss_bytes(),
+              "stage_s": time.perf_counter() - t_start, "jax": jax.__version__}
+    os.makedirs(workdir, exist_ok=True)
+    files.atomic_write_text(os.path.join(workdir, "compile_report.json"), json.dumps(report, indent=2))
+    md = report_markdown(report)
+    files.atomic_write_text(os.path.join(workdir, "compile_report.md"), md)
+    print(md)
+    bad = [r for r in rows if not r["fits"]]
+    if bad:
+        raise DoesNotFit("; ".join(f"{r['name']} needs {_fmt_gib(r['total_bytes'])} GiB per chip, "
+                                   f"{_fmt_gib(r['total_bytes'] - r['memory_bytes'])} GiB over the "
+                                   f"{_fmt_gib(r['memory_bytes'])} GiB of {report['chip'] or 'a device'}" for r in bad))

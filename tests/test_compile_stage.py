@@ -1,0 +1,68 @@
+"""The `compile` stage (issue 12): ahead-of-time compilation of every program of a config."""
+import importlib.util
+import json
+
+import pytest
+
+from configs import tiny
+
+try:
+    from behaviortrace_jax.stages import compile as compile_stage
+except ImportError:
+    from behaviortrace_jax import compile_stage
+
+FIELDS = ("name", "compile_s", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
+          "generated_code_bytes", "total_bytes", "flops", "bytes_accessed", "analytic_flops_per_chip",
+          "roofline_s", "fits", "host_peak_rss_bytes")
+
+
+def _config(target):
+    c = tiny.get_config("smoke")
+    with c.unlocked():
+        c.compile.target = target
+        c.mesh.data = -1
+    return c
+
+
+def test_compile_stage_cpu_tiny(tmp_path):
+    compile_stage.compile_stage(_config("cpu:2"), str(tmp_path))
+    report = json.loads((tmp_path / "compile_report.json").read_text())
+    names = [p["name"] for p in report["programs"]]
+    assert names[:3] == ["sampler_prefill", "sampler_decode", "sft_step"]
+    assert {"grpo_step[paper,in_run=on]", "grpo_step[paper,in_run=off]", "target_sketcher",
+            "rollout_resketcher", "draws_sketcher"} <= set(names)
+    for p in report["programs"]:
+        assert set(FIELDS) <= set(p), p["name"]
+        assert p["fits"] and p["flops"] > 0 and p["total_bytes"] > 0
+    assert report["n_devices"] == 2 and report["mesh"] == {"data": 2, "model": 1}
+    assert 1.0 < report["grpo_step_flop_ratio"] < 3.0
+    assert "grpo_step_flop_ratio" in (tmp_path / "compile_report.md").read_text()
+
+
+def test_compile_stage_names_programs_that_do_not_fit(tmp_path, monkeypatch):
+    real = compile_stage.target_devices
+    monkeypatch.setattr(compile_stage, "target_devices", lambda t: (real(t)[0], None, 1024.0))
+    c = _config("cpu:2")
+    with c.unlocked():
+        c.compile.programs = "sampler_prefill"
+    with pytest.raises(compile_stage.DoesNotFit, match=r"sampler_prefill needs .* GiB over"):
+        compile_stage.compile_stage(c, str(tmp_path))
+    assert (tmp_path / "compile_report.json").exists()
+
+
+def test_unknown_target_and_too_many_cpus():
+    with pytest.raises(ValueError, match="expected tpu"):
+        compile_stage.target_devices("gpu:1")
+    with pytest.raises(ValueError, match="CPU device"):
+        compile_stage.target_devices("cpu:4096")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (pip install -e '.[tpu]')")
+def test_compile_stage_tpu_target_tiny(tmp_path):
+    c = _config("tpu:v5e:2x4")
+    with c.unlocked():
+        c.compile.programs = "sampler_prefill,sft_step"
+    compile_stage.compile_stage(c, str(tmp_path))
+    report = json.loads((tmp_path / "compile_report.json").read_text())
+    assert report["chip"] == "v5e" and report["n_devices"] == 8
+    assert all(p["fits"] and p["roofline_s"] > 0 for p in report["programs"])
