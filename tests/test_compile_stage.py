@@ -66,3 +66,19 @@ def test_compile_stage_tpu_target_tiny(tmp_path):
     report = json.loads((tmp_path / "compile_report.json").read_text())
     assert report["chip"] == "v5e" and report["n_devices"] == 8
     assert all(p["fits"] and p["roofline_s"] > 0 for p in report["programs"])
+
+
+def test_platform_env_and_compile_cpu_devices(monkeypatch):
+    from behaviortrace_jax import runtime
+
+    assert runtime.platform_env({"JAX_PLATFORMS": "tpu"}) == {}
+    env = runtime.platform_env({})
+    if importlib.util.find_spec("libtpu") is None:
+        assert env == {}
+    else:
+        assert env in ({}, {"JAX_PLATFORMS": "cpu"}, {"JAX_PLATFORMS": "cuda,cpu"})
+    c = _config("cpu:4")
+    assert runtime.compile_cpu_devices(c) == 0  # `compile` not in config.stages
+    with c.unlocked():
+        c.stages = "compile"
+    assert runtime.compile_cpu_devices(c) == 4
