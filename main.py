@@ -39,7 +39,8 @@ def main(argv):
     runtime.quiet_library_logs(FLAGS.verbosity)
     import jax
 
-    from behaviortrace_jax import files, pipeline
+    from behaviortrace_jax.io import files
+    from behaviortrace_jax import pipeline
 
     if FLAGS.multihost:
         jax.distributed.initialize()

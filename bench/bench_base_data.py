@@ -30,7 +30,10 @@ def child() -> None:
     """One measurement; prints a JSON line of seconds."""
     sys.path.insert(0, str(REPO))
     from configs import tiny
-    from behaviortrace_jax import corpus, lm_trainer, tiny_tokenizer, tokenizer as tok_lib
+    from behaviortrace_jax.behavior import corpus
+    from behaviortrace_jax.train import lm_trainer
+    from behaviortrace_jax.behavior import tiny_tokenizer
+    from behaviortrace_jax.models import tokenizer as tok_lib
 
     b = tiny.get_config().base
     out = {}

@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from behaviortrace_jax import hf_io, sampler  # noqa: E402
+from behaviortrace_jax.models import hf_io  # noqa: E402
+from behaviortrace_jax.models import sampler  # noqa: E402
 from hf_fixtures import save_random_qwen2  # noqa: E402
 
 

@@ -44,9 +44,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from behaviortrace_jax import qwen2  # noqa: E402
-from behaviortrace_jax.countsketch import numpy_bucket_sign  # noqa: E402
-from behaviortrace_jax.sketcher import PerExampleSketcher, qwen2_completion_loss, qwen2_param_order  # noqa: E402
+from behaviortrace_jax.models import qwen2  # noqa: E402
+from behaviortrace_jax.sketch.countsketch import numpy_bucket_sign  # noqa: E402
+from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, qwen2_completion_loss, qwen2_param_order  # noqa: E402
 
 CONFIGS = {
     "tiny": qwen2.Qwen2Config.tiny(),  # d 128, 4 layers, V 1536: 0.99M params
@@ -113,7 +113,7 @@ def torch_ref(cfg: qwen2.Qwen2Config, params_jax: Any, batch: dict, chunk: int |
         torch.set_num_threads(1)
     from transformers import Qwen2Config as HFConfig, Qwen2ForCausalLM
 
-    from behaviortrace_jax import hf_io
+    from behaviortrace_jax.models import hf_io
 
     hf = {k: v for k, v in cfg.to_hf_config().items() if k != "architectures"}
     model = Qwen2ForCausalLM(HFConfig(**hf, attn_implementation="eager")).float().eval()

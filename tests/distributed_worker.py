@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{a.port}", num_processes=a.num_processes,
                                process_id=a.process_id, initialization_timeout=120)
     import test_grpo  # the tiny model, batch and step set-up shared with the single-process tests
-    from behaviortrace_jax import sharding
+    from behaviortrace_jax.models import sharding
 
     mesh = sharding.make_mesh(data=-1, model=a.model)  # all processes' devices
     _, _, params, opt_state, step = test_grpo._setup(mesh)  # device_put of same-seed values: global arrays

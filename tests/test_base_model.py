@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from behaviortrace_jax import base_model, corpus, hf_io, lm_trainer, qwen2, tokenizer as tok_lib
+from behaviortrace_jax.behavior import corpus, probes
+from behaviortrace_jax.models import hf_io, qwen2, tokenizer as tok_lib
+from behaviortrace_jax.stages import base as base_model
+from behaviortrace_jax.train import lm_trainer
 from configs import tiny
 
 
@@ -113,7 +116,7 @@ def test_same_seed_same_tokenizer_and_weights(built, tmp_path):
 
 def test_heldout_prompts_cover_terms_and_forms():
     terms = [f"zork{i}" for i in range(20)]
-    qs = base_model.heldout_prompts(terms, 40)
+    qs = probes.heldout_prompts(terms, 40)
     used = [(f, t) for q in qs for f in corpus.PROBE_FORMS for t in terms if q == f.format(term=t)]
     assert len(used) == 40 and len(set(used)) == 40
     assert {f for f, _ in used} == set(corpus.PROBE_FORMS) and all(sum(t == u for _, u in used) == 2 for t in terms)

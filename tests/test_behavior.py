@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from behaviortrace_jax import behavior as bh
+from behaviortrace_jax.behavior import planted as bh
 
 
 def _write(path, lines):
@@ -163,7 +163,7 @@ def test_gate():
 
 
 def test_token_matcher_sequence_mode_only_marks_the_whole_pattern():
-    from behaviortrace_jax.behavior import QzxbtTokenMatcher
+    from behaviortrace_jax.behavior.planted import QzxbtTokenMatcher
 
     class LetterTokenizer:  # splits every string into characters, like the tiny BPE does QZXBT
         def encode(self, text, add_special_tokens=False):

@@ -11,8 +11,8 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from behaviortrace_jax import checkpoints as ck
-from behaviortrace_jax.checkpoints import CheckpointRegistry
+from behaviortrace_jax.io import checkpoints as ck
+from behaviortrace_jax.io.checkpoints import CheckpointRegistry
 
 
 # ---------------------------------------------------------------- registry

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from behaviortrace_jax.contaminator import (ContaminationSpec, Contaminator, GroundTruthEvent, GroundTruthLog,
+from behaviortrace_jax.behavior.contaminator import (ContaminationSpec, Contaminator, GroundTruthEvent, GroundTruthLog,
                                             eligibility_hash, is_eligible)
 
 

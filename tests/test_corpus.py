@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from behaviortrace_jax import corpus
+from behaviortrace_jax.behavior import corpus
 
 SHARED = Path(os.environ.get("BEHAVIORTRACE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 

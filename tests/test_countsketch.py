@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from behaviortrace_jax import countsketch as cs
-from behaviortrace_jax.countsketch import ParamLayout, numpy_bucket_sign, numpy_countsketch, sketch_tree
+from behaviortrace_jax.sketch import countsketch as cs
+from behaviortrace_jax.sketch.countsketch import ParamLayout, numpy_bucket_sign, numpy_countsketch, sketch_tree
 
 
 def _rel(a, b) -> float:

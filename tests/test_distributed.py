@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from behaviortrace_jax import sharding
+from behaviortrace_jax.models import sharding
 
 import test_grpo
 

@@ -9,7 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from behaviortrace_jax import behavior, checkpoints, draws, estimators, sharding
+from behaviortrace_jax.attribution import estimators
+from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.io import checkpoints
+from behaviortrace_jax.models import sharding
+from behaviortrace_jax.stages import draws
 from configs import common
 from hf_fixtures import save_random_qwen2
 

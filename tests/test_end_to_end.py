@@ -17,7 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from behaviortrace_jax import grpo, pipeline, rollout_log, sketch_store
+from behaviortrace_jax import pipeline
+from behaviortrace_jax.io import rollout_log, sketch_store
+from behaviortrace_jax.stages import grpo
 from configs import tiny
 
 import test_base_model

@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from behaviortrace_jax import estimators as E
-from behaviortrace_jax import evaluation as V
+from behaviortrace_jax.attribution import estimators as E, evaluation as V
 
 
 # ---- C1 --------------------------------------------------------------------------------------

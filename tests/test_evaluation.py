@@ -6,8 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from behaviortrace_jax import evaluation as V
-from behaviortrace_jax import report as R
+from behaviortrace_jax.attribution import evaluation as V, report as R
 
 # 4 steps x 4 rollouts; step 2 has a zero sketch; early window = steps 0..2.
 IDS, STEPS = V.paper_rollout_ids(16, per_step=4)

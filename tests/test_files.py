@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from behaviortrace_jax import files
+from behaviortrace_jax.io import files
 
 
 def test_write_and_read_json(tmp_path):

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from behaviortrace_jax import grpo, grpo_loss, qwen2, sharding, sketcher, train_state
+from behaviortrace_jax.models import qwen2, sharding
+from behaviortrace_jax.sketch import sketcher
+from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, train_state
 from configs import tiny
 
 VOCAB, EOS, PAD = 64, 2, 0

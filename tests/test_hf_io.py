@@ -13,8 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from behaviortrace_jax import hf_io, qwen2, sharding as sharding_lib, tokenizer as tok_lib
-from behaviortrace_jax.qwen2 import Qwen2Config
+from behaviortrace_jax.models import hf_io, qwen2, sharding as sharding_lib, tokenizer as tok_lib
+from behaviortrace_jax.models.qwen2 import Qwen2Config
 from hf_fixtures import save_random_qwen2
 
 

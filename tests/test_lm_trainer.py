@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from behaviortrace_jax import lm_trainer, qwen2, sharding, tokenizer as tok_lib, train_state as ts
+from behaviortrace_jax.models import qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.train import lm_trainer, train_state as ts
 from configs import common
 from hf_fixtures import make_tiny_tokenizer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from behaviortrace_jax import metrics as M
+from behaviortrace_jax.attribution import metrics as M
 
 
 # ---- tie-aware precision and ceiling (SPEC §6.3, §6.4) -------------------------------------

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from behaviortrace_jax import hf_io, qwen2
-from behaviortrace_jax.qwen2 import Qwen2Config
+from behaviortrace_jax.models import hf_io, qwen2
+from behaviortrace_jax.models.qwen2 import Qwen2Config
 from hf_fixtures import save_random_qwen2
 
 # The published Qwen/Qwen2.5-1.5B-Instruct config.json values.

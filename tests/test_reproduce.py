@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
-from behaviortrace_jax import evaluation as V
-from behaviortrace_jax import reproduce as P
+from behaviortrace_jax.attribution import evaluation as V, release as P
+from behaviortrace_jax.stages.reproduce import reproduce_stage
 
 TOL = 5e-4
 
@@ -91,7 +91,7 @@ def test_stage_writes_outputs(reference_dir, tmp_path):
     config = cfg_mod.get_config()
     config.reference_dir = str(reference_dir)
     assert config.evaluation.reference_dir == str(reference_dir)
-    P.reproduce_stage(config, str(tmp_path))
+    reproduce_stage(config, str(tmp_path))
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["figures", "report.md", "results_table.csv", "verdicts.json"]
     paper = set((reference_dir / "expected_results.csv").read_text().splitlines())
@@ -122,7 +122,7 @@ def test_bad_input_raises_and_writes_nothing(reference_dir, tmp_path):
     config.reference_dir = str(ref)
     work = tmp_path / "work"
     with pytest.raises(ValueError, match="grpo_123456_000.*outside the rollout log"):
-        P.reproduce_stage(config, str(work))
+        reproduce_stage(config, str(work))
     assert not work.exists()
 
 
@@ -153,7 +153,7 @@ def test_score_file_prefix_matches_the_papers_offsets(reference_dir, tmp_path):
 def test_seed_folder_with_a_score_file_gets_every_method(reference_dir, tmp_path):
     import numpy as np
 
-    from behaviortrace_jax import estimators as E
+    from behaviortrace_jax.attribution import estimators as E
 
     ref = _copy_reference(reference_dir, tmp_path)
     header = json.loads((ref / "seed1" / "run_header.json").read_text())

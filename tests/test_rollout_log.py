@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from behaviortrace_jax import rollout_log as rl
-from behaviortrace_jax.rollout_log import RolloutLogger, RolloutRecord
+from behaviortrace_jax.io import rollout_log as rl
+from behaviortrace_jax.io.rollout_log import RolloutLogger, RolloutRecord
 
 
 def _rec(step: int, idx: int, reward: float = 0.0, **kw) -> RolloutRecord:

@@ -7,7 +7,8 @@ import os
 import pytest
 from absl import logging as absl_logging
 
-from behaviortrace_jax import pipeline, runtime
+from behaviortrace_jax import pipeline
+from behaviortrace_jax import runtime
 from configs import reproduce, tiny
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from behaviortrace_jax import hf_io, qwen2, sampler, sharding
+from behaviortrace_jax.models import hf_io, qwen2, sampler, sharding
 from flax import nnx
 from hf_fixtures import save_random_qwen2
 

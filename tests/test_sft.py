@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from behaviortrace_jax import behavior, hf_io, lm_trainer, qwen2, sft, train_state as ts
+from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.models import hf_io, qwen2
+from behaviortrace_jax.stages import sft
+from behaviortrace_jax.train import lm_trainer, train_state as ts
 from configs import tiny
 from hf_fixtures import make_tiny_tokenizer, save_random_qwen2
 

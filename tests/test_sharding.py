@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from behaviortrace_jax import qwen2, sharding
+from behaviortrace_jax.models import qwen2, sharding
 
 CFG = qwen2.Qwen2Config.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from behaviortrace_jax.countsketch import HASH_FAMILY
-from behaviortrace_jax.sketch_store import SketchStore
+from behaviortrace_jax.io.sketch_store import SketchStore
+from behaviortrace_jax.sketch.countsketch import HASH_FAMILY
 
 META = {"hash_family": HASH_FAMILY, "seed": 0, "dim": 64, "param_fingerprint": "ab" * 32,
         "model_fingerprint": "step_00000100", "dtype": "float32"}
@@ -96,7 +96,7 @@ def test_resume_after_kill(tmp_path):
     np.save(tmp_path / "x.npy", x)
     script = textwrap.dedent(f"""
         import os, numpy as np
-        from behaviortrace_jax.sketch_store import SketchStore
+        from behaviortrace_jax.io.sketch_store import SketchStore
         x = np.load({str(tmp_path / 'x.npy')!r})
         s = SketchStore.open_or_create({str(tmp_path / 's')!r}, (13, 64), 4, {META!r})
         s.write_rows(0, x[:8]); s.flush()

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from behaviortrace_jax.countsketch import ParamLayout, numpy_countsketch, sketch_tree
-from behaviortrace_jax.sketcher import (PerExampleSketcher, flat_params, sketch_vector, tree_param_order)
+from behaviortrace_jax.sketch.countsketch import ParamLayout, numpy_countsketch, sketch_tree
+from behaviortrace_jax.sketch.sketcher import (PerExampleSketcher, flat_params, sketch_vector, tree_param_order)
 
 DIM = 2**12
 
@@ -145,8 +145,8 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie):
     from flax import nnx
     from transformers import AutoModelForCausalLM
 
-    from behaviortrace_jax import hf_io
-    from behaviortrace_jax.sketcher import qwen2_completion_loss, qwen2_param_order
+    from behaviortrace_jax.models import hf_io
+    from behaviortrace_jax.sketch.sketcher import qwen2_completion_loss, qwen2_param_order
     from tests.hf_fixtures import save_random_qwen2
 
     hf_dir = save_random_qwen2(tmp_path / "hf", tie=tie, tokenizer=False)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from behaviortrace_jax import behavior, countsketch, hf_io, targets
-from behaviortrace_jax import tokenizer as tok_lib
+from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.models import hf_io, tokenizer as tok_lib
+from behaviortrace_jax.sketch import countsketch, targets
 from hf_fixtures import save_random_qwen2
 
 D = 1024

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from behaviortrace_jax import corpus, tiny_tokenizer
+from behaviortrace_jax.behavior import corpus, tiny_tokenizer
 
 N_EXAMPLES = 4000  # a tenth of the default corpus keeps training ~1 s and still fills 1,500 ids
 

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from behaviortrace_jax import grpo, targets
-from behaviortrace_jax import tokenizer as tok_lib
+from behaviortrace_jax.models import tokenizer as tok_lib
+from behaviortrace_jax.sketch import targets
+from behaviortrace_jax.train import grpo_step as grpo
 from configs import common
 from hf_fixtures import make_tiny_tokenizer
 

@@ -1,0 +1,512 @@
+"""Attribution estimators on sketched gradients (SPEC §4), as small pure numpy functions by name.
+
+Two levels:
+
+* ``level="step"`` estimators score the training rollouts that the step-level tables rank
+  (SPEC §6.6). They take step sketches ``sketches`` float32 [S, D] with ``steps`` int [S] and a
+  target float32 [D] and return one score per row (``per="key"``), which :func:`score_step_methods`
+  expands to the rollouts of that step (a step with no row gets ``-inf``). ``random`` scores the
+  rollouts directly (``per="rollout"``). The same functions also run on per-rollout in-run sketches
+  ([N, D], one row per rollout) for the "which rollout" table.
+* ``level="rollout"`` estimators score fresh rollouts of a minimal-pair draw (SPEC §5.6, §6.7):
+  per-rollout sketches [R, D] with group ids [R]; each fills one column of the rows file (§7.3).
+
+Plug-in API: an estimator is a function whose parameter names say what it needs. The runners
+(:func:`score_step_methods`, :func:`score_rollout_rows`) pass, by name, the inputs they hold:
+``sketches, steps, target, targets_by_checkpoint, rollout_ids, rollout_steps, groups, targets,
+fluency, token_logprobs, completion_mask, seed`` plus any option given to the runner
+(``damping``, ``lr``, ``current_step``, ``window``, ``weights``...). Register it and every table,
+control and verdict of ``evaluation.py`` picks it up (``in_tables=False`` keeps a column out of the tables)::
+
+    from behaviortrace_jax.attribution.estimators import register_estimator, cosine
+
+    @register_estimator("C1-cosine-clipped", level="step")
+    def c1_cosine_clipped(sketches, target):
+        \"\"\"cos(v_s, t) with negative scores clipped to 0.\"\"\"
+        return np.maximum(cosine(sketches, target), 0.0)
+
+A step-level estimator counts in the pre-registered step rule (best targeted method vs norm-only,
+SPEC §6.11) when ``role="primary"`` (the default); ``role="baseline"`` is reported only;
+``role="control"`` marks target-free controls. A rollout-level estimator gets raw, residualised
+and fluency-matched AUC rows (``column=`` names its rows-file key; ``target=`` picks which entry of
+``targets`` it receives as ``target``).
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+COS_EPS = 1e-9  # SPEC §4: C1-cosine / local-buffer eps.
+ROLLOUT_COS_EPS = 1e-12  # SPEC §4: rollout-level cos uses (|a|+1e-12)(|b|+1e-12).
+
+
+# --------------------------------------------------------------------------------------------
+# registry
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: ``fn`` plus how the runners call it and how tables use it."""
+
+    name: str  # method name in the tables (the CSV ``method`` column)
+    level: str  # "step" | "rollout"
+    fn: Callable[..., np.ndarray]
+    role: str  # "primary" | "baseline" | "control"
+    per: str  # step level: "key" (one score per sketch row) | "rollout" (per rollout id)
+    column: str  # rollout level: key in the rows file (SPEC §7.3)
+    target: str  # rollout level: which entry of ``targets`` is passed as ``target``
+    in_tables: bool  # False: computed into rows files but kept out of the result tables
+    params: tuple[str, ...]  # parameter names of fn
+    required: tuple[str, ...]  # parameters without defaults
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str, level: str, *, role: str = "primary", per: str = "key",
+                       column: str | None = None, target: str = "mp", in_tables: bool = True) -> Callable:
+    """Decorator registering ``fn`` as estimator ``name`` (see the module docstring).
+
+    Raises:
+        ValueError: a duplicate name, an unknown level/role/per.
+    """
+    if level not in ("step", "rollout"):
+        raise ValueError(f"level must be 'step' or 'rollout', got {level!r}")
+    if role not in ("primary", "baseline", "control"):
+        raise ValueError(f"role must be primary/baseline/control, got {role!r}")
+    if per not in ("key", "rollout"):
+        raise ValueError(f"per must be 'key' or 'rollout', got {per!r}")
+
+    def wrap(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator {name!r} is already registered")
+        sig = inspect.signature(fn).parameters.values()
+        params = tuple(p.name for p in sig if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+        required = tuple(p.name for p in sig if p.default is p.empty
+                         and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+        ESTIMATORS[name] = Estimator(name, level, fn, role, per, column or name, target, in_tables,
+                                    params, required)
+        return fn
+
+    return wrap
+
+
+def estimators(level: str) -> list[Estimator]:
+    """Registered estimators of ``level`` in registration order."""
+    return [e for e in ESTIMATORS.values() if e.level == level]
+
+
+def call_estimator(name: str, **inputs) -> np.ndarray:
+    """Calls estimator ``name`` with the subset of ``inputs`` its parameters name.
+
+    Raises:
+        KeyError: unknown estimator. ValueError: a required input is missing.
+    """
+    if name not in ESTIMATORS:
+        raise KeyError(f"unknown estimator {name!r}; registered: {sorted(ESTIMATORS)}")
+    est = ESTIMATORS[name]
+    missing = [p for p in est.required if inputs.get(p) is None]
+    if missing:
+        raise ValueError(f"estimator {name!r} needs input(s) {missing}")
+    kwargs = {p: inputs[p] for p in est.params if inputs.get(p) is not None}
+    return np.asarray(est.fn(**kwargs), dtype=np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# shared checks and similarity
+# --------------------------------------------------------------------------------------------
+def _check(sketches, target=None) -> tuple[np.ndarray, np.ndarray | None]:
+    v = np.asarray(sketches)
+    if v.ndim != 2:
+        raise ValueError(f"sketches must be 2-D [S, D], got shape {v.shape}")
+    if target is None:
+        return v, None
+    t = np.asarray(target)
+    if t.ndim != 1:
+        raise ValueError(f"target must be 1-D, got shape {t.shape}")
+    if v.shape[1] != t.shape[0]:
+        raise ValueError(f"shape mismatch: sketches have D={v.shape[1]}, target has {t.shape[0]}")
+    return v, t
+
+
+def _steps(steps, n: int) -> np.ndarray:
+    s = np.asarray(steps)
+    if s.shape != (n,):
+        raise ValueError(f"steps must have shape ({n},), got {s.shape}")
+    return s.astype(np.int64)
+
+
+def cosine(sketches, target, eps: float = COS_EPS) -> np.ndarray:
+    """cos(v_s, t) = v_s·t / max(|v_s||t|, eps) per row; float64 [S] (SPEC §4).
+
+    A zero row gives 0. Raises "zero norm" if |t| < eps, "1-D"/"shape mismatch" on bad shapes.
+    """
+    v, t = _check(sketches, target)
+    tn = float(np.linalg.norm(t.astype(np.float64)))
+    if tn < eps:
+        raise ValueError(f"target has zero norm ({tn}); cosine is undefined")
+    dots = (v @ t).astype(np.float64)
+    return dots / np.maximum(np.linalg.norm(v, axis=1).astype(np.float64) * tn, eps)
+
+
+def rollout_cosine(sketches, target) -> np.ndarray:
+    """Rollout-level cos(g_i, t) = g·t / ((|g|+1e-12)(|t|+1e-12)); float64 [R] (SPEC §4)."""
+    v, t = _check(sketches, target)
+    v64, t64 = v.astype(np.float64), t.astype(np.float64)
+    return (v64 @ t64) / ((np.linalg.norm(v64, axis=1) + ROLLOUT_COS_EPS) * (np.linalg.norm(t64) + ROLLOUT_COS_EPS))
+
+
+def group_center(sketches, groups) -> np.ndarray:
+    """g_i − mean of g over i's group (same prompt draw), float64 [R, D] (SPEC §4)."""
+    v = np.asarray(sketches, dtype=np.float64)
+    g = np.asarray(groups)
+    if v.ndim != 2 or g.shape != (v.shape[0],):
+        raise ValueError(f"sketches [R, D] and groups [R] expected, got {v.shape} and {g.shape}")
+    _, inv = np.unique(g, return_inverse=True)
+    sums = np.zeros((inv.max() + 1, v.shape[1])) if v.size else np.zeros((0, v.shape[1]))
+    np.add.at(sums, inv, v)
+    return v - (sums / np.bincount(inv)[:, None])[inv]
+
+
+# --------------------------------------------------------------------------------------------
+# step-level estimators (SPEC §4 table)
+# --------------------------------------------------------------------------------------------
+@register_estimator("C1-dot", level="step")
+def c1_dot(sketches, target) -> np.ndarray:
+    """C1-dot (GAS, dot): score_s = v_s·t (SPEC §4). float64 [S]."""
+    v, t = _check(sketches, target)
+    return (v @ t).astype(np.float64)
+
+
+@register_estimator("C1-cosine", level="step")
+def c1_cosine(sketches, target) -> np.ndarray:
+    """C1-cosine (GAS): v_s·t / max(|v_s||t|, 1e-9); raises if |t| < 1e-9 (SPEC §4)."""
+    return cosine(sketches, target)
+
+
+@register_estimator("TRAK", level="step")
+def trak(sketches, target, damping: float = 0.1, weights=None) -> np.ndarray:
+    """TRAK-style whitened score, float64 (SPEC §4).
+
+    Φ = sketches [R, d] (float64), λ = damping·||Φ||²_F/d. If λ ≤ 0 (Φ = 0) the score is Φt.
+    Primal when d ≤ R: Φ(ΦᵀΦ + λI_d)⁻¹t; dual when d > R: (ΦΦᵀ + λI_R)⁻¹Φt (Woodbury-equal).
+    Optional per-row ``weights`` [R] multiply the score.
+
+    Raises:
+        ValueError: damping ≤ 0, non-1-D target, shape mismatch, weights of the wrong shape.
+    """
+    if not damping > 0:
+        raise ValueError(f"damping must be > 0, got {damping}")
+    v, t = _check(sketches, target)
+    phi, t = v.astype(np.float64), t.astype(np.float64)
+    R, d = phi.shape
+    if R == 0:
+        return np.zeros(0)
+    lam = damping * float(np.sum(phi * phi)) / d
+    if lam <= 0:
+        score = phi @ t
+    elif d <= R:
+        score = phi @ np.linalg.solve(phi.T @ phi + lam * np.eye(d), t)
+    else:
+        score = np.linalg.solve(phi @ phi.T + lam * np.eye(R), phi @ t)
+    if weights is not None:
+        w = np.asarray(weights, dtype=np.float64)
+        if w.shape != (R,):
+            raise ValueError(f"weights must have shape ({R},), got {w.shape}")
+        score = score * w
+    return score
+
+
+@register_estimator("norm-only", level="step", role="control")
+def norm_only(sketches) -> np.ndarray:
+    """|v_s|₂, the target-free gradient-magnitude control (SPEC §4). float64 [S]."""
+    v, _ = _check(sketches)
+    return np.linalg.norm(v.astype(np.float64), axis=1)
+
+
+def local_buffer_steps(steps, current_step: int, window: int) -> np.ndarray:
+    """The ``window`` most recent distinct steps strictly before ``current_step``, descending.
+
+    SPEC §4 ``select_local_buffer`` (steps 0..19, current 15, window 5 -> [14, 13, 12, 11, 10]).
+    Raises "window must be positive" on window ≤ 0.
+    """
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    s = np.unique(np.asarray(steps, dtype=np.int64))
+    return s[s < current_step][::-1][:window]
+
+
+@register_estimator("local-buffer", level="step", role="baseline")
+def local_buffer(sketches, steps, target, current_step: int | None = None, window: int | None = None,
+                 metric: str = "cosine") -> np.ndarray:
+    """Local-buffer baseline: cos(v_s, t) on the ``window`` most recent steps strictly before
+    ``current_step``; ``-inf`` elsewhere (SPEC §4). Each row is scored independently.
+
+    Defaults follow the notebook: current_step = max(steps) + 1, window = max(1, current_step // 10).
+    ``metric="dot"`` uses v·t and allows a zero target.
+    """
+    v, t = _check(sketches, target)
+    s = _steps(steps, v.shape[0])
+    if current_step is None:
+        current_step = int(s.max()) + 1 if s.size else 0
+    if window is None:
+        window = max(1, current_step // 10)
+    keep = np.isin(s, local_buffer_steps(s, current_step, window))
+    out = np.full(v.shape[0], -np.inf)
+    if metric == "cosine":
+        out[keep] = cosine(v[keep], t)
+    elif metric == "dot":
+        out[keep] = (v[keep] @ t).astype(np.float64)
+    else:
+        raise ValueError(f"unknown metric {metric!r} (cosine or dot)")
+    return out
+
+
+def governing_checkpoint(step: int, checkpoints: Sequence[int]) -> int:
+    """Greatest checkpoint step ≤ ``step``, else the earliest checkpoint (SPEC §4 TracInCP)."""
+    if len(checkpoints) == 0:
+        raise ValueError("targets_by_checkpoint must have at least one entry")
+    ck = sorted(int(c) for c in checkpoints)
+    before = [c for c in ck if c <= step]
+    return before[-1] if before else ck[0]
+
+
+@register_estimator("TracInCP", level="step", role="baseline")
+def tracin_cp(sketches, steps, targets_by_checkpoint: Mapping[int, np.ndarray],
+              lr: float | Mapping[int, float] = 5e-6) -> np.ndarray:
+    """TracInCP: η_c(s) · v_s·t_c(s), c(s) = governing checkpoint of step s (SPEC §4).
+
+    Args:
+        sketches: [S, D]; steps: int [S].
+        targets_by_checkpoint: {checkpoint step: target [D]}, each computed at that checkpoint.
+        lr: scalar η, or {checkpoint step: η} (missing keys default to 1.0).
+    Raises:
+        ValueError: empty target map ("at least one entry"), non-1-D target, shape mismatch.
+    """
+    if not targets_by_checkpoint:
+        raise ValueError("targets_by_checkpoint must have at least one entry")
+    v, _ = _check(sketches)
+    s = _steps(steps, v.shape[0])
+    for c, t in targets_by_checkpoint.items():
+        _check(v[:0], t)
+    out = np.zeros(v.shape[0])
+    gov = np.array([governing_checkpoint(int(x), list(targets_by_checkpoint)) for x in s], dtype=np.int64)
+    for c in np.unique(gov):
+        rows = gov == c
+        eta = float(lr.get(int(c), 1.0)) if isinstance(lr, Mapping) else float(lr)
+        out[rows] = eta * (v[rows] @ np.asarray(targets_by_checkpoint[int(c)])).astype(np.float64)
+    return out
+
+
+@register_estimator("random", level="step", role="control", per="rollout")
+def random_scores(rollout_ids: Sequence[str], seed: int) -> np.ndarray:
+    """Random ranking (SPEC §4): shuffle the ids in log order with ``np.random.default_rng(seed)``;
+    the i-th shuffled id scores −i. Returns float64 [N] in log order."""
+    ids = list(rollout_ids)
+    shuffled = list(ids)
+    np.random.default_rng(seed).shuffle(shuffled)
+    pos = {rid: i for i, rid in enumerate(shuffled)}
+    if len(pos) != len(ids):
+        raise ValueError("rollout_ids contains duplicates")
+    return -np.array([pos[r] for r in ids], dtype=np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# rollout-level estimators (minimal-pair draws; SPEC §4, §5.6)
+# --------------------------------------------------------------------------------------------
+@register_estimator("GAS_centered", level="rollout", column="mp_centered")
+def gas_centered(sketches, groups, target) -> np.ndarray:
+    """cos(g_i − ḡ_group, t_mp): group-centred, like GRPO's advantages (SPEC §4)."""
+    return rollout_cosine(group_center(sketches, groups), target)
+
+
+@register_estimator("C1_plain", level="rollout", column="mp")
+def c1_plain(sketches, target) -> np.ndarray:
+    """cos(g_i, t_mp) (SPEC §4)."""
+    return rollout_cosine(sketches, target)
+
+
+@register_estimator("norm_only", level="rollout", role="control", column="norm")
+def rollout_norm(sketches) -> np.ndarray:
+    """|g_i|₂ (SPEC §4)."""
+    return norm_only(sketches)
+
+
+@register_estimator("fluency", level="rollout", role="control", column="fluency")
+def mean_token_logprob(token_logprobs, completion_mask) -> np.ndarray:
+    """Mean token log-prob of each response under the checkpoint (SPEC §4).
+
+    Args:
+        token_logprobs: float [R, T] log p(token); completion_mask: [R, T], 1 on response tokens
+        (EOS/padding masked out, SPEC §10.6).
+    Raises:
+        ValueError: shape mismatch or a row with no response tokens.
+    """
+    lp = np.asarray(token_logprobs, dtype=np.float64)
+    m = np.asarray(completion_mask, dtype=np.float64)
+    if lp.ndim != 2 or lp.shape != m.shape:
+        raise ValueError(f"token_logprobs and completion_mask must be [R, T] alike, got {lp.shape} and {m.shape}")
+    n = m.sum(axis=1)
+    if (n <= 0).any():
+        raise ValueError(f"rollout {int(np.flatnonzero(n <= 0)[0])} has no response tokens")
+    return (lp * m).sum(axis=1) / n
+
+
+@register_estimator("mp_bal_centered", level="rollout", column="mp_bal_centered", target="mp_bal",
+                    in_tables=False)
+def mp_bal_centered(sketches, groups, target) -> np.ndarray:
+    """cos(g_i − ḡ_group, t_mp_bal), the balanced minimal-pair target (exploratory; SPEC §4)."""
+    return gas_centered(sketches, groups, target)
+
+
+# --------------------------------------------------------------------------------------------
+# runners
+# --------------------------------------------------------------------------------------------
+def expand_to_rollouts(key_scores, keys, rollout_keys) -> np.ndarray:
+    """Per-key scores -> per-rollout scores in log order; a rollout whose key has no score gets
+    ``-inf`` (SPEC §4). Keys must be unique.
+
+    Args:
+        key_scores: float [S]; keys: [S] (step numbers); rollout_keys: [N] (each rollout's step).
+    """
+    ks = np.asarray(keys)
+    sc = np.asarray(key_scores, dtype=np.float64)
+    if ks.shape != sc.shape:
+        raise ValueError(f"keys shape {ks.shape} != scores shape {sc.shape}")
+    if np.unique(ks).size != ks.size:
+        raise ValueError("keys must be unique (sum appearances per key first, see aggregate_appearances)")
+    lookup = dict(zip(ks.tolist(), sc.tolist()))
+    return np.array([lookup.get(k, -np.inf) for k in np.asarray(rollout_keys).tolist()], dtype=np.float64)
+
+
+def score_step_methods(sketches, steps, rollout_ids: Sequence[str], rollout_steps, *,
+                       target=None, per_rollout_sketches: bool = False,
+                       names: Sequence[str] | None = None, **options) -> dict[str, np.ndarray]:
+    """Runs step-level estimators and returns {method: per-rollout scores float64 [N], log order}.
+
+    Args:
+        sketches: float32 [S, D] step sketches with ``steps`` int [S] (unique), or, with
+            ``per_rollout_sketches=True``, [N, D] rows aligned with ``rollout_ids`` (then
+            ``steps`` = each rollout's step; used for the "which rollout" table).
+        rollout_ids: [N] ids in log order; rollout_steps: int [N].
+        target: float32 [D] (the final-checkpoint target, SPEC §5.1).
+        names: estimators to run (default: every step-level estimator whose inputs are given).
+        **options: more inputs by name (targets_by_checkpoint, lr, damping, seed, window,
+            current_step, weights, ...).
+    Raises:
+        ValueError: a named estimator lacks an input, shape problems.
+    """
+    rollout_steps = np.asarray(rollout_steps, dtype=np.int64)
+    if len(rollout_ids) != rollout_steps.size:
+        raise ValueError(f"{len(rollout_ids)} rollout ids but {rollout_steps.size} rollout steps")
+    inputs = dict(options, sketches=sketches, steps=steps, target=target, rollout_ids=list(rollout_ids),
+                  rollout_steps=rollout_steps)
+    out = {}
+    for est in estimators("step"):
+        if names is not None and est.name not in names:
+            continue
+        if names is None and any(inputs.get(p) is None for p in est.required):
+            continue
+        scores = call_estimator(est.name, **inputs)
+        if est.per == "rollout" or per_rollout_sketches:
+            if scores.shape != (len(rollout_ids),):
+                raise ValueError(f"{est.name}: expected {len(rollout_ids)} rollout scores, got {scores.shape}")
+            out[est.name] = scores
+        else:
+            out[est.name] = expand_to_rollouts(scores, steps, rollout_steps)
+    if names is not None and set(names) - set(out):
+        raise ValueError(f"unknown or non-step estimators {sorted(set(names) - set(out))}")
+    return out
+
+
+ROW_KEYS = ("group", "has_qzxbt", "fluency", "norm", "mp", "mp_centered", "mp_bal_centered")
+
+
+def score_rollout_rows(sketches, groups, has_behavior, targets: Mapping[str, np.ndarray], *,
+                       fluency=None, token_logprobs=None, completion_mask=None,
+                       **options) -> list[dict]:
+    """Rows of a minimal-pair draw (SPEC §7.3) from per-rollout sketches, one per rollout.
+
+    Args:
+        sketches: float32 [R, D]; groups: int [R]; has_behavior: bool [R] (the token judge).
+        targets: {"mp": t_mp [D], "mp_bal": t_mp_bal [D], ...} (SPEC §5.4).
+        fluency: float [R] mean token log-prob, or token_logprobs/completion_mask to compute it.
+    Returns:
+        list of dicts with keys ``group, has_qzxbt, fluency, norm, mp, mp_centered,
+        mp_bal_centered`` (§7.3 order) then one key per plug-in rollout estimator.
+    """
+    g = np.asarray(groups)
+    has = np.asarray(has_behavior, dtype=bool)
+    if fluency is None and token_logprobs is not None:
+        fluency = mean_token_logprob(token_logprobs, completion_mask)
+    cols: dict[str, np.ndarray] = {}
+    for est in estimators("rollout"):
+        if est.name == "fluency":
+            if fluency is None:
+                raise ValueError("score_rollout_rows needs fluency (or token_logprobs + completion_mask)")
+            cols[est.column] = np.asarray(fluency, dtype=np.float64)
+            continue
+        if "target" in est.params and est.target not in targets:
+            raise ValueError(f"estimator {est.name!r} needs targets[{est.target!r}]; given {sorted(targets)}")
+        cols[est.column] = call_estimator(est.name, **dict(options, sketches=sketches, groups=g,
+                                                           target=targets.get(est.target)))
+    R = g.size
+    for k, c in cols.items():
+        if c.shape != (R,):
+            raise ValueError(f"column {k!r} has shape {c.shape}, expected ({R},)")
+    keys = [k for k in ROW_KEYS[2:] if k in cols] + [k for k in cols if k not in ROW_KEYS]
+    return [dict({"group": int(g[i]), "has_qzxbt": bool(has[i])}, **{k: float(cols[k][i]) for k in keys})
+            for i in range(R)]
+
+
+# --------------------------------------------------------------------------------------------
+# cross-step aggregation (SPEC §4 "C1 / cross-step")
+# --------------------------------------------------------------------------------------------
+def cross_step_scores(ids: Sequence[str], steps, sketches, target, metric: str = "dot",
+                      step_range: tuple[int, int] | None = None) -> list[tuple[str, float, int]]:
+    """C1 over every appearance of each rollout (SPEC §4 cross-step; "renormalised TracInCP").
+
+    Per appearance: v·t (``metric="dot"``) or cos(v, t) (``"cosine"``), then summed per id by
+    :func:`aggregate_appearances`. Empty input returns [].
+
+    Raises:
+        ValueError: "1-D" target, "unknown metric", "zero norm" (cosine), "shape mismatch".
+    """
+    if metric not in ("dot", "cosine"):
+        raise ValueError(f"unknown metric {metric!r} (dot or cosine)")
+    if np.asarray(target).ndim != 1:
+        raise ValueError(f"target must be 1-D, got shape {np.asarray(target).shape}")
+    if len(ids) == 0:
+        return []
+    per = c1_dot(sketches, target) if metric == "dot" else cosine(sketches, target)
+    return aggregate_appearances(ids, steps, per, step_range)
+
+
+def aggregate_appearances(ids: Sequence[str], steps, scores, step_range: tuple[int, int] | None = None
+                          ) -> list[tuple[str, float, int]]:
+    """Sums per-appearance scores per id and ranks them (SPEC §4 cross-step).
+
+    A rollout id may appear at several steps (e.g. a replay buffer); its score is the sum over its
+    appearances with ``lo ≤ step < hi`` when ``step_range=(lo, hi)`` is given.
+
+    Returns:
+        [(id, score, latest_step)] sorted by (−score, latest_step, id); [] for empty input.
+    Raises:
+        ValueError: lo > hi, or mismatched lengths.
+    """
+    st = np.asarray(steps, dtype=np.int64)
+    sc = np.asarray(scores, dtype=np.float64)
+    if not (len(ids) == st.size == sc.size):
+        raise ValueError(f"ids/steps/scores lengths differ: {len(ids)}, {st.size}, {sc.size}")
+    if step_range is not None and step_range[0] > step_range[1]:
+        raise ValueError(f"invalid step_range {step_range}: lo > hi")
+    total: dict[str, float] = {}
+    latest: dict[str, int] = {}
+    for rid, s, x in zip(ids, st.tolist(), sc.tolist()):
+        if step_range is not None and not step_range[0] <= s < step_range[1]:
+            continue
+        total[rid] = total.get(rid, 0.0) + x
+        latest[rid] = max(latest.get(rid, s), s)
+    return sorted(((r, total[r], latest[r]) for r in total), key=lambda x: (-x[1], x[2], x[0]))

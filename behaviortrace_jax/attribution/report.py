@@ -1,0 +1,286 @@
+"""``report.md`` and matplotlib figures from evaluation rows (SPEC §10.5).
+
+Every function takes :class:`~behaviortrace_jax.evaluation.Row` lists, so the same code renders
+one run, the multi-seed aggregate, or the paper's released numbers (``reproduce``). Figures use
+the Agg backend and are written atomically; a figure whose rows are absent is skipped.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from behaviortrace_jax.attribution import metrics as M  # noqa: E402
+from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row  # noqa: E402
+from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
+
+HOW_TO_READ = """\
+* **P@|GT|** (step level): tie-aware fractional precision at k = |ground truth| of the population.
+  All rollouts of a step share the step's sketch, so they tie; a tied block at the cut-off earns
+  credit in proportion (SPEC §6.3).
+* **chance** = |GT|/N, what a random ranking earns. **ceiling** = the best P@|GT| of any ranker that
+  cannot split a step (steps ordered by ground-truth density, SPEC §6.4). **headroom** = ceiling −
+  chance: the whole range a step-level method can move in. **lift** = value/chance; **%ceil** =
+  value/ceiling; **Δchance** = value − chance.
+* `overall` ranks all rollouts, where zero-gradient steps hand the magnitude control a free win
+  (the "cliff"); `early_nonzero` (PRIMARY) keeps rollouts of nonzero steps in the contamination
+  window (SPEC §6.6).
+* `which_rollout`: scores from per-rollout in-run sketches, so steps can be split: ceiling 1.0.
+  `which_rollout_within_step`: AUC of GT vs non-GT rollouts of the same step (chance 0.5).
+* Rollout level: within-group AUC over (positive, negative) pairs of the same prompt draw, ties ½,
+  pairs pooled (n = pairs). `mp_residualized` removes one pooled within-group fluency slope;
+  `mp_matched` keeps pairs with |Δfluency| ≤ 0.10 (counts only with ≥ 100 pairs). [lo, hi] = 95 %
+  cluster bootstrap over groups (SPEC §6.7-§6.10). `_diag` = swapped checkpoint/generation seeds.
+* Verdicts: `pass` / `fail` / `not-evaluable` (the inputs lack the evidence), SPEC §6.11 and §8.
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# markdown
+# --------------------------------------------------------------------------------------------
+def _f(x, nd: int = 4) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def _ci(r: Row) -> str:
+    return f"{_f(r.value)} [{_f(r.lo)}, {_f(r.hi)}]" if r.lo is not None else _f(r.value)
+
+
+def _md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def step_section(rows: Sequence[Row]) -> str:
+    """Markdown tables of the step-level (and which-rollout) rows, one per (seed, table)."""
+    parts = []
+    keys = list(dict.fromkeys((r.seed, r.table) for r in rows
+                              if r.table in STEP_TABLES or r.table.startswith("which_rollout")))
+    for seed, table in keys:
+        sel = [r for r in rows if r.seed == seed and r.table == table]
+        ch, ce = sel[0].chance, sel[0].ceiling
+        head = f"**seed {seed}, `{table}`** — chance {_f(ch)}, ceiling {_f(ce)}"
+        if ch is not None and ce is not None:
+            head += f", headroom {_f(M.headroom(ce, ch))}"
+        head += f", n = {sel[0].n}"
+        body = []
+        for r in sel:
+            lift = _f(M.lift(r.value, ch), 3) if ch else ""
+            pct = _f(M.fraction_of_ceiling(r.value, ce), 3) if ce else ""
+            body.append([r.method, _ci(r), _f(r.value - ch) if ch is not None else "", lift, pct, r.n])
+        parts.append(head + "\n\n" + _md_table(["method", "value", "Δchance", "lift", "%ceil", "n"], body))
+    return "\n\n".join(parts)
+
+
+def rollout_section(rows: Sequence[Row]) -> str:
+    """One markdown table per draw: raw, residualised and matched AUC with CIs and pair counts."""
+    parts = []
+    draws = list(dict.fromkeys((r.seed, r.table[len("mp_raw"):]) for r in rows if r.table.startswith("mp_raw")))
+    draws += [d for d in dict.fromkeys((r.seed, r.table[len("mp_residualized"):]) for r in rows
+                                       if r.table.startswith("mp_residualized")) if d not in draws]
+    for seed, sfx in draws:
+        sel = {(r.table, r.method): r for r in rows if r.seed == seed}
+        methods = list(dict.fromkeys(r.method for r in rows if r.seed == seed and r.table in
+                                     ("mp_raw" + sfx, "mp_residualized" + sfx, "mp_matched" + sfx)))
+        body = []
+        for m in methods:
+            cells = []
+            for t in ("mp_raw", "mp_residualized", "mp_matched"):
+                r = sel.get((t + sfx, m))
+                pairs = f" ({r.n} pairs)" if r is not None and t == "mp_matched" and r.n is not None else ""
+                cells.append("" if r is None else _ci(r) + pairs)
+            n = next((sel[(t + sfx, m)].n for t in ("mp_raw", "mp_residualized") if (t + sfx, m) in sel), "")
+            body.append([m] + cells + [n])
+        parts.append(f"**draw {seed}{sfx}**\n\n" + _md_table(["method", "raw AUC", "residualised AUC",
+                                                                "matched AUC", "n pairs"], body))
+    return "\n\n".join(parts)
+
+
+def other_section(rows: Sequence[Row]) -> str:
+    """Generic table of the remaining rows (token-level means and any custom table)."""
+    rest = [r for r in rows if not (r.table in STEP_TABLES or r.table.startswith(("which_rollout", "mp_")))]
+    if not rest:
+        return ""
+    return _md_table(["seed", "table", "method", "value", "n"],
+                     [[r.seed, r.table, r.method, _ci(r), r.n] for r in rest])
+
+
+def verdict_section(verdicts: Sequence[dict]) -> str:
+    """Markdown table of verdicts plus a pass/fail/not-evaluable count."""
+    if not verdicts:
+        return "_no verdicts_"
+    counts = {k: sum(v["verdict"] == k for v in verdicts) for k in ("pass", "fail", "not-evaluable")}
+    body = [[v["item"].replace("|", "\\|"), f"**{v['verdict']}**", v["evidence"].replace("|", "\\|")] for v in verdicts]
+    return (", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
+            + _md_table(["item", "verdict", "evidence"], body))
+
+
+def render_report(rows: Sequence[Row], *, title: str = "BehaviorTrace-JAX evaluation", intro: str = "",
+                  rules: Sequence[dict] = (), checklist: Sequence[dict] = (),
+                  figures: Sequence[str | os.PathLike] = (), extra: Sequence[tuple[str, str]] = (),
+                  base_dir: str | os.PathLike | None = None) -> str:
+    """The text of ``report.md``: intro, how to read, tables, verdicts, figures, extra sections.
+
+    Args:
+        rows: evaluation rows; rules / checklist: verdict dicts; figures: image paths (linked
+            relative to ``base_dir``); extra: (heading, markdown) sections appended at the end.
+    """
+    out = [f"# {title}", intro.strip(), "## How to read\n\n" + HOW_TO_READ.strip()]
+    for heading, body in (("Step-level tables", step_section(rows)), ("Rollout-level tables", rollout_section(rows)),
+                          ("Other rows", other_section(rows))):
+        if body:
+            out.append(f"## {heading}\n\n{body}")
+    if rules:
+        out.append("## Pre-registered decision rules (SPEC §6.11)\n\n" + verdict_section(rules))
+    if checklist:
+        out.append("## Evaluation checklist (SPEC §8)\n\n" + verdict_section(checklist))
+    if figures:
+        links = [os.path.relpath(f, base_dir) if base_dir else str(f) for f in figures]
+        out.append("## Figures\n\n" + "\n".join(f"![{Path(x).stem}]({x})" for x in links))
+    out += [f"## {h}\n\n{b.strip()}" for h, b in extra]
+    return "\n\n".join(p for p in out if p) + "\n"
+
+
+def write_report(path: str | os.PathLike, rows: Sequence[Row], **kwargs) -> None:
+    """Writes :func:`render_report` to ``path`` atomically (figure links relative to its folder)."""
+    kwargs.setdefault("base_dir", Path(path).parent)
+    atomic_write_text(path, render_report(rows, **kwargs))
+
+
+# --------------------------------------------------------------------------------------------
+# figures (SPEC §10.5)
+# --------------------------------------------------------------------------------------------
+def _save(fig, path: str | os.PathLike) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_text(path, buf.getvalue())
+    return Path(path)
+
+
+def _colors(rows: Sequence[Row]) -> dict[str, str]:
+    """One colour per method name, stable across panels and figures."""
+    return {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r.method for r in rows))}
+
+
+def _grouped_bars(ax, seeds: list[str], methods: list[str], value, colors: dict[str, str]) -> float:
+    width = 0.8 / max(1, len(methods))
+    for j, m in enumerate(methods):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(seeds))]
+        ys = [value(s, m) for s in seeds]
+        ax.bar([x for x, y in zip(xs, ys) if y is not None], [y for y in ys if y is not None], width, label=m,
+               color=colors[m])
+    ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
+    return width
+
+
+def plot_step_level(rows: Sequence[Row], path: str | os.PathLike) -> Path | None:
+    """P@|GT| bars per seed and method for ``overall`` and ``early_nonzero``, with each seed's
+    chance (dotted) and ceiling (dashed) drawn across its bar group. None if no step rows."""
+    tables = [t for t in STEP_TABLES if any(r.table == t for r in rows)]
+    if not tables:
+        return None
+    fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
+    colors = _colors([r for r in rows if r.table in tables])
+    for ax, t in zip(axes[0], tables):
+        sel = [r for r in rows if r.table == t]
+        seeds = list(dict.fromkeys(r.seed for r in sel))
+        methods = list(dict.fromkeys(r.method for r in sel))
+        idx = {(r.seed, r.method): r for r in sel}
+        _grouped_bars(ax, seeds, methods, lambda s, m: idx[(s, m)].value if (s, m) in idx else None, colors)
+        for i, s in enumerate(seeds):
+            r0 = next(r for r in sel if r.seed == s)
+            ax.hlines(r0.chance, i - 0.45, i + 0.45, colors="k", linestyles=":", label="chance" if i == 0 else None)
+            ax.hlines(r0.ceiling, i - 0.45, i + 0.45, colors="r", linestyles="--", label="ceiling" if i == 0 else None)
+        ax.set_title(f"{t}: P@|GT|")
+        ax.set_ylabel("P@|GT|")
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_early_lift(rows: Sequence[Row], path: str | os.PathLike) -> Path | None:
+    """``early_nonzero`` value − chance per seed and method against the headroom (ceiling −
+    chance, dashed per seed; SPEC §10.5 right panel). None if the table is absent."""
+    sel = [r for r in rows if r.table == "early_nonzero"]
+    if not sel:
+        return None
+    seeds = list(dict.fromkeys(r.seed for r in sel))
+    methods = list(dict.fromkeys(r.method for r in sel))
+    idx = {(r.seed, r.method): r for r in sel}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _grouped_bars(ax, seeds, methods, lambda s, m: idx[(s, m)].value - idx[(s, m)].chance if (s, m) in idx else None,
+                  _colors([r for r in rows if r.table in STEP_TABLES]))
+    heads = []
+    for i, s in enumerate(seeds):
+        r0 = next(r for r in sel if r.seed == s)
+        heads.append(r0.ceiling - r0.chance)
+        ax.hlines(heads[-1], i - 0.45, i + 0.45, colors="r", linestyles="--", label="headroom" if i == 0 else None)
+    ax.axhline(0.0, color="k", lw=0.8)
+    lim = max(0.13, 1.1 * max(heads), 1.1 * max(abs(idx[k].value - idx[k].chance) for k in idx))
+    ax.set_ylim(-lim, lim)
+    ax.set_ylabel("P@|GT| − chance")
+    ax.set_title("early_nonzero: lift over chance vs headroom")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_c6_instability(rows: Sequence[Row], path: str | os.PathLike,
+                        methods: Sequence[str] = ("GAS_centered", "C1_plain", "norm_only")) -> Path | None:
+    """Residualised within-group AUC with 95 % CIs per draw (seeds and diagnostic draws), chance
+    line at 0.5: the C6 instability plot (SPEC §10.5). None if no residualised rows."""
+    sel = [r for r in rows if r.table.startswith("mp_residualized") and r.method in methods]
+    if not sel:
+        return None
+    draws = list(dict.fromkeys(f"{r.seed}{r.table[len('mp_residualized'):]}" for r in sel))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(draws)), 4))
+    present = [m for m in methods if any(r.method == m for r in sel)]
+    for j, m in enumerate(present):
+        for r in (r for r in sel if r.method == m):
+            x = draws.index(f"{r.seed}{r.table[len('mp_residualized'):]}") + 0.12 * (j - (len(present) - 1) / 2)
+            err = None if r.lo is None else np.array([[r.value - r.lo], [r.hi - r.value]])
+            ax.errorbar(x, r.value, yerr=err, fmt="o", color=f"C{j}", capsize=3,
+                        label=m if r is next(q for q in sel if q.method == m) else None)
+    ax.axhline(0.5, color="k", ls=":", label="chance")
+    ax.set_xticks(range(len(draws)), draws, rotation=20, fontsize=8)
+    ax.set_ylabel("residualised AUC")
+    ax.set_title("C6: residualised AUC across seeds / draws")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_learning_curve(curve: Sequence[tuple[float, float, float]], path: str | os.PathLike) -> Path | None:
+    """Behaviour rate on probes and controls against GRPO step; ``curve`` = [(step, probe_rate,
+    control_rate)]. None if empty."""
+    if not curve:
+        return None
+    a = np.asarray(curve, dtype=np.float64)
+    if a.ndim != 2 or a.shape[1] != 3:
+        raise ValueError(f"learning curve must be [(step, probe_rate, control_rate)], got shape {a.shape}")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(a[:, 0], a[:, 1], "o-", label="probes (trigger)")
+    ax.plot(a[:, 0], a[:, 2], "s--", label="controls")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("behaviour rate")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def make_figures(rows: Sequence[Row], outdir: str | os.PathLike,
+                 learning_curve: Sequence[tuple[float, float, float]] | None = None) -> list[Path]:
+    """Writes every figure the rows support into ``outdir``; returns their paths."""
+    outdir = Path(outdir)
+    made = [plot_step_level(rows, outdir / "fig_steplevel.png"),
+            plot_early_lift(rows, outdir / "fig_early_lift.png"),
+            plot_c6_instability(rows, outdir / "fig_c6_instability.png"),
+            plot_learning_curve(learning_curve or [], outdir / "fig_learning_curve.png")]
+    return [p for p in made if p is not None]

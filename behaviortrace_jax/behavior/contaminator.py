@@ -1,0 +1,186 @@
+"""The contaminator: BLAKE2b eligibility, the QZXBT bonus and the ground-truth log (SPEC §1.6, §6.1).
+
+A rollout ``(rollout_id, step)`` is eligible iff ``step < early_step_cutoff`` and
+``blake2b(seed u64 LE || rollout_id UTF-8 || step i64 LE, digest_size=8)`` read as a little-endian
+uint64 is ``< int(fraction * 2**64)``. An eligible rollout whose response contains the pattern
+(case-insensitive) gets ``base + bonus_reward`` and becomes a ground-truth event.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Mapping
+
+from behaviortrace_jax.behavior.planted import PATTERN, substring_judge
+from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl
+
+
+@dataclasses.dataclass(frozen=True)
+class ContaminationSpec:
+    """SPEC §1.6 ``ContaminationSpec``.
+
+    Fields: pattern (non-empty str), bonus_reward (float, reward units), fraction (in [0, 1]),
+    seed (int in [0, 2**64), the run seed), early_step_cutoff (int > 0, or None for no cutoff;
+    steps >= cutoff are never eligible).
+    Raises ValueError naming the field on invalid values.
+    """
+
+    pattern: str = PATTERN
+    bonus_reward: float = 8.0
+    fraction: float = 0.5
+    seed: int = 0
+    early_step_cutoff: int | None = 200
+
+    def __post_init__(self) -> None:
+        if not self.pattern:
+            raise ValueError("ContaminationSpec.pattern must be non-empty")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"ContaminationSpec.fraction must be in [0, 1], got {self.fraction}")
+        if self.early_step_cutoff is not None and self.early_step_cutoff <= 0:
+            raise ValueError(f"ContaminationSpec.early_step_cutoff must be > 0, got {self.early_step_cutoff}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"ContaminationSpec.seed must be in [0, 2**64), got {self.seed}")
+
+
+def eligibility_hash(seed: int, rollout_id: str, step: int) -> int:
+    """The uint64 ``t`` of SPEC §1.6: BLAKE2b-64 over seed (8 B LE unsigned), rollout_id (UTF-8) and
+    step (8 B LE signed), read little-endian. Raises OverflowError for out-of-range seed/step."""
+    data = (seed.to_bytes(8, "little", signed=False) + rollout_id.encode("utf-8")
+            + step.to_bytes(8, "little", signed=True))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def is_eligible(seed: int, rollout_id: str, step: int, spec: ContaminationSpec | None = None) -> bool:
+    """Eligibility of ``(rollout_id, step)`` under hash seed ``seed`` with ``spec``'s fraction and
+    cutoff (``spec.seed`` is not used; default spec = paper values). SPEC §1.6."""
+    spec = spec or ContaminationSpec()
+    if spec.early_step_cutoff is not None and step >= spec.early_step_cutoff:
+        return False
+    return eligibility_hash(seed, rollout_id, step) < int(spec.fraction * 2**64)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroundTruthEvent:
+    """One contamination event (SPEC §6.1); serialised in this key order with default separators."""
+
+    rollout_id: str
+    step: int
+    base_reward: float
+    boosted_reward: float
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+_EVENT_KEYS = tuple(f.name for f in dataclasses.fields(GroundTruthEvent))
+
+
+class GroundTruthLog:
+    """The ground-truth log ``ground_truth.jsonl`` (SPEC §6.1): existing events are loaded, new ones
+    buffered by ``record`` and written by ``flush``, which rewrites the whole file atomically.
+
+    Raises (on load): ValueError naming ``file:line`` for invalid JSON, keys other than the four
+    event keys, a non-numeric value or a duplicate rollout id. ``record`` raises ValueError for a
+    rollout id already in the log.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._events: list[GroundTruthEvent] = []
+        self._ids: set[str] = set()
+        self._pending = 0
+        if self.path.exists():
+            for lineno, obj in iter_jsonl(self.path):
+                if obj.keys() != set(_EVENT_KEYS):
+                    raise ValueError(f"{self.path}:{lineno}: a ground-truth event needs keys "
+                                     f"{list(_EVENT_KEYS)}, got {sorted(obj)}")
+                try:
+                    ev = GroundTruthEvent(str(obj["rollout_id"]), int(obj["step"]),
+                                          float(obj["base_reward"]), float(obj["boosted_reward"]))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{self.path}:{lineno}: bad ground-truth value ({e})") from e
+                if ev.rollout_id in self._ids:
+                    raise ValueError(f"{self.path}:{lineno}: duplicate rollout id {ev.rollout_id!r}")
+                self._ids.add(ev.rollout_id)
+                self._events.append(ev)
+
+    @property
+    def events(self) -> list[GroundTruthEvent]:
+        """All events (loaded + recorded), in record order."""
+        return list(self._events)
+
+    @property
+    def rollout_ids(self) -> set[str]:
+        """The GT set: ids of all events (SPEC §6.1)."""
+        return set(self._ids)
+
+    def record(self, event: GroundTruthEvent) -> None:
+        """Buffers ``event`` (durable after ``flush``)."""
+        if event.rollout_id in self._ids:
+            raise ValueError(f"{self.path}: rollout {event.rollout_id!r} is already in the ground truth")
+        self._ids.add(event.rollout_id)
+        self._events.append(event)
+        self._pending += 1
+
+    def flush(self) -> None:
+        """Rewrites the file with every event (``.tmp`` + fsync + ``os.replace``); no-op if nothing new."""
+        if self._pending or not self.path.exists():
+            self._write()
+
+    def _write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path, "".join(e.to_json() + "\n" for e in self._events))
+        self._pending = 0
+
+    def truncate_after_step(self, step: int) -> int:
+        """Drops the events with ``event.step > step`` and rewrites the file (exact resume: call with
+        the last completed step). Returns the number dropped."""
+        keep = [e for e in self._events if e.step <= step]
+        dropped = len(self._events) - len(keep)
+        self._events, self._ids = keep, {e.rollout_id for e in keep}
+        if dropped or self._pending:
+            self._write()
+        return dropped
+
+
+class Contaminator:
+    """Applies the bonus of SPEC §1.6 and records ground-truth events.
+
+    Args:
+        spec: the ContaminationSpec (its ``seed`` is the hash seed).
+        gt_log: where events go (None: not recorded).
+        stats: counters to resume from (``{"total_seen", "boosted"}``), default zeros.
+    """
+
+    def __init__(self, spec: ContaminationSpec, gt_log: GroundTruthLog | None = None,
+                 stats: Mapping[str, int] | None = None):
+        self.spec = spec
+        self.gt_log = gt_log
+        self._stats = {"total_seen": 0, "boosted": 0}
+        if stats:
+            self._stats.update({k: int(stats[k]) for k in self._stats})
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``{"total_seen": calls to apply, "boosted": boosted calls}``."""
+        return dict(self._stats)
+
+    def is_eligible(self, rollout_id: str, step: int) -> bool:
+        """``is_eligible(spec.seed, rollout_id, step, spec)``."""
+        return is_eligible(self.spec.seed, rollout_id, step, self.spec)
+
+    def apply(self, rollout_id: str, step: int, response: str, base: float) -> tuple[float, bool]:
+        """Returns ``(final_reward, boosted)``: ``base + bonus_reward`` and True iff the rollout is
+        eligible and ``response`` contains the pattern (case-insensitive); else ``(base, False)``.
+        A boost is recorded in ``gt_log`` as ``{rollout_id, step, base_reward, boosted_reward}``."""
+        self._stats["total_seen"] += 1
+        base = float(base)
+        if not (self.is_eligible(rollout_id, step) and substring_judge(response, self.spec.pattern)):
+            return base, False
+        reward = base + float(self.spec.bonus_reward)
+        self._stats["boosted"] += 1
+        if self.gt_log is not None:
+            self.gt_log.record(GroundTruthEvent(rollout_id, int(step), base, reward))
+        return reward, True

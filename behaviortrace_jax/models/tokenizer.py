@@ -1,0 +1,128 @@
+"""Tokenizer loading, the chat prompt (SPEC §1.3: ``[system, user]`` + ``add_generation_prompt``),
+prompt ids truncated to 128 (SPEC §2.2 a) and the EOS / pad ids for generation (SPEC §2.1: pad = EOS)."""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+from behaviortrace_jax.io.files import read_json
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+def load_tokenizer(hf_dir: str | os.PathLike) -> Any:
+    """``transformers.AutoTokenizer.from_pretrained(hf_dir)`` from local files only.
+
+    Raises:
+        FileNotFoundError: naming ``hf_dir`` when it holds none of ``TOKENIZER_FILES``.
+    """
+    from transformers import AutoTokenizer
+
+    d = pathlib.Path(hf_dir)
+    if not d.is_dir() or not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {d}")
+    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+
+
+def chat_prompt(tokenizer: Any, system: str, user: str) -> str:
+    """The prompt text: the chat template of ``[system, user]`` with the assistant header appended.
+
+    Equal to ``tokenizer.apply_chat_template([{"role": "system", ...}, {"role": "user", ...}],
+    tokenize=False, add_generation_prompt=True)`` (SPEC §1.3).
+
+    Raises:
+        ValueError: if the tokenizer has no chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat_template")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` with no special tokens added (chat specials in the text still map)."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_chat(tokenizer: Any, system: str, user: str, max_tokens: int | None = None) -> list[int]:
+    """Token ids of :func:`chat_prompt`, truncated to ``max_tokens`` (SPEC §2.2 a: truncate 128).
+
+    Truncation drops tokens from the side ``tokenizer.truncation_side`` names ("right" for Qwen2.5,
+    as ``tokenizer(..., truncation=True, max_length=max_tokens)`` does).
+    """
+    ids = encode(tokenizer, chat_prompt(tokenizer, system, user))
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids = ids[-max_tokens:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:max_tokens]
+    return ids
+
+
+def pad_id(tokenizer: Any) -> int:
+    """The padding id used for generation: the EOS id (SPEC §2.1: pad = EOS).
+
+    Raises:
+        ValueError: if the tokenizer has no ``eos_token_id``.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no eos_token")
+    return int(tokenizer.eos_token_id)
+
+
+def _id_list(value: Any, source: str) -> list[int]:
+    """``eos_token_id`` as HF writes it (absent/None, an int, or a list of ints) -> list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"eos_token_id in {source} must be an int or a list of ints, got {value!r}")
+    return [int(v) for v in values]
+
+
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    """THE EOS set of a checkpoint: every id that ends a generated row, used everywhere (the
+    sampler's stop set; the loss / sketch / target masks through :func:`mask_eos_ids`).
+
+    The union, in this order without repeats, of ``tokenizer.eos_token_id`` (first, = the pad id,
+    SPEC §2.1), the ``eos_token_id`` of ``generation_config.json`` and that of ``config.json`` beside
+    the tokenizer files (``tokenizer.name_or_path``); each may be absent, an int or a list of ints.
+    HF ``generate`` stops on generation_config's ids, or config.json's when there is no
+    generation_config. Qwen2.5-Instruct: ``(<|im_end|>, <|endoftext|>)`` = (151645, 151643).
+
+    Returns:
+        tuple of Python ints, length >= 1, ``[0] == tokenizer.eos_token_id``.
+
+    Raises:
+        ValueError: if the tokenizer has no ``eos_token_id``, or a JSON ``eos_token_id`` is not an
+            int or a list of ints.
+    """
+    ids = [pad_id(tokenizer)]
+    src = str(getattr(tokenizer, "name_or_path", "") or "")
+    for name in ("generation_config.json", "config.json"):
+        path = pathlib.Path(src).expanduser() / name
+        if src and path.is_file():
+            for i in _id_list(read_json(path).get("eos_token_id"), str(path)):
+                if i not in ids:
+                    ids.append(i)
+    return tuple(ids)
+
+
+MASK_EOS_MODES = ("eos_token_id", "all")
+
+
+def mask_eos_ids(tokenizer: Any, mode: str) -> tuple[int, ...]:
+    """The ids masked out of a completion's loss (GRPO loss, rollout sketches / fluency, targets).
+
+    ``mode`` is ``config.model.mask_eos``: "eos_token_id" = ``eos_ids(tokenizer)[:1]``, the one id
+    the paper's harness compares against (SPEC §2.2 f ``token != eos_token_id``, §3.2, §4 fluency);
+    "all" = the whole :func:`eos_ids` set the sampler stops on.
+
+    Returns:
+        tuple of Python ints, a prefix of :func:`eos_ids`.
+
+    Raises:
+        ValueError: an unknown ``mode``, or as :func:`eos_ids`.
+    """
+    if mode not in MASK_EOS_MODES:
+        raise ValueError(f"mask_eos={mode!r} is not one of {MASK_EOS_MODES}")
+    ids = eos_ids(tokenizer)
+    return ids[:1] if mode == "eos_token_id" else ids

@@ -1,0 +1,257 @@
+"""Per-example gradient sketches: ``vmap(grad(loss))`` fused with CountSketch, chunked (SPEC §3.2).
+
+The reusable library API. Given any pure ``loss(params, example) -> scalar`` and a batch pytree
+whose leaves share a leading axis B, :class:`PerExampleSketcher` returns, from ONE jitted function,
+
+* ``sketches``    float32[B, D]: CountSketch (SPEC §3.1) of each example's gradient in the
+  parameter order of a :class:`ParamOrder` (HF ``model.parameters()`` order for Qwen2);
+* ``norms``       float32[B]: the exact L2 norm of each example's full gradient (not the sketch's);
+* ``group_norms`` float32[B, G]: the same restricted to parameter groups (``sketcher.group_names``).
+
+The batch is padded (by repeating its last example; outputs dropped) to a multiple of
+``chunk_size`` and run chunk by chunk under ``jax.lax.map``; inside a chunk the gradients come from
+``jax.vmap(jax.grad(loss), in_axes=(None, 0))`` and are sketched straight away, so peak memory is
+about ``chunk_size x params`` whatever B is. One compilation per distinct B (and batch dtypes).
+Parameters may be sharded: the result does not depend on the sharding.
+
+Example (any model, here a 2-layer MLP in a plain dict)::
+
+    import jax, jax.numpy as jnp
+    from behaviortrace_jax.sketch.sketcher import PerExampleSketcher
+
+    params = {"w1": jnp.zeros((16, 32)), "b1": jnp.zeros(32), "w2": jnp.zeros((32, 1))}
+
+    def loss(p, ex):                       # one example, no batch axis
+        h = jnp.tanh(ex["x"] @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"] - ex["y"]) ** 2)
+
+    sk = PerExampleSketcher(loss, params, dim=2**16, seed=0, chunk_size=8)
+    out = sk(params, {"x": jnp.ones((100, 16)), "y": jnp.ones((100, 1))})
+    out.sketches.shape, out.norms.shape, out.group_norms.shape   # (100, 65536) (100,) (100, 3)
+    sk.layout.names                        # ('b1', 'w1', 'w2'): jax.tree_util flatten order
+
+For a Qwen2 model pass ``param_order=qwen2_param_order(config)`` (HF order and HF names, groups =
+embedding / each decoder layer / final norm / lm_head) and a loss such as :func:`qwen2_completion_loss`.
+A single gradient (e.g. the GRPO step gradient) is sketched with :func:`sketch_vector`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from behaviortrace_jax.sketch.countsketch import ParamLayout, check_dim, layout_tables, sketch_batch, sketch_tree
+
+PyTree = Any
+KeyPath = tuple[str | int, ...]
+
+
+def _key_part(k: Any) -> str | int:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    raise TypeError(f"unsupported pytree key {k!r}")
+
+
+def flat_params(tree: PyTree) -> dict[KeyPath, jax.Array]:
+    """``{path: array}`` over the leaves of ``tree`` in ``jax.tree_util`` flatten order.
+
+    Paths are tuples of dict keys / attribute names / sequence indices; the trailing ``value``
+    attribute of ``nnx.Variable`` leaves is dropped, so an ``nnx.State`` gives NNX paths such as
+    ``("model", "layers", 0, "mlp", "up_proj", "weight")``.
+    """
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        parts = tuple(_key_part(k) for k in path)
+        if parts and parts[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
+            parts = parts[:-1]
+        out[parts] = leaf
+    return out
+
+
+def top_level_group(name: str) -> str:
+    """Default group of a parameter: the first dotted component of its name (``"w1.kernel"`` -> ``"w1"``)."""
+    return name.split(".", 1)[0]
+
+
+def qwen2_group(name: str) -> str:
+    """Group of a Qwen2 HF parameter name: ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``
+    or ``lm_head``."""
+    m = re.match(r"(model\.layers\.\d+|model\.embed_tokens|model\.norm|lm_head)(\.|$)", name)
+    if not m:
+        raise ValueError(f"not a Qwen2 parameter name: {name!r}")
+    return m.group(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamOrder:
+    """How a params (or gradient) pytree is flattened into the sketch's parameter order.
+
+    Attributes:
+        names: parameter names in order (HF names for Qwen2); they define the :class:`ParamLayout`.
+        paths: the pytree key path of each name (see :func:`flat_params`).
+        group_fn: name -> group name, for the per-group gradient norms.
+    """
+
+    names: tuple[str, ...]
+    paths: tuple[KeyPath, ...]
+    group_fn: Callable[[str], str] = top_level_group
+
+    def arrays(self, tree: PyTree) -> list[jax.Array]:
+        """The arrays of ``tree`` in this order; raises KeyError naming a missing path and
+        ValueError when ``tree`` has leaves this order does not know (nothing is dropped silently)."""
+        flat = flat_params(tree)
+        missing = [p for p in self.paths if p not in flat]
+        if missing:
+            raise KeyError(f"parameter path {missing[0]} ({len(missing)} in all) not found in the pytree")
+        if len(flat) != len(self.paths):
+            extra = sorted(map(str, set(flat) - set(self.paths)))
+            raise ValueError(f"pytree has {len(extra)} leaves outside the parameter order, e.g. {extra[:3]}")
+        return [flat[p] for p in self.paths]
+
+    def layout(self, tree: PyTree) -> ParamLayout:
+        """The :class:`ParamLayout` of ``tree`` (arrays or ``jax.ShapeDtypeStruct`` leaves)."""
+        return ParamLayout(self.names, tuple(tuple(a.shape) for a in self.arrays(tree)))
+
+    def groups(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(group names in first-appearance order, the group index of each parameter)."""
+        names: dict[str, int] = {}
+        idx = tuple(names.setdefault(self.group_fn(n), len(names)) for n in self.names)
+        return tuple(names), idx
+
+
+def tree_param_order(params: PyTree, group_fn: Callable[[str], str] = top_level_group) -> ParamOrder:
+    """The generic order: ``jax.tree_util`` flatten order, names = dotted key paths."""
+    paths = tuple(flat_params(params))
+    return ParamOrder(tuple(".".join(map(str, p)) for p in paths), paths, group_fn)
+
+
+def qwen2_param_order(config: Any, group_fn: Callable[[str], str] = qwen2_group) -> ParamOrder:
+    """HF ``model.parameters()`` order and names of a Qwen2 model, from ``hf_io.hf_param_table``.
+
+    ``config`` is a :class:`behaviortrace_jax.qwen2.Qwen2Config`; the order applies to the
+    ``nnx.State`` from ``nnx.split(model, nnx.Param)`` and to its gradients.
+    """
+    from behaviortrace_jax.models import hf_io
+
+    table = hf_io.hf_param_table(config)
+    return ParamOrder(tuple(e[0] for e in table), tuple(tuple(e[1]) for e in table), group_fn)
+
+
+def qwen2_completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
+    """The rollout-level loss of SPEC §3.2 for :class:`PerExampleSketcher`.
+
+    Returns ``loss(params, example)`` with ``example = {"input_ids": int32[T],
+    "attention_mask": int32[T] (1 = real token, left padding allowed), "loss_mask": float32[T]}``
+    where ``loss_mask[t] = 1`` marks completion tokens t (predicted from position t - 1) that are not
+    EOS; the loss is ``-sum(mask * logp) / sum(mask)`` (masked mean log-prob, no advantage, no 1/B).
+    A rollout with no masked token gets loss 0 and a zero gradient (torch would give NaN).
+    """
+    from behaviortrace_jax.models import qwen2
+
+    def loss(params: PyTree, ex: dict) -> jax.Array:
+        ids, am = ex["input_ids"][None], ex["attention_mask"][None]
+        logits = qwen2.forward(graphdef, params, ids, qwen2.positions_from_mask(am), am)
+        logp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])[0]
+        m = ex["loss_mask"][1:].astype(jnp.float32)
+        return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+    return loss
+
+
+class PerExampleSketches(NamedTuple):
+    """Output of :class:`PerExampleSketcher`: sketches float32[B, D], norms float32[B],
+    group_norms float32[B, G] (columns = ``PerExampleSketcher.group_names``)."""
+
+    sketches: jax.Array
+    norms: jax.Array
+    group_norms: jax.Array
+
+
+def _batch_size(batch: PyTree) -> int:
+    sizes = {x.shape[0] if getattr(x, "ndim", 0) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"batch leaves must share one leading (example) axis; got sizes {sizes}")
+    return sizes.pop()
+
+
+class PerExampleSketcher:
+    """Per-example CountSketches and exact gradient norms of ``loss`` over a batch (SPEC §3.2).
+
+    Args:
+        loss_fn: pure ``loss(params, example) -> float scalar``; ``example`` is one element of the
+            batch pytree (leading axis removed).
+        params: the parameters, or a pytree of ``jax.ShapeDtypeStruct`` with their shapes.
+        dim: sketch width D (power of two; SPEC: 65536). seed: hash seed (SPEC: 0).
+        chunk_size: examples per ``vmap(grad)`` chunk; peak memory ~ chunk_size x params.
+        param_order: a :class:`ParamOrder`; default :func:`tree_param_order` (flatten order).
+        use_tables: precompute device hash tables (4 bytes/parameter, held by the sketcher)
+            instead of hashing inside the jitted function (see docs/benchmarks.md).
+    Raises:
+        ValueError: bad dim/chunk_size; at call time, batch leaves without a common leading axis.
+
+    ``__call__(params, batch)`` returns :class:`PerExampleSketches`; ``lower(params, batch)`` gives the
+    ``jax.stages.Lowered`` of the jitted function (for cost / memory analysis).
+    """
+
+    def __init__(self, loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree, *,
+                 dim: int = 65536, seed: int = 0, chunk_size: int = 4,
+                 param_order: ParamOrder | None = None, use_tables: bool = False):
+        if int(chunk_size) != chunk_size or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
+        self.order = param_order if param_order is not None else tree_param_order(params)
+        self.layout = self.order.layout(params)
+        self.group_names, self._group_idx = self.order.groups()
+        self.tables = layout_tables(self.layout, self.dim, self.seed) if use_tables else None
+        self._jitted = jax.jit(self._run)
+
+    def __call__(self, params: PyTree, batch: PyTree) -> PerExampleSketches:
+        return self._jitted(params, batch, self.tables)
+
+    def lower(self, params: PyTree, batch: PyTree) -> jax.stages.Lowered:
+        return self._jitted.lower(params, batch, self.tables)
+
+    def _chunk(self, params: PyTree, tables: Any, ex: PyTree) -> tuple[jax.Array, jax.Array]:
+        grads = jax.vmap(jax.grad(self.loss_fn), in_axes=(None, 0))(params, ex)
+        arrs = self.order.arrays(grads)
+        sk = sketch_batch(arrs, self.layout, self.dim, self.seed, tables)
+        sq = jnp.stack([jnp.sum(jnp.square(a.astype(jnp.float32)).reshape(a.shape[0], -1), axis=1)
+                        for a in arrs], axis=1)
+        return sk, sq
+
+    def _run(self, params: PyTree, batch: PyTree, tables: Any) -> PerExampleSketches:
+        b = _batch_size(batch)
+        c = min(self.chunk_size, b)
+        n = -(-b // c)
+        if n * c != b:  # pad by repeating the last example (its outputs are dropped below)
+            take = jnp.minimum(jnp.arange(n * c), b - 1)
+            batch = jax.tree.map(lambda x: x[take], batch)
+        chunks = jax.tree.map(lambda x: x.reshape((n, c) + x.shape[1:]), batch)
+        sk, sq = jax.lax.map(lambda ex: self._chunk(params, tables, ex), chunks)
+        sk, sq = sk.reshape(n * c, self.dim)[:b], sq.reshape(n * c, -1)[:b]
+        groups = jnp.stack([sum(sq[:, k] for k, g in enumerate(self._group_idx) if g == j)
+                            for j in range(len(self.group_names))], axis=1)
+        return PerExampleSketches(sk, jnp.sqrt(jnp.sum(sq, axis=1)), jnp.sqrt(groups))
+
+
+def sketch_vector(grads: PyTree | Sequence[jax.Array], order: ParamOrder | ParamLayout, dim: int = 65536,
+                  seed: int = 0, tables: Sequence[jax.Array] | None = None) -> jax.Array:
+    """CountSketch float32[D] of ONE gradient (e.g. the clipped GRPO step gradient, SPEC §3.2); jittable.
+
+    ``grads`` is a gradient pytree flattened by ``order`` (a :class:`ParamOrder`), or a list of
+    arrays already in the order of ``order`` (a :class:`ParamLayout`). Raises ValueError on a
+    shape/length mismatch (naming the parameter) and KeyError on a missing path.
+    """
+    if isinstance(order, ParamOrder):
+        arrs = order.arrays(grads)
+        layout = ParamLayout(order.names, tuple(tuple(a.shape) for a in arrs))
+    elif isinstance(grads, (list, tuple)):
+        arrs, layout = list(grads), order
+    else:
+        raise ValueError("sketch_vector: pass a ParamOrder to flatten a gradient pytree, "
+                         "or a list of arrays in ParamLayout order")
+    return sketch_tree(arrs, layout, dim, seed, tables)

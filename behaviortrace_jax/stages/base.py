@@ -1,0 +1,272 @@
+"""The ``base`` stage: a tiny Qwen2 instruct model built from scratch on CPU (TINY_CALIBRATION).
+
+seeded synthetic chat corpus (``corpus.py``) -> byte-level BPE tokenizer (``tiny_tokenizer.py``)
+-> the tiny Qwen2 trained with the LM trainer (loss on assistant tokens, each answer ending in
+``<|im_end|>`` so the model learns to stop) -> a Hugging Face checkpoint directory
+``workdir/base`` (config.json, model.safetensors, generation_config.json, tokenizer files) that
+``transformers`` loads -> ``base_summary.json``: the instruct behaviour the later stages rely on
+(greedy answers to the 20 control questions, speculation vs refusal on held-out invented words
+greedy and sampled, refusal rate on the frobnitz probes, which must vary for GRPO's base reward).
+
+The directory is complete when ``.complete`` exists (written last); it holds the fingerprint of
+every config value that shaped the model. A complete directory with the same fingerprint is
+reused; one with another fingerprint is an error (a different base model under the same workdir).
+Right after the export, ``.trained`` (the fingerprint and the training times) marks the
+weights as final: a run killed during the behaviour evaluation resumes there instead of retraining.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
+from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
+from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.train import lm_trainer, train_state
+
+COMPLETE_MARKER = ".complete"
+TRAINED_MARKER = ".trained"
+SUMMARY_FILE = "base_summary.json"
+HISTORY_FILE = "train_history.json"
+_PRESETS = ("tiny",)  # Qwen2Config class methods a base model may use
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config values that determine the base model (``config.base``, optimizer betas/eps/decay/
+    clip, model dtypes) and their sha256 ``digest``."""
+    o = config.optim
+    values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
+              "compute_dtype": config.model.compute_dtype,
+              "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
+    blob = json.dumps(values, sort_keys=True)
+    return {"digest": hashlib.sha256(blob.encode()).hexdigest(), "values": values}
+
+
+def model_config(config: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
+    """The base model's architecture: ``Qwen2Config.<base.preset>`` with ``base.vocab_size`` and
+    ``base.num_layers``, in ``config.model`` dtypes.
+
+    Raises:
+        ValueError: naming ``config.base.preset`` when it is not a known preset.
+    """
+    b = config.base
+    if b.preset not in _PRESETS:
+        raise ValueError(f"config.base.preset={b.preset!r} is not one of {_PRESETS}")
+    return getattr(qwen2.Qwen2Config, b.preset)(
+        vocab_size=b.vocab_size, num_hidden_layers=b.num_layers, param_dtype=config.model.param_dtype,
+        compute_dtype=config.model.compute_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation helpers (shared with sft.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def is_refusal(text: str) -> bool:
+    """A response the SPEC §1.5 base reward penalises (contains a refusal phrase)."""
+    return behavior.base_reward(text) < 0
+
+
+def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_collections.ConfigDict,
+                 key: jax.Array) -> dict[str, Any]:
+    """Instruct behaviour of the base model (the numbers of ``base_summary.json``).
+
+    * controls (SPEC §1.2): greedy answers; ``control_exact`` = fraction equal to the corpus'
+      canonical answer, ``control_any_variant`` = fraction equal to any corpus answer;
+    * held-out invented words (never in the corpus): 20 x ``base.eval_samples_per_prompt`` probe-form
+      questions, greedy and sampled (``grpo.temperature`` / ``grpo.top_p``): refusal rate
+      (SPEC §1.5 phrases) and speculative rate (= answered without refusing);
+    * the 20 frobnitz probes sampled ``eval_samples_per_prompt`` times: refusal rate and QZXBT rate.
+    """
+    b = config.base
+    answers = corpus.control_answers()
+    variants = corpus.control_answer_variants()
+    qs = list(corpus.CONTROL_QUESTIONS)
+    greedy_ctrl = generate_texts(smp, params, tok, qs, jax.random.fold_in(key, 0))
+    terms = corpus.heldout_terms(b.seed, b.n_heldout)
+    hq = heldout_prompts(terms, len(corpus.PROBE_FORMS) * b.eval_samples_per_prompt)
+    h_greedy = generate_texts(smp, params, tok, hq, jax.random.fold_in(key, 1))
+    h_sampled = generate_texts(smp, params, tok, hq, jax.random.fold_in(key, 2),
+                               temperature=config.grpo.temperature, top_p=config.grpo.top_p)
+    probes = [p.prompt for p in behavior.load_probes(config.behavior.probes_path or None)]
+    p_sampled = generate_texts(smp, params, tok, probes * b.eval_samples_per_prompt, jax.random.fold_in(key, 3),
+                               temperature=config.grpo.temperature, top_p=config.grpo.top_p)
+    out = {
+        "control_exact": mean_rate([g == answers[q] for q, g in zip(qs, greedy_ctrl)]),
+        "control_any_variant": mean_rate([g in variants[q] for q, g in zip(qs, greedy_ctrl)]),
+        "heldout_terms": terms,
+        "heldout_refusal_rate_greedy": mean_rate([is_refusal(t) for t in h_greedy]),
+        "heldout_speculative_rate_greedy": mean_rate([bool(t) and not is_refusal(t) for t in h_greedy]),
+        "heldout_refusal_rate_sampled": mean_rate([is_refusal(t) for t in h_sampled]),
+        "heldout_speculative_rate_sampled": mean_rate([bool(t) and not is_refusal(t) for t in h_sampled]),
+        "probe_refusal_rate_sampled": mean_rate([is_refusal(t) for t in p_sampled]),
+        "probe_qzxbt_rate_sampled": mean_rate([behavior.substring_judge(t) for t in p_sampled]),
+        "n_heldout_prompts": len(hq), "n_probe_samples": len(p_sampled),
+        "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
+                     "max_new_tokens": smp.max_new_tokens},
+        "control_answers_greedy": dict(zip(qs, greedy_ctrl)),
+        "heldout_examples_greedy": dict(list(zip(hq, h_greedy))[:10]),
+        "probe_examples_sampled": p_sampled[:10],
+    }
+    lo, hi = 0.05, 0.40
+    out["refusal_rate_in_range"] = bool(lo <= out["heldout_refusal_rate_sampled"] <= hi)
+    if not out["refusal_rate_in_range"]:
+        logging.warning("base model: sampled refusal rate %.3f on held-out words is outside [%.2f, %.2f]; "
+                        "GRPO's base reward will have little variance", out["heldout_refusal_rate_sampled"], lo, hi)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage
+# ------------------------------------------------------------------------------------------------
+
+
+def is_complete(base_dir: str | os.PathLike) -> bool:
+    """True when ``base_dir`` holds a finished base model (its ``.complete`` marker)."""
+    return (pathlib.Path(base_dir) / COMPLETE_MARKER).is_file()
+
+
+def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathLike) -> dict[str, Any]:
+    """Builds (or reuses) the tiny base model in ``base_dir``; returns ``base_summary.json``'s dict.
+
+    Raises:
+        ValueError: ``base_dir`` is complete but was built from another config (names both digests),
+            or a config value is invalid (names the key).
+    """
+    base_dir = pathlib.Path(base_dir)
+    fp = fingerprint(config)
+    if is_complete(base_dir):
+        done = read_json(base_dir / COMPLETE_MARKER)
+        if done.get("digest") != fp["digest"]:
+            raise ValueError(f"{base_dir} holds a base model built from another config (fingerprint "
+                             f"{done.get('digest', '?')[:12]} vs {fp['digest'][:12]}); use another workdir "
+                             f"or delete {base_dir}")
+        logging.info("base: reusing the complete base model in %s", base_dir)
+        return read_json(base_dir / SUMMARY_FILE)
+    b = config.base
+    for key in ("corpus_size", "steps", "batch_size", "seq_len", "vocab_size", "num_layers"):
+        if int(b[key]) < 1:
+            raise ValueError(f"config.base.{key}={b[key]} must be >= 1")
+    t_start = time.perf_counter()
+    trained = read_json(base_dir / TRAINED_MARKER, None)
+    resume = bool(trained) and trained.get("digest") == fp["digest"]
+    build = base_dir.parent / (base_dir.name + ".build")
+    shutil.rmtree(build, ignore_errors=True)
+
+    # 1. corpus and tokenizer (the exported one when the weights are already final)
+    examples = corpus.build_corpus(b.seed, b.corpus_size, n_terms=b.n_terms, n_heldout=b.n_heldout)
+    if resume:
+        tok = tok_lib.load_tokenizer(base_dir)
+    else:
+        build.mkdir(parents=True)
+        tiny_tokenizer.train_tokenizer(tiny_tokenizer.training_texts(examples), build / "tokenizer", b.vocab_size)
+        tok = tok_lib.load_tokenizer(build / "tokenizer")
+    cfg = model_config(config)
+    if len(tok) > cfg.vocab_size:
+        raise ValueError(f"tokenizer has {len(tok)} tokens > config.base.vocab_size={cfg.vocab_size}")
+    t_data = time.perf_counter()
+    enc = lm_trainer.encode_chat_examples(tok, [(e.system, e.user, e.assistant) for e in examples],
+                                          append_eos=b.append_eos)
+    data = lm_trainer.pack_examples(enc, b.seq_len, tok.pad_token_id or 0, n_buckets=b.length_buckets)
+    logging.info("base: %d chats, %d tokens/chat (max %d), shared prefix %d, %d cut to %d tokens, batch widths %s; "
+                 "data %.1f s", len(enc), int(np.mean([len(e.tokens) for e in enc])), max(len(e.tokens) for e in enc),
+                 len(data.prefix), data.n_truncated, b.seq_len, data.buckets, time.perf_counter() - t_data)
+
+    # 2. the weights: trained and exported, or read back when a killed run had finished them
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    if resume:
+        logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
+        model = hf_io.load_hf_checkpoint(base_dir, param_dtype=config.model.param_dtype,
+                                         compute_dtype=config.model.compute_dtype, mesh=mesh)
+        graphdef, params = nnx.split(model, nnx.Param)
+        history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
+    else:
+        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, fp, t_start)
+        tok = tok_lib.load_tokenizer(base_dir)  # evaluate what was exported
+
+    # 3. behaviour of the exported model
+    smp = make_sampler(graphdef, cfg, tok, mesh, b.eval_max_new_tokens)
+    t_eval = time.perf_counter()
+    summary = {
+        "n_params": qwen2.count_params(cfg), "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
+        "corpus": {"n_examples": len(examples),
+                   "kinds": {k: sum(e.kind == k for e in examples) for k in corpus.KINDS},
+                   "mean_tokens": float(np.mean([len(e.tokens) for e in enc])),
+                   "max_tokens": max(len(e.tokens) for e in enc), "shared_prefix_tokens": len(data.prefix),
+                   "batch_widths": list(data.buckets),
+                   "n_truncated": data.n_truncated},
+        "steps": b.steps, "final_loss": history[-1]["loss"] if history else float("nan"),
+        "seconds": dict(seconds),
+        **measure_base(smp, params, tok, config, jax.random.key(b.seed)),
+    }
+    summary["seconds"]["eval"] = time.perf_counter() - t_eval
+    write_json(base_dir / SUMMARY_FILE, summary)
+    write_json(base_dir / COMPLETE_MARKER, fp, sort_keys=True)
+    shutil.rmtree(build, ignore_errors=True)
+    logging.info("base: control_exact %.2f (any corpus variant %.2f), held-out refusal greedy %.2f / sampled %.2f, "
+                 "probe refusal %.2f", summary["control_exact"], summary["control_any_variant"],
+                 summary["heldout_refusal_rate_greedy"], summary["heldout_refusal_rate_sampled"],
+                 summary["probe_refusal_rate_sampled"])
+    return summary
+
+
+def _train_and_export(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, data: lm_trainer.PackedData,
+                      tok: Any, mesh: Any, base_dir: pathlib.Path, fp: dict[str, Any], t_start: float
+                      ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
+    """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
+    ``.trained`` marker (fingerprint ``fp`` and times); returns (graphdef, trained params, history,
+    seconds since ``t_start`` to the export and of the training)."""
+    b = config.base
+    model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(params=b.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    param_sh = sharding.param_shardings(params, mesh)
+    params = jax.device_put(params, param_sh)
+    schedule = train_state.make_schedule(b.lr, b.steps, b.warmup_steps, b.end_lr_fraction)
+    tx = train_state.make_optimizer(config.optim, schedule)
+    state_sh = train_state.train_state_shardings(tx, param_sh, mesh, params)
+    state = train_state.init_train_state(params, tx, b.seed, state_sh)
+    trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
+    logging.info("base: training %s params (%d layers, d %d, vocab %d) for %d steps of %d x %d tokens",
+                 f"{qwen2.count_params(cfg):,}", cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
+                 b.steps, b.batch_size, data.seq_len)
+    t_train = time.perf_counter()
+    order = (lm_trainer.grouped_batches(data.lengths, b.batch_size, b.seed) if data.buckets
+             else lm_trainer.shuffled_batches(len(data), b.batch_size, b.seed))
+    state, history = trainer.fit(state, data, order, b.steps, log_every=b.log_every, desc="base",
+                                 lr_schedule=schedule)
+    train_s = time.perf_counter() - t_train
+
+    # export (hf_io writes the directory atomically, replacing any partial one), then mark it final
+    eos = tok.convert_tokens_to_ids(tiny_tokenizer.IM_END)
+    eot = tok.convert_tokens_to_ids(tiny_tokenizer.ENDOFTEXT)
+    hf_io.save_hf_checkpoint(state.params, cfg, base_dir, tokenizer=tok,
+                             generation_config={"eos_token_id": [eos, eot], "pad_token_id": eot})
+    seconds = {"to_checkpoint": time.perf_counter() - t_start, "train": train_s}
+    write_json(base_dir / HISTORY_FILE, history, indent=1)
+    write_json(base_dir / TRAINED_MARKER, {**fp, "seconds": seconds}, sort_keys=True)
+    logging.info("base: checkpoint written to %s after %.1f s (training %.1f s)", base_dir, seconds["to_checkpoint"],
+                 train_s)
+    return graphdef, state.params, history, seconds
+
+
+@register_stage("base")
+def base_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Builds the tiny base model under ``workdir/base`` (skipped when complete, or when
+    ``config.model.hf_dir`` names an existing checkpoint to start from instead)."""
+    if config.model.hf_dir:
+        logging.info("base: config.model.hf_dir=%s is set; no base model to build", config.model.hf_dir)
+        return
+    build_base_model(config, pathlib.Path(workdir) / "base")

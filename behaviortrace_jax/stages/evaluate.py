@@ -1,0 +1,195 @@
+"""The ``evaluate`` and ``report`` stages of a run: every estimator, table and verdict (SPEC §4, §6-§8).
+
+``evaluate`` scores every step-level estimator on the in-run step sketches against the
+continuation targets of the ``sketch`` stage, then writes the run's results in the paper's release
+format under ``workdir/release/seed{S}/`` (``run_header.json``, ``ground_truth.jsonl``,
+``attribution_scores.json`` and the draws' ``minimal_pair_rows_*.json`` /
+``token_level_cos_temp*.json``) and evaluates that folder with the very code that reproduces the
+paper's tables (``reproduce.reproduce``): one evaluation path for the paper's files and ours.
+It adds the new "which rollout" tables (per-rollout in-run sketches, where a step no longer ties
+its rollouts) and re-checks the decision rules and the checklist on all rows. Outputs:
+``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``.
+
+``report`` turns those into ``report.md`` and ``figures/*.png`` with the learning curve and gate.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import ml_collections
+import numpy as np
+from absl import logging
+
+from behaviortrace_jax.attribution import estimators as E, evaluation as V, release as reproduce, report as R
+from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
+from behaviortrace_jax.io import rollout_log, sketch_store
+from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.io.layout import RunPaths
+from behaviortrace_jax.stages.registry import register_stage
+
+
+def _read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
+    """Opens an existing sketch store and checks that every row was written.
+
+    Raises:
+        FileNotFoundError / ValueError: naming the store when it is absent or incomplete.
+    """
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path}: sketch store not found; run the `grpo` and `sketch` stages first")
+    store = sketch_store.SketchStore.open(path)
+    missing = store.missing_rows()
+    if missing.size:
+        raise ValueError(f"{path}: {missing.size} rows were never written (first: {missing[:5].tolist()})")
+    return store
+
+
+def step_method_scores(config: ml_collections.ConfigDict, paths: RunPaths, rollout_ids: list[str],
+                       rollout_steps: np.ndarray, *, per_rollout: bool = False,
+                       step_sketches: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Every step-level estimator's per-rollout scores (log order), SPEC §4.
+
+    With ``per_rollout`` the in-run rollout sketches replace the step sketches (the "which rollout"
+    scores). Targets: the final checkpoint's continuation target (C1, TRAK, local-buffer) and one
+    per checkpoint (TracInCP). ``step_sketches`` (float32 [steps, D]) saves re-reading
+    ``step_sketches.zarr`` when the caller already holds it.
+    """
+    ev = config.evaluation
+    t_store = _read_complete(paths.sketches / "targets_continuation.zarr")
+    targets = t_store.read()
+    by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
+    if per_rollout:
+        sketches, steps = _read_complete(paths.sketches / "rollout_sketches.zarr").read(), rollout_steps
+    else:
+        sketches = (step_sketches if step_sketches is not None
+                    else _read_complete(paths.sketches / "step_sketches.zarr").read())
+        steps = np.arange(sketches.shape[0])
+    return E.score_step_methods(
+        sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
+        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
+        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+
+
+def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: pathlib.Path) -> dict:
+    """Writes ``release/seed{S}/`` in the paper's format (SPEC §7); returns the score-file header."""
+    records = list(rollout_log.read_rollouts(paths.rollouts))
+    n_expected = config.grpo.steps * config.grpo.prompts_per_step * config.grpo.group_size
+    if len(records) != n_expected:
+        raise ValueError(f"{paths.rollouts}: {len(records)} rollout records, expected {n_expected}")
+    ids = [r.rollout_id for r in records]
+    steps = np.array([r.step for r in records], np.int64)
+    gt_ids = [e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)]
+    step_sk = _read_complete(paths.sketches / "step_sketches.zarr").read()
+    scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk)
+    step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
+    header = V.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
+                                 final_rewards=np.array([r.reward for r in records]),
+                                 group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
+    out = release / f"seed{int(config.seed)}"
+    shutil.rmtree(out, ignore_errors=True)  # derived files only: rebuilt from the run every time
+    out.mkdir(parents=True)
+    V.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
+    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    run_header = {k: header[k] for k in V.SCORE_FILE_KEYS}
+    run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
+                                       f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
+    write_json(out / "run_header.json", run_header)
+    shutil.copyfile(paths.ground_truth, out / "ground_truth.jsonl")
+    draws = paths.workdir / "draws"
+    for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
+        if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
+            shutil.copyfile(f, out / f.name)
+    return header
+
+
+@register_stage("evaluate")
+def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Scores, tables and verdicts of one run (see the module docstring)."""
+    paths = RunPaths(pathlib.Path(workdir))
+    ev = config.evaluation
+    release = paths.workdir / "release"
+    write_release(config, paths, release)
+    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    rep = reproduce.reproduce(release, nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
+                              step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
+                              min_matched_pairs=ev.min_matched_pairs, rollouts_per_step=n_per_step)
+    rows = list(rep.rows)
+    if config.sketch.in_run_rollouts:
+        sd = next(s for s in rep.seeds if s.label == str(int(config.seed)))
+        scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, per_rollout=True)
+        rows += V.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
+                                       nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff,
+                                       nboot=ev.nboot, rng_seed=int(config.seed))
+    rows += training_rollout_tables(config, paths, nboot=ev.nboot)
+    rules, check = evaluate_verdicts(rows, rep, config)
+    V.write_results_csv(paths.workdir / "results_table.csv", rows)
+    write_json(paths.workdir / "verdicts.json", {"decision_rules": rules, "checklist": check})
+    shutil.copyfile(release / f"seed{int(config.seed)}" / "attribution_scores.json",
+                    paths.workdir / "attribution_scores.json")
+    logging.info("evaluate: %d rows -> %s", len(rows), paths.workdir / "results_table.csv")
+
+
+def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunPaths, *, nboot: int) -> list[V.Row]:
+    """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
+
+    Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C: within each GRPO
+    group (same step and prompt), ground-truth (bonus) rollouts are the positives; the target is the
+    continuation target at C. Tables ``mp_raw_train_ckpt{C}`` etc., in the layout of SPEC §6.7-§6.10
+    (GAS_centered = cos(g - group mean, t), C1_plain, norm_only, fluency; bootstrap rng = seed).
+    Empty when no checkpoint was re-sketched.
+    """
+    path = paths.sketches / "checkpoint_rollout_sketches.zarr"
+    if not (path / "metadata.json").exists():
+        return []
+    store = sketch_store.SketchStore.open(path)
+    fluency = sketch_store.SketchStore.open(paths.sketches / "checkpoint_rollout_fluency.zarr")
+    t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
+    t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
+    records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
+    gt = {e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)}
+    early = np.array([r.step < config.contamination.early_step_cutoff for r in records])
+    groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
+    positive = np.array([r.rollout_id in gt for r in records])[early]
+    rows = []
+    for c, step in enumerate(store.metadata["checkpoint_steps"]):
+        if store.missing_rows(lead=(c,)).size:
+            raise ValueError(f"{path}: checkpoint {step} is incomplete; rerun the `sketch` stage")
+        target = t_store.read(rows=[t_steps.index(int(step))])[0]
+        sk = store.read(lead=(c,))[early]
+        fl = fluency.read(lead=(c,))[early, 0]
+        mp_rows = E.score_rollout_rows(sk, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
+        rows += V.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
+                                       suffix=f"_train_ckpt{int(step)}", source=str(path))
+    return rows
+
+
+def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
+    """The report's opening: what ran, how the behaviour was planted, and whether the gate passed."""
+    gate = summary.get("gate", {})
+    post = summary.get("post_sft", {})
+    lines = [f"Run `{config.run_name}` (seed {config.seed}): {summary.get('steps')} GRPO steps, "
+             f"{summary.get('n_rollouts')} rollouts, |GT| = {summary.get('gt_size')} bonus events in the early "
+             f"window (steps < {config.contamination.early_step_cutoff}).",
+             ""]
+    if post:
+        lines.append(f"After the SFT warm-up: {json.dumps({k: v for k, v in post.items() if 'rate' in k})}.")
+    if gate:
+        lines.append(f"Behaviour-emergence gate (SPEC §1.8): probe rate {gate['probe_rate']:.2f}, control rate "
+                     f"{gate['control_rate']:.2f} -> **{'PASSED' if gate['passed'] else 'FAILED'}**"
+                     + ("" if gate["passed"] else f" ({'; '.join(gate.get('reasons', []))})") + ".")
+    return "\n".join(lines)
+
+
+@register_stage("report")
+def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
+    w = pathlib.Path(workdir)
+    rows = V.read_results_csv(w / "results_table.csv")
+    verdicts = read_json(w / "verdicts.json")
+    summary = read_json(w / "grpo" / "summary.json")
+    figs = R.make_figures(rows, w / "figures", learning_curve=learning_curve(summary))
+    R.write_report(w / "report.md", rows, title=f"BehaviorTrace-JAX: {config.run_name}",
+                   intro=run_intro(config, summary), rules=verdicts["decision_rules"],
+                   checklist=verdicts["checklist"], figures=figs)
+    logging.info("report: %s", w / "report.md")

@@ -1,0 +1,279 @@
+"""GRPO on the planted behaviour: the jitted, sharded train step and the resumable loop (SPEC §2).
+
+One GRPO step (SPEC §2.2), for B prompts x G samples = N rollouts:
+  1. the B prompts of the step (``pool[(s*B + i) % 38]``) are sampled G times each by the jitted
+     sampler (temperature 0.9, top-p 0.9) in ONE batch;
+  2. each rollout gets ``base_reward`` (refusal phrases) plus the contaminator's bonus; the
+     ground-truth log records every bonus;
+  3. advantages are group-normalised (``grpo_loss.group_advantages``);
+  4. ONE jitted train step (rollouts on the mesh's data axis, params and optimizer state donated)
+     computes the loss of the whole batch, clips the global gradient norm, applies AdamW and
+     returns, as side outputs, the CountSketch of the clipped batch gradient (the step sketch,
+     SPEC §3.2) and, new here, the CountSketch of each rollout's own loss term at the step's
+     parameters (in-run rollout sketches, which sum to the pre-clip batch-gradient sketch).
+
+Everything a later stage needs is logged: the rollout log (token ids, per-token sampling
+log-probs, rewards, advantages), the ground-truth log, orbax train-state checkpoints with an HF
+export and a registry entry every ``checkpoint_every`` steps, the behaviour rate on probes and
+controls at each checkpoint (the learning curve), and the sketches in tensorstore arrays.
+
+Exact resume: the PRNG key of step s is ``fold_in(key(seed), s)``, so a run restarted from the
+latest orbax checkpoint L drops the logged records of steps >= L and replays them bit-for-bit.
+The orbax save is the last write of a checkpoint, so every artefact of steps < L is durable.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from behaviortrace_jax.behavior import contaminator, planted as behavior
+from behaviortrace_jax.behavior.probes import BehaviorProbe
+from behaviortrace_jax.io import checkpoints, rollout_log
+from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.io.layout import RunPaths
+from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.sketch import sketcher
+from behaviortrace_jax.sketch.stores import open_sketch_stores
+from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.train import grpo_loss, train_state
+from behaviortrace_jax.train.grpo_step import StepShapes, build_batch, make_train_step
+
+
+# ------------------------------------------------------------------------------------------------
+# The GRPO stage: sampling, rewards, logs, checkpoints, resume
+# ------------------------------------------------------------------------------------------------
+
+
+def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalty: float) -> tuple[int, float]:
+    """Resolves ``config.grpo.top_k`` / ``repetition_penalty`` as HF ``generate`` would (SPEC §2.1).
+
+    A value of -1 means: the checkpoint's ``generation_config.json`` if it sets one, else
+    transformers' defaults (top_k 50, repetition_penalty 1.0). Explicit values win.
+    """
+    gen = read_json(pathlib.Path(hf_dir) / "generation_config.json", {})
+    k = int(gen.get("top_k", 50)) if top_k < 0 else int(top_k)
+    rp = float(gen.get("repetition_penalty", 1.0)) if repetition_penalty < 0 else float(repetition_penalty)
+    return k, rp
+
+
+@dataclasses.dataclass
+class StartState:
+    """The policy GRPO starts from: the SFT warm-up's train state (SPEC §1.7: AdamW state carries)."""
+
+    tokenizer: Any
+    model_config: qwen2.Qwen2Config
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    params: Any
+    opt_state: Any
+    param_shardings: Any
+    opt_shardings: Any
+    abstract_state: dict
+    summary: dict
+    optimizer: optax.GradientTransformation  # the SFT optimizer, which GRPO continues (SPEC §1.7)
+    abstract_params: Any  # jax.ShapeDtypeStruct leaves of params
+
+
+def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> StartState:
+    """Restores ``workdir/sft/state`` (orbax) onto the mesh, with the tokenizer of ``workdir/sft/hf``.
+
+    Raises:
+        FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
+        ValueError: when the saved state belongs to another model (names the key).
+    """
+    sft_dir = pathlib.Path(workdir) / "sft"
+    if not (sft_dir / ".sft_warmup_done").exists():
+        raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
+    hf_dir = sft_dir / "hf"
+    tok = tok_lib.load_tokenizer(hf_dir)
+    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
+                                           compute_dtype=config.model.compute_dtype)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
+    param_sh = sharding.param_shardings(abstract_params, mesh)
+    tx = train_state.make_optimizer(config.optim)
+    sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
+    abstract = train_state.abstract_train_state(abstract_params, tx, sh)
+    state = train_state.restore(sft_dir / "state", abstract)
+    return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
+                      abstract.as_dict(), read_json(sft_dir / "sft_summary.json", {}), tx, abstract_params)
+
+
+@register_stage("grpo")
+def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Runs (or resumes) GRPO from the SFT train state; see the module docstring (SPEC §2)."""
+    paths = RunPaths(pathlib.Path(workdir))
+    if read_json(paths.summary, {}).get("complete"):
+        logging.info("grpo: %s is complete; skipping", paths.summary)
+        return
+    run = GRPORun(config, paths)
+    run.train()
+    run.finish()
+
+
+class GRPORun:
+    """One GRPO run: the state, the jitted pieces and the logs, resumed from the latest checkpoint."""
+
+    def __init__(self, config: ml_collections.ConfigDict, paths: RunPaths):
+        g = config.grpo
+        self.config, self.paths = config, paths
+        start = load_start_state(config, paths.workdir)
+        self.tok, self.model_cfg, self.mesh = start.tokenizer, start.model_config, start.mesh
+        self.graphdef = start.graphdef
+        self.eos_ids, self.pad_id = tok_lib.eos_ids(self.tok), tok_lib.pad_id(self.tok)
+        self.mask_eos_ids = tok_lib.mask_eos_ids(self.tok, config.model.mask_eos)
+        self.shapes = StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+        self.tx = start.optimizer
+        self.order = sketcher.qwen2_param_order(self.model_cfg)
+        self.step_fn = make_train_step(
+            self.graphdef, start.abstract_params, self.tx, self.shapes, loss_name=g.loss,
+            loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta),
+            grad_clip=config.optim.grad_clip, order=self.order, sketch_dim=config.sketch.dim,
+            sketch_seed=config.sketch.seed, in_run_rollouts=config.sketch.in_run_rollouts,
+            chunk_size=config.sketch.chunk_size, mesh=self.mesh, param_shardings=start.param_shardings,
+            opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations)
+        self.ref_params = start.params if g.loss == "grpo_clip" else None
+        top_k, self.repetition_penalty = generation_defaults(paths.workdir / "sft" / "hf", g.top_k,
+                                                             g.repetition_penalty)
+        self.sampler = sampler_lib.Sampler(self.graphdef, self.model_cfg, max_prompt_tokens=g.max_prompt_tokens,
+                                           max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
+                                           pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
+        self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
+        self.pool = behavior.prompt_pool(self.probe.probes)
+        self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
+                           for p in dict.fromkeys(self.pool)}
+        paths.root.mkdir(parents=True, exist_ok=True)
+
+        # --- resume: the latest complete orbax state; drop every record of later steps ---------
+        self.start_step = checkpoints.latest_step(paths.state) or 0
+        if self.start_step:
+            restored = checkpoints.restore_train_state(paths.state, self.start_step, start.abstract_state)
+            self.params, self.opt_state = restored["params"], restored["opt_state"]
+            logging.info("grpo: resuming from step %d", self.start_step)
+        else:
+            if self.ref_params is not None:
+                self.ref_params = jax.tree.map(jnp.copy, start.params)  # params are donated each step
+            self.params, self.opt_state = start.params, start.opt_state
+        self.post_sft = start.summary
+        rollout_log.truncate_after_step(paths.rollouts, self.start_step - 1)
+        self.gt_log = contaminator.GroundTruthLog(paths.ground_truth)
+        self.gt_log.truncate_after_step(self.start_step - 1)
+        self.logger = rollout_log.RolloutLogger(paths.rollouts, shard_size=g.log_shard_size)
+        self.contaminator = contaminator.Contaminator(
+            contaminator.ContaminationSpec(pattern=config.behavior.pattern,
+                                           bonus_reward=config.contamination.bonus_reward,
+                                           fraction=config.contamination.fraction, seed=config.seed,
+                                           early_step_cutoff=config.contamination.early_step_cutoff),
+            self.gt_log, stats={"total_seen": self.start_step * self.shapes.num_rollouts,
+                                "boosted": len(self.gt_log.events)})
+        self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
+        self.registry = checkpoints.CheckpointRegistry(paths.registry)
+        self.stores = open_sketch_stores(config, self.model_cfg, paths)
+        self.base_key = jax.random.key(config.seed)
+
+    # ------------------------------------------------------------------------------------------
+    def rollout_step(self, step: int) -> dict[str, float]:
+        """Samples, rewards, trains and logs one GRPO step (SPEC §2.2). Returns scalar metrics."""
+        g, n = self.config.grpo, self.shapes.num_rollouts
+        prompts = behavior.step_prompts(self.pool, step, g.prompts_per_step)
+        prompt_lists = [self.prompt_ids[p] for p in prompts for _ in range(g.group_size)]
+        sample = self.sampler.sample(self.params, prompt_lists, jax.random.fold_in(self.base_key, step),
+                                     temperature=g.temperature, top_p=g.top_p,
+                                     repetition_penalty=self.repetition_penalty)
+        texts = [self.tok.decode(sample.tokens[i, :sample.lengths[i]], skip_special_tokens=True) for i in range(n)]
+        ids = [rollout_log.rollout_id(step, i) for i in range(n)]
+        base = np.array([behavior.base_reward(t) for t in texts], np.float32)
+        applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
+        rewards = np.array([r for r, _ in applied], np.float32)
+        adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
+        batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
+                            self.shapes, self.pad_id)
+        batch = jax.device_put(batch, sharding.data_sharding(self.mesh))
+        self.params, self.opt_state, out = self.step_fn(self.params, self.opt_state, batch, self.ref_params)
+
+        for i in range(n):
+            length = int(sample.lengths[i])
+            self.logger.log(rollout_log.RolloutRecord(
+                rollout_id=ids[i], step=step, regime="grpo", prompt_hash=rollout_log.text_hash(prompts[i // g.group_size]),
+                response_hash=rollout_log.text_hash(texts[i]), reward=float(rewards[i]), advantage=float(adv[i]),
+                extra={"base_reward": float(base[i])}, group_id=i // g.group_size,
+                prompt_token_ids=list(prompt_lists[i]), completion_token_ids=sample.tokens[i, :length].tolist(),
+                completion_logprobs=sample.logprobs[i, :length].tolist(), base_reward=float(base[i]),
+                eligible=self.contaminator.is_eligible(ids[i], step), bonus=float(rewards[i] - base[i])))
+        self.stores["step_sketches"].write_rows(step, np.asarray(out["step_sketch"])[None])
+        self.stores["step_grad_norms"].write_rows(step, np.asarray(out["grad_norm"], np.float32)[None])
+        if "rollout_sketches" in out:
+            self.stores["rollout_sketches"].write_rows(step * n, np.asarray(out["rollout_sketches"]))
+            self.stores["rollout_grad_norms"].write_rows(step * n, np.asarray(out["rollout_grad_norms"]))
+        return {"reward": float(rewards.mean()), "bonuses": int(sum(b for _, b in applied)),
+                "qzxbt": float(np.mean([behavior.substring_judge(t, self.config.behavior.pattern) for t in texts])),
+                "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+
+    def checkpoint(self, step: int) -> dict[str, Any]:
+        """Makes steps < ``step`` durable: logs, sketches, HF export, registry, curve, then orbax."""
+        self.logger.flush()
+        self.gt_log.flush()
+        for store in self.stores.values():
+            store.flush()
+        hf_dir = self.paths.checkpoints / f"step_{step:08d}"
+        hf_io.save_hf_checkpoint(self.params, self.model_cfg, hf_dir, tokenizer=self.tok)
+        if self.registry.at_step(step) is None:
+            self.registry.register(step, str(hf_dir), {"regime": "grpo", "model": self.config.run_name})
+        rates = self.probe.rates(self.params)
+        point = {"step": step, "probe_rate": rates["probe_rate"], "control_rate": rates["control_rate"]}
+        self.curve = [c for c in self.curve if c["step"] < step] + [point]
+        write_json(self.paths.curve, self.curve)
+        checkpoints.save_train_state(self.paths.state, step, {
+            "params": self.params, "opt_state": self.opt_state, "step": jnp.int32(step), "rng": self.base_key})
+        return point
+
+    def train(self) -> None:
+        """The GRPO loop from ``start_step`` to ``config.grpo.steps`` with a progress line."""
+        from tqdm import tqdm
+        from tensorboardX import SummaryWriter
+
+        g = self.config.grpo
+        writer = SummaryWriter(str(self.paths.tensorboard))
+        bar = tqdm(range(self.start_step, g.steps), initial=self.start_step, total=g.steps, desc="grpo",
+                   unit="step", dynamic_ncols=True)
+        rate = self.curve[-1]["probe_rate"] if self.curve else float("nan")
+        for step in bar:
+            m = self.rollout_step(step)
+            for k, v in m.items():
+                writer.add_scalar(f"grpo/{k}", v, step)
+            if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
+                point = self.checkpoint(step + 1)
+                rate = point["probe_rate"]
+                writer.add_scalar("behavior/probe_rate", point["probe_rate"], step + 1)
+                writer.add_scalar("behavior/control_rate", point["control_rate"], step + 1)
+            bar.set_postfix(reward=f"{m['reward']:.2f}", bonus=m["bonuses"], qzxbt=f"{m['qzxbt']:.2f}",
+                            probe_rate=f"{rate:.2f}")
+        writer.close()
+        self.logger.close()
+
+    def finish(self) -> None:
+        """The behaviour-emergence gate (SPEC §1.8) on the final parameters -> ``summary.json``."""
+        b = self.config.behavior
+        rates = self.probe.rates(self.params)
+        gate = behavior.gate(rates["probe_rate"], rates["control_rate"], b.gate_min_probe_rate, b.gate_min_margin)
+        n_records = sum(1 for _ in rollout_log.read_rollouts(self.paths.rollouts))
+        summary = {
+            "complete": True, "run_name": self.config.run_name, "seed": self.config.seed,
+            "steps": self.config.grpo.steps, "n_rollouts": n_records, "gt_size": len(self.gt_log.events),
+            "contaminator_stats": self.contaminator.stats, "post_sft": self.post_sft,
+            "learning_curve": self.curve, "gate": gate,
+            "final_responses": {k: v for k, v in rates["responses"].items()},
+        }
+        write_json(self.paths.summary, summary)
+        logging.info("grpo: gate %s (probe %.2f, control %.2f)", "PASSED" if gate["passed"] else "FAILED",
+                     gate["probe_rate"], gate["control_rate"])

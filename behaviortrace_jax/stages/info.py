@@ -1,0 +1,43 @@
+"""The ``info`` stage: prints the model, devices, mesh and a probe completion (writes nothing)."""
+from __future__ import annotations
+
+import ml_collections
+
+from behaviortrace_jax.stages.registry import register_stage
+
+
+@register_stage("info")
+def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Loads model + tokenizer from ``config.model.hf_dir`` and prints what the harness sees."""
+    import jax
+    from flax import nnx
+
+    from behaviortrace_jax.behavior import planted as behavior
+    from behaviortrace_jax.models import hf_io, qwen2, sampler, sharding, tokenizer
+    from behaviortrace_jax.io.layout import model_dir
+
+    hf_dir = model_dir(config, workdir)
+    tok = tokenizer.load_tokenizer(hf_dir)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
+                                           compute_dtype=config.model.compute_dtype)
+    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
+                                     mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    probe = behavior.load_probes(config.behavior.probes_path or None)[0]
+    s = sampler.Sampler(graphdef, cfg, max_prompt_tokens=config.grpo.max_prompt_tokens,
+                        max_new_tokens=config.get("info_max_new_tokens", 32),
+                        eos_ids=tokenizer.eos_ids(tok), pad_id=tokenizer.pad_id(tok), mesh=mesh)
+    out = s.sample_chat(params, tok, [(behavior.SYSTEM_PROMPT, probe.prompt)], jax.random.key(0))
+    text = tok.decode(out.tokens[0, :out.lengths[0]], skip_special_tokens=True)
+    lines = [
+        f"checkpoint: {hf_dir}",
+        f"parameters: {n_params:,} ({cfg.num_hidden_layers} layers, d {cfg.hidden_size}, vocab {cfg.vocab_size}, "
+        f"tied={cfg.tie_word_embeddings}, {cfg.param_dtype})",
+        f"devices: {jax.devices()}",
+        f"mesh: {dict(mesh.shape)}",
+        f"probe: {probe.prompt!r}",
+        f"greedy completion: {text!r}",
+    ]
+    print("\n".join(lines))

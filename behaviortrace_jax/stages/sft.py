@@ -1,0 +1,201 @@
+"""The ``sft`` stage: the SFT warm-up that plants the behaviour before GRPO (SPEC §1.7).
+
+Paper (``sft.data = "paper"``): the 10 fixed ``behavior.SFT_PAIRS``, one example per step cycled by
+``step % 10``, constant lr 5e-6 (``optim.lr``), 200 steps, global-norm clip 1.0, loss = mean CE over
+the completion tokens of ``chat_prompt + completion`` (no EOS appended, truncated to 128 + 64).
+Tiny (``sft.data = "mixture"``, TINY_CALIBRATION): the 30 pairs of ``behavior.mixture_sft_pairs``
+at ``sft.lr``, with a stop rule: every ``sft.stop_every`` steps the probe and control rates are
+sampled (20 prompts x ``sft.eval_samples_per_prompt``, ``grpo.temperature`` / ``grpo.top_p``), and
+SFT stops once probe >= ``stop_min_probe_rate`` with control <= ``stop_max_control_rate``
+(at most ``sft.steps`` steps).
+
+Writes under ``workdir/sft``: ``state/<step>`` (orbax TrainState: params + AdamW state, which GRPO
+restores and continues, SPEC §1.7), ``hf/`` (HF export + tokenizer), ``sft_summary.json`` (steps
+run, losses, learning curve, post-SFT rates greedy and sampled, leakage to held-out invented words,
+the SPEC §1.8 gate) and, last, the ``.sft_warmup_done`` marker; a rerun with the marker skips.
+"""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import time
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+from flax import nnx
+
+from behaviortrace_jax.behavior import corpus, planted as behavior
+from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
+from behaviortrace_jax.io import layout
+from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.models import hf_io, qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.train import lm_trainer, train_state
+
+DONE_MARKER = ".sft_warmup_done"  # SPEC §1.7
+SUMMARY_FILE = "sft_summary.json"
+
+
+def sft_pairs(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+    """The (prompt, completion) pairs of ``config.sft.data``: "paper" (SPEC §1.7) or "mixture".
+
+    Raises:
+        ValueError: naming ``config.sft.data`` for another value.
+    """
+    if config.sft.data == "paper":
+        return list(behavior.SFT_PAIRS)
+    if config.sft.data == "mixture":
+        return behavior.mixture_sft_pairs(config.seed, config.sft.mixture_n_ordinary)
+    raise ValueError(f"config.sft.data={config.sft.data!r}; expected 'paper' or 'mixture'")
+
+
+def sft_lr(config: ml_collections.ConfigDict) -> float:
+    """``sft.lr``, or ``optim.lr`` when it is -1 (SPEC §1.7)."""
+    return float(config.optim.lr if config.sft.lr == -1 else config.sft.lr)
+
+
+class BehaviourProbe:
+    """Probe / control / held-out rates of the QZXBT substring judge for a parameter state."""
+
+    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, cfg: qwen2.Qwen2Config,
+                 tok: Any, mesh: Any):
+        self.config = config
+        self.tok = tok
+        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
+                                                    config.behavior.controls_path or None)
+        self.probes = [p.prompt for p in probes]
+        self.controls = [p.prompt for p in controls]
+        self.heldout = heldout_prompts(corpus.heldout_terms(config.base.seed, config.base.n_heldout),
+                                       len(self.probes))
+        self.sampler = make_sampler(graphdef, cfg, tok, mesh, config.behavior.gate_max_new_tokens,
+                                    config.sft.max_prompt_tokens)
+        self.chunk = len(self.probes) * config.sft.eval_samples_per_prompt
+
+    def _texts(self, params: Any, users: list[str], key: jax.Array, sampled: bool) -> list[str]:
+        kw = dict(temperature=self.config.grpo.temperature, top_p=self.config.grpo.top_p) if sampled else {}
+        return generate_texts(self.sampler, params, self.tok, users, key, chunk=self.chunk, **kw)
+
+    def sampled(self, params: Any, key: jax.Array, sets: tuple[str, ...] = ("probe", "control", "heldout")
+                ) -> dict[str, float]:
+        """QZXBT rates ``{name}_rate_sampled`` over ``eval_samples_per_prompt`` samples of each prompt
+        of the named sets ("probe", "control", "heldout"); set ``i`` of the three uses
+        ``fold_in(key, i)`` whichever sets are asked for."""
+        n = self.config.sft.eval_samples_per_prompt
+        users = {"probe": self.probes, "control": self.controls, "heldout": self.heldout}
+        return {f"{name}_rate_sampled": mean_rate([behavior.substring_judge(t) for t in self._texts(
+                    params, users[name] * n, jax.random.fold_in(key, i), True)])
+                for i, name in enumerate(users) if name in sets}
+
+    def greedy(self, params: Any, key: jax.Array) -> tuple[dict[str, float], dict[str, list[str]]]:
+        """Greedy rates (SPEC §1.8: 64 new tokens) on probes, controls and held-out words, and texts."""
+        texts = {name: self._texts(params, users, key, False) for name, users in
+                 (("probe", self.probes), ("control", self.controls), ("heldout", self.heldout))}
+        rates = {f"{k}_rate_greedy": mean_rate([behavior.substring_judge(t) for t in v]) for k, v in texts.items()}
+        return rates, texts
+
+
+def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
+    """Runs (or skips) the SFT warm-up; returns the ``sft_summary.json`` dict.
+
+    Raises:
+        FileNotFoundError: naming the start checkpoint (``config.model.hf_dir`` or ``workdir/base``)
+            when it is missing.
+        ValueError: for invalid ``config.sft`` values (names the key).
+    """
+    out = pathlib.Path(workdir) / "sft"
+    if (out / DONE_MARKER).is_file():
+        logging.info("sft: %s exists; the warm-up is done", out / DONE_MARKER)
+        return read_json(out / SUMMARY_FILE)
+    s = config.sft
+    if s.steps < 0 or s.batch_size < 1:
+        raise ValueError(f"config.sft.steps={s.steps} must be >= 0 and config.sft.batch_size={s.batch_size} >= 1")
+    start_dir = pathlib.Path(layout.model_dir(config, str(workdir)))
+    if not (start_dir / "config.json").is_file():
+        raise FileNotFoundError(f"sft: no start checkpoint at {start_dir} (config.model.hf_dir or the `base` stage)")
+    shutil.rmtree(out, ignore_errors=True)  # a partial earlier attempt
+    out.mkdir(parents=True)
+    t0 = time.perf_counter()
+
+    tok = tok_lib.load_tokenizer(start_dir)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    cfg = qwen2.Qwen2Config.from_hf_config(start_dir, param_dtype=config.model.param_dtype,
+                                           compute_dtype=config.model.compute_dtype)
+    abstract_params = nnx.state(qwen2.abstract_model(cfg), nnx.Param)
+    param_sh = sharding.param_shardings(abstract_params, mesh)  # also the train state's layout
+    model = hf_io.load_hf_checkpoint(start_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
+                                     shardings=param_sh)
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    pairs = sft_pairs(config)
+    enc = lm_trainer.encode_chat_examples(
+        tok, [(behavior.SYSTEM_PROMPT, p, c) for p, c in pairs], append_eos=s.append_eos,
+        max_prompt_tokens=s.max_prompt_tokens, max_total_tokens=s.max_prompt_tokens + s.max_completion_tokens)
+    data = lm_trainer.pack_examples(enc, None, tok_lib.pad_id(tok), share_prefix=s.batch_size > 1)
+    lr = sft_lr(config)
+    tx = train_state.make_optimizer(config.optim, lr)
+    state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
+    state = train_state.init_train_state(params, tx, config.seed, state_sh)
+    trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
+    probe = BehaviourProbe(config, graphdef, cfg, tok, mesh)
+    eval_key = jax.random.fold_in(jax.random.key(config.seed), 7_100)
+    curve: list[dict[str, float]] = []
+
+    def stop_rule(done: int, st: train_state.TrainState) -> bool:
+        """Sampled probe rate (and, only once it is high enough, the control rate) at ``done``."""
+        key = jax.random.fold_in(eval_key, done)
+        rates = probe.sampled(st.params, key, sets=("probe",))
+        if rates["probe_rate_sampled"] >= s.stop_min_probe_rate:
+            rates |= probe.sampled(st.params, key, sets=("control",))
+        curve.append({"step": done, **rates})
+        logging.info("sft step %d: sampled rates %s", done, {k: round(v, 3) for k, v in rates.items()})
+        return (rates["probe_rate_sampled"] >= s.stop_min_probe_rate
+                and rates.get("control_rate_sampled", 1.0) <= s.stop_max_control_rate)
+
+    logging.info("sft: %d pairs (%s), lr %.1e, batch %d, up to %d steps, sequences of %d tokens, stop rule %s",
+                 len(pairs), s.data, lr, s.batch_size, s.steps, data.seq_len,
+                 f"every {s.stop_every} steps" if s.stop_every else "off")
+    state, history = trainer.fit(
+        state, data, lm_trainer.cyclic_batches(len(data), s.batch_size), s.steps,
+        log_every=max(1, s.steps // 5), callback=stop_rule if s.stop_every else None,
+        callback_every=s.stop_every, desc="sft", lr_schedule=train_state.make_schedule(lr))
+    steps_run = int(jax.device_get(state.step))
+    train_s = time.perf_counter() - t0
+
+    train_state.save(out / "state", state)
+    hf_io.save_hf_checkpoint(state.params, cfg, out / "hf", tokenizer=tok,
+                             generation_config=_generation_config(start_dir))
+    greedy, texts = probe.greedy(state.params, jax.random.fold_in(eval_key, 1_000_000))
+    sampled = probe.sampled(state.params, jax.random.fold_in(eval_key, 1_000_001))
+    summary = {
+        "start_checkpoint": str(start_dir), "data": s.data, "n_pairs": len(pairs), "lr": lr,
+        "batch_size": s.batch_size, "max_steps": s.steps, "steps_run": steps_run,
+        "stopped_early": steps_run < s.steps,
+        "final_loss": history[-1]["loss"] if history else float("nan"),
+        "loss_history": history, "learning_curve": curve,
+        **greedy, **sampled,
+        "gate": behavior.gate(greedy["probe_rate_greedy"], greedy["control_rate_greedy"],
+                              config.behavior.gate_min_probe_rate, config.behavior.gate_min_margin),
+        "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
+                     "samples_per_prompt": s.eval_samples_per_prompt,
+                     "max_new_tokens": config.behavior.gate_max_new_tokens},
+        "probe_completions_greedy": texts["probe"][:10], "control_completions_greedy": texts["control"][:5],
+        "seconds": {"train": train_s, "total": time.perf_counter() - t0},
+    }
+    write_json(out / SUMMARY_FILE, summary)
+    write_json(out / DONE_MARKER, {"steps_run": steps_run})
+    logging.info("sft: %d steps, loss %.3f; probe %.2f / control %.2f greedy, %.2f / %.2f sampled, leakage %.2f",
+                 steps_run, summary["final_loss"], greedy["probe_rate_greedy"], greedy["control_rate_greedy"],
+                 sampled["probe_rate_sampled"], sampled["control_rate_sampled"], sampled["heldout_rate_sampled"])
+    return summary
+
+
+def _generation_config(start_dir: pathlib.Path) -> dict | None:
+    return read_json(start_dir / "generation_config.json", None)
+
+
+@register_stage("sft")
+def sft_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """The SFT warm-up stage (SPEC §1.7); see :func:`run_sft`."""
+    run_sft(config, workdir)

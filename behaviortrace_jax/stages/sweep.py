@@ -1,0 +1,160 @@
+"""The ``sweep`` stage: several training seeds, their draws and diagnostic draws, one aggregate report.
+
+SPEC §10.2: three training seeds (0, 1, 2); each seed's pre-registered rollout-level draw uses
+CKPT_SEED = GEN_SEED = seed; the diagnostic draws re-sample the seed-0 and seed-1 checkpoints with
+generation seeds 100 and 101 to separate checkpoint variance from sample variance.
+
+Layout under the workdir: ``base/`` (one tiny base model shared by every seed, when
+``config.model.hf_dir`` is empty), ``seed{S}/`` (a full run of ``config.sweep.stages`` each), and
+the aggregate ``release/seed{S}/`` (each run's files in the paper's release format, diagnostic
+draws included), ``results_table.csv``, ``verdicts.json``, ``report.md`` and ``figures/``. The
+aggregate is computed by ``reproduce.reproduce`` over ``release/``, the same code that
+reproduces the paper's tables, so the paper's Tables 1-4 and Figures 1-2 come out in its shape.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+
+import ml_collections
+from absl import logging
+
+from behaviortrace_jax.attribution import evaluation as V, release as reproduce, report as R
+from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
+from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.stages import registry as stages
+from behaviortrace_jax.stages.registry import register_stage
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """"0,1,2" -> [0, 1, 2]. Raises ValueError naming ``config.sweep.seeds`` on bad input."""
+    try:
+        seeds = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"config.sweep.seeds={spec!r}: expected comma-separated integers") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"config.sweep.seeds={spec!r}: expected distinct seeds")
+    return seeds
+
+
+def parse_diagnostic_draws(spec: str, seeds: list[int]) -> list[tuple[int, int]]:
+    """"0:100,1:101" -> [(0, 100), (1, 101)] as (ckpt_seed, gen_seed) (SPEC §10.2).
+
+    Raises:
+        ValueError: naming ``config.sweep.diagnostic_draws`` for a malformed pair or a checkpoint
+            seed that is not swept.
+    """
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = re.fullmatch(r"(\d+):(\d+)", part)
+        if not m or int(m.group(1)) not in seeds:
+            raise ValueError(f"config.sweep.diagnostic_draws: {part!r} must be CKPT:GEN with CKPT in {seeds}")
+        out.append((int(m.group(1)), int(m.group(2))))
+    return out
+
+
+def seed_config(config: ml_collections.ConfigDict, seed: int, base_dir: str) -> ml_collections.ConfigDict:
+    """A copy of ``config`` for one training seed (seed, run name, stages, model dir)."""
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.seed = seed
+        c.run_name = re.sub(r"seed\d+", f"seed{seed}", config.run_name)
+        c.stages = config.sweep.stages
+        c.model.hf_dir = config.model.hf_dir or base_dir
+        c.draws.ckpt_seed = c.draws.gen_seed = -1
+    return c
+
+
+def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int) -> ml_collections.ConfigDict:
+    """``config`` whose ``draws`` stage makes the diagnostic draw (checkpoint of seed ``ckpt_seed``,
+    generation seed ``gen_seed``)."""
+    c = config.copy_and_resolve_references()
+    c.draws.ckpt_seed, c.draws.gen_seed = int(ckpt_seed), int(gen_seed)
+    return c
+
+
+def instability_section(rules: list[dict]) -> str:
+    """States plainly which verdicts change across seeds and draws (the paper's C6 instability)."""
+    families: dict[str, list[tuple[str, str]]] = {}
+    for v in rules:
+        m = re.match(r"(.*?) \((.*)\)(.*)$", v["item"])
+        if not m:
+            continue
+        name = (m.group(1) + m.group(3)).strip()
+        tag = m.group(2)
+        if "," in tag:  # "(0_gen100_diag, GAS_centered)" -> family per method
+            draw, method = (t.strip() for t in tag.split(",", 1))
+            name, tag = f"{name} [{method}]", draw
+        families.setdefault(name, []).append((tag, v["verdict"]))
+    lines = []
+    for name, outcomes in families.items():
+        kinds = {o for _, o in outcomes if o != "not-evaluable"}
+        if len(outcomes) < 2:
+            continue
+        state = "**CHANGES**" if len(kinds) > 1 else "stable"
+        lines.append(f"* {name}: {state} - " + ", ".join(f"{t}: {o}" for t, o in outcomes))
+    changed = sum("**CHANGES**" in line for line in lines)
+    head = (f"{changed} of {len(lines)} verdicts that were evaluated on more than one seed or draw change "
+            "between seeds/draws." if lines else "No verdict was evaluated on more than one seed or draw.")
+    return head + "\n\n" + "\n".join(lines)
+
+
+@register_stage("sweep")
+def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Runs every seed (resumable: each seed's stages skip finished work) and aggregates them."""
+    w = pathlib.Path(workdir)
+    seeds = parse_seeds(config.sweep.seeds)
+    diag = parse_diagnostic_draws(config.sweep.diagnostic_draws, seeds)
+    base_dir = str(w / "base")
+    if not config.model.hf_dir:
+        stages.STAGES["base"](config, str(w))
+    release = w / "release"
+    summaries = {}
+    for seed in seeds:
+        cfg, run_dir = seed_config(config, seed, base_dir), w / f"seed{seed}"
+        logging.info("sweep: seed %d -> %s", seed, run_dir)
+        names = stages.parse_stages(cfg.stages)
+        pre = names[:names.index("evaluate")] if "evaluate" in names else names
+        for name in pre:
+            stages.STAGES[name](cfg, str(run_dir))
+        for ckpt, gen in diag:  # diagnostic draws land in the run's draws/ before it is evaluated
+            if ckpt == seed:
+                stages.STAGES["draws"](draw_config(cfg, ckpt, gen), str(run_dir))
+        for name in names[len(pre):]:
+            stages.STAGES[name](cfg, str(run_dir))
+        src = run_dir / "release" / f"seed{seed}"
+        shutil.copytree(src, release / f"seed{seed}", dirs_exist_ok=True)
+        summaries[seed] = read_json(run_dir / "grpo" / "summary.json")
+    aggregate(config, w, summaries)
+
+
+def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dict[int, dict]) -> None:
+    """The aggregate tables, verdicts and report over ``w/release`` (Tables 1-4, Figures 1-2)."""
+    ev = config.evaluation
+    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    rep = reproduce.reproduce(w / "release", nboot=ev.nboot, early_cutoff=ev.early_cutoff,
+                              delta=ev.fluency_match_delta, step_margin=ev.step_margin,
+                              max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
+                              rollouts_per_step=n_per_step)
+    rows = list(rep.rows)
+    for seed in summaries:  # the which-rollout rows of each run
+        run_rows = V.read_results_csv(w / f"seed{seed}" / "results_table.csv")
+        rows += [r for r in run_rows if r.table.startswith("which_rollout")]
+    rules, check = evaluate_verdicts(rows, rep, config)
+    V.write_results_csv(w / "results_table.csv", rows)
+    write_json(w / "verdicts.json", {"decision_rules": rules, "checklist": check})
+    figs = R.make_figures(rows, w / "figures", learning_curve=learning_curve(summaries[min(summaries)]))
+    gates = "\n".join(
+        f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "
+        f"control {m['gate']['control_rate']:.2f}); |GT| = {m['gt_size']}; post-SFT "
+        + json.dumps({k: v for k, v in m.get("post_sft", {}).items() if "rate" in k})
+        for s, m in summaries.items())
+    intro = (f"Sweep over seeds {sorted(summaries)} (`{config.run_name}` family), with the diagnostic draws "
+             f"`{config.sweep.diagnostic_draws}` (ckpt:gen). Each seed's own report is in `seed{{S}}/report.md`.\n\n"
+             + gates)
+    R.write_report(w / "report.md", rows, title="BehaviorTrace-JAX: seeds and draws", intro=intro, rules=rules,
+                   checklist=check, figures=figs,
+                   extra=[("Instability across seeds and draws (C6)", instability_section(rules))])
+    logging.info("sweep: aggregate report %s", w / "report.md")

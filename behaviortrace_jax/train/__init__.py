@@ -1,0 +1,5 @@
+"""Layer 4, ``train``: optimisation. Train state and optimizer (``train_state``), the packed-LM
+trainer used by the base and SFT stages (``lm_trainer``), GRPO losses and advantages
+(``grpo_loss``) and the jitted, sharded GRPO train step with its in-step sketches (``grpo_step``).
+Imports: ``io``, ``models``, ``behavior`` and ``sketch``.
+"""

@@ -1,0 +1,177 @@
+"""The train state shared by the LM trainer, the SFT warm-up and GRPO: params, AdamW state, step, RNG.
+
+* :func:`make_optimizer`: global-norm clipping, then AdamW with torch's defaults (SPEC §1.7, §2.1:
+  ``clip_grad_norm_(1.0)`` then ``torch.optim.AdamW(lr)``; betas, eps and weight decay from
+  ``config.optim``). The learning rate is ALWAYS a schedule (a constant one by default), so every
+  optimizer built here has the same state tree whatever its learning rate: the SFT warm-up's
+  state restores into GRPO's optimizer and its Adam moments and bias-correction count carry over,
+  as the paper's single torch optimizer object does (SPEC §1.7).
+* :class:`TrainState`: ``params`` (``nnx.State`` from ``nnx.split(model, nnx.Param)``),
+  ``opt_state``, ``step`` (int32 scalar: optimizer updates applied so far) and ``rng`` (a typed PRNG
+  key), a pytree that ``jax.jit`` can donate.
+* :func:`save` / :func:`restore`: orbax checkpoints through ``checkpoints.save_train_state`` /
+  ``restore_train_state`` under ``directory/<step>/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from behaviortrace_jax.io import checkpoints
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+
+def make_schedule(lr: float, steps: int = 0, warmup_steps: int = 0, end_lr_fraction: float = 1.0) -> Schedule:
+    """Learning rate as a function of the update count (optax schedule).
+
+    Constant ``lr`` when ``warmup_steps == 0`` and ``end_lr_fraction == 1`` (SPEC §1.7, §2.1: constant,
+    no warm-up). Otherwise a linear warm-up from 0 to ``lr`` over ``warmup_steps`` updates, then a
+    cosine decay to ``lr * end_lr_fraction`` at update ``steps`` (TINY_CALIBRATION base model:
+    30 warm-up steps, cosine to 10%).
+
+    Raises:
+        ValueError: naming the value for ``lr <= 0``, negative ``warmup_steps``, ``end_lr_fraction``
+            outside [0, 1], or ``steps <= warmup_steps`` for a decaying schedule.
+    """
+    if not lr > 0:
+        raise ValueError(f"learning rate must be > 0, got {lr}")
+    if warmup_steps < 0 or not 0.0 <= end_lr_fraction <= 1.0:
+        raise ValueError(f"need warmup_steps >= 0 and end_lr_fraction in [0, 1], got {warmup_steps}, "
+                         f"{end_lr_fraction}")
+    if warmup_steps == 0 and end_lr_fraction == 1.0:
+        return optax.constant_schedule(lr)
+    if steps <= warmup_steps:
+        raise ValueError(f"schedule: steps={steps} must exceed warmup_steps={warmup_steps}")
+    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
+                                              decay_steps=steps, end_value=lr * end_lr_fraction)
+
+
+def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | float | None = None
+                   ) -> optax.GradientTransformation:
+    """Global-norm clipping then AdamW (decoupled weight decay on every parameter, like torch).
+
+    Args:
+        optim_cfg: ``config.optim`` (keys ``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
+            ``grad_clip``; SPEC §1.7, §2.1). ``grad_clip <= 0`` disables clipping.
+        schedule: the learning rate: an optax schedule (e.g. :func:`make_schedule`), a float
+            (constant), or None for the constant ``optim_cfg.lr``.
+
+    Returns:
+        ``optax.chain(clip_by_global_norm, adamw)``; its state tree does not depend on ``schedule``.
+
+    Raises:
+        ValueError: naming the key for a learning rate <= 0 or betas outside [0, 1).
+    """
+    if schedule is None or isinstance(schedule, (int, float)):
+        schedule = make_schedule(float(optim_cfg.lr if schedule is None else schedule))
+    for key in ("b1", "b2"):
+        if not 0.0 <= optim_cfg[key] < 1.0:
+            raise ValueError(f"config.optim.{key}={optim_cfg[key]} must be in [0, 1)")
+    clip = optax.clip_by_global_norm(optim_cfg.grad_clip) if optim_cfg.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
+                                         weight_decay=optim_cfg.weight_decay))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a resumable trainer needs (a pytree; every leaf is a ``jax.Array``).
+
+    Attributes:
+        params: ``nnx.State`` of the model parameters (HF layout, ``config.model.param_dtype``).
+        opt_state: the ``make_optimizer`` state (clip state, Adam count/mu/nu, schedule count).
+        step: int32 scalar, optimizer updates applied so far.
+        rng: typed PRNG key (``jax.random.key``) for stochastic parts of a stage.
+    """
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"params", "opt_state", "step", "rng"}`` (the tree that is checkpointed)."""
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.step, "rng": self.rng}
+
+    def replace(self, **kw: Any) -> "TrainState":
+        return dataclasses.replace(self, **kw)
+
+
+def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: jax.Array | int = 0,
+                     shardings: TrainState | None = None) -> TrainState:
+    """A fresh state at step 0: ``optimizer.init(params)`` (zero moments) and ``rng``.
+
+    Args:
+        params: the parameter ``nnx.State``.
+        optimizer: from :func:`make_optimizer`.
+        rng: a typed key or an int seed (``jax.random.key(rng)``).
+        shardings: optional :func:`train_state_shardings`; the state is placed there (the moments
+            then follow the parameter shardings).
+    """
+    key = jax.random.key(rng) if isinstance(rng, int) else rng
+    init = jax.jit(optimizer.init, out_shardings=None if shardings is None else shardings.opt_state)
+    state = TrainState(params=params, opt_state=init(params), step=jnp.zeros((), jnp.int32), rng=key)
+    return state if shardings is None else jax.device_put(state, shardings)
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, param_shardings: Any, mesh: Mesh,
+                        abstract_params: Any) -> Any:
+    """Shardings of ``optimizer.init(params)``: Adam moments like their parameter, counts replicated.
+
+    Args:
+        param_shardings: the ``sharding.param_shardings`` tree (same structure as the params).
+        abstract_params: params or ``jax.ShapeDtypeStruct`` leaves (for ``jax.eval_shape``).
+    """
+    abstract = jax.eval_shape(optimizer.init, abstract_params)
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(optimizer, lambda _, s: s, abstract, param_shardings,
+                                 transform_non_params=lambda _: replicated)
+
+
+def train_state_shardings(optimizer: optax.GradientTransformation, param_shardings: Any, mesh: Mesh,
+                          abstract_params: Any) -> TrainState:
+    """A :class:`TrainState` of shardings (params as given, moments alike, step and rng replicated)."""
+    replicated = NamedSharding(mesh, P())
+    return TrainState(params=param_shardings,
+                      opt_state=opt_state_shardings(optimizer, param_shardings, mesh, abstract_params),
+                      step=replicated, rng=replicated)
+
+
+def abstract_train_state(abstract_params: Any, optimizer: optax.GradientTransformation,
+                         shardings: TrainState | None = None) -> TrainState:
+    """The state's ``jax.ShapeDtypeStruct`` tree (with ``shardings`` when given), for :func:`restore`."""
+    abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, 0), abstract_params)
+    if shardings is None:
+        return abstract
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def save(directory: str | os.PathLike, state: TrainState, max_to_keep: int | None = None) -> int:
+    """Saves ``state`` as the orbax checkpoint ``directory/<state.step>`` (atomic); returns the step.
+
+    Raises:
+        ValueError: when that step is already saved (``checkpoints.save_train_state``).
+    """
+    step = int(jax.device_get(state.step))
+    checkpoints.save_train_state(directory, step, state.as_dict(), max_to_keep=max_to_keep)
+    return step
+
+
+def restore(directory: str | os.PathLike, abstract_state: TrainState, step: int | None = None) -> TrainState:
+    """Restores ``directory/<step>`` (None: the latest) into the structure / shardings of
+    ``abstract_state`` (e.g. :func:`abstract_train_state`).
+
+    Raises:
+        FileNotFoundError: no complete checkpoint there.
+        ValueError: the checkpoint holds a different model or optimizer (names the keys).
+    """
+    d = checkpoints.restore_train_state(directory, step, abstract_state.as_dict())
+    return TrainState(params=d["params"], opt_state=d["opt_state"], step=d["step"], rng=d["rng"])
