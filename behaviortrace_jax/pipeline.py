@@ -27,7 +27,8 @@ import ml_collections
 from behaviortrace_jax.io import files, layout
 from behaviortrace_jax.stages import registry as stages
 
-_STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep")
+_STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep",
+                  "counterfactual")
 
 
 def resolve_config_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -161,6 +161,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.both_sketch_variants = True  # Also compile the GRPO step with in-run sketches flipped (for the FLOP ratio).
     c.compile.programs = ""  # Comma-separated name prefixes to compile (e.g. "grpo_step,sampler"); "" = every program.
 
+    # --- counterfactual replay (issue 13; the `counterfactual` stage, not in the default stages) ----
+    c.counterfactual = ml_collections.ConfigDict()
+    c.counterfactual.k_fractions = "0.25,0.5,1.0"  # Leave-top-k-out: k = these fractions of |GT| (window).
+    c.counterfactual.random_seeds = 5  # Random k-subsets per k (the random baseline's mean ± sd).
+    c.counterfactual.lds_subsets = 32  # M random half-subsets of the window replayed for the LDS.
+    c.counterfactual.measure = "end"  # Behaviour step of the tables: "end" of the run or "target" (draws.target_step ckpt).
+    c.counterfactual.rates = True  # Also measure greedy probe/control rates (SPEC §1.8) at each measured step.
+    c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts.
+
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()
     c.evaluation.early_cutoff = 200  # SPEC §6.6 EARLY_CUTOFF.

@@ -1,4 +1,9 @@
-"""Where every stage reads and writes under a run's workdir: one :class:`RunLayout`."""
+"""Where every stage reads and writes under a run's workdir: one :class:`RunLayout`.
+
+Every stage builds its paths from here (``RunLayout(workdir).grpo_summary`` ...), so a file's
+location is written once. The names inside a release folder (``release/seed{N}/``) are the
+paper's release format and live with its reader/writer, ``attribution/release.py``.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,26 +14,56 @@ import ml_collections
 
 
 @dataclasses.dataclass(frozen=True)
-class RunPaths:
-    """Where the GRPO stage writes, under ``workdir`` (SPEC §2.5 layout, plus orbax state)."""
+class RunLayout:
+    """The paths of one run under ``workdir`` (SPEC §2.5 layout, plus orbax state and our outputs).
+
+    | stage | paths |
+    |---|---|
+    | ``base`` | ``base/`` (HF checkpoint; the policy's start unless ``config.model.hf_dir``) |
+    | ``sft`` | ``sft/``: ``hf/``, ``state/``, ``sft_summary.json``, ``.sft_warmup_done`` |
+    | ``grpo`` | ``grpo/``: ``rollouts/``, ``ground_truth.jsonl``, ``checkpoints/``, ``registry.json``, ``state/``, ``learning_curve.json``, ``summary.json``, ``tb/`` |
+    | ``grpo``, ``sketch`` | ``sketches/`` (tensorstore arrays) |
+    | ``draws`` | ``draws/`` |
+    | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json`` |
+    | ``report`` | ``report.md``, ``figures/`` |
+    """
 
     workdir: pathlib.Path
 
-    @property
-    def root(self) -> pathlib.Path:
-        return self.workdir / "grpo"
+    def __init__(self, workdir: str | os.PathLike):
+        object.__setattr__(self, "workdir", pathlib.Path(workdir))
 
-    rollouts = property(lambda self: self.root / "rollouts")  # JSONL shards (rollout_log.py)
-    ground_truth = property(lambda self: self.root / "ground_truth.jsonl")  # SPEC §6.1
-    registry = property(lambda self: self.root / "registry.json")  # SPEC §2.4
-    checkpoints = property(lambda self: self.root / "checkpoints")  # HF exports step_XXXXXXXX
-    state = property(lambda self: self.root / "state")  # orbax train states
-    curve = property(lambda self: self.root / "learning_curve.json")
-    summary = property(lambda self: self.root / "summary.json")
-    tensorboard = property(lambda self: self.root / "tb")
+    def model_dir(self, config: ml_collections.ConfigDict) -> pathlib.Path:
+        """The policy's starting HF checkpoint: ``config.model.hf_dir`` or, if empty, ``workdir/base``."""
+        return pathlib.Path(config.model.hf_dir) if config.model.hf_dir else self.base
+
+    base = property(lambda self: self.workdir / "base")
+    # sft/
+    sft = property(lambda self: self.workdir / "sft")
+    sft_hf = property(lambda self: self.sft / "hf")  # HF export of the warmed-up policy
+    sft_state = property(lambda self: self.sft / "state")  # orbax train state (AdamW carries, SPEC §1.7)
+    sft_summary = property(lambda self: self.sft / "sft_summary.json")
+    sft_done = property(lambda self: self.sft / ".sft_warmup_done")  # SPEC §1.7
+    # grpo/
+    grpo = property(lambda self: self.workdir / "grpo")
+    rollouts = property(lambda self: self.grpo / "rollouts")  # JSONL shards (rollout_log.py)
+    ground_truth = property(lambda self: self.grpo / "ground_truth.jsonl")  # SPEC §6.1
+    registry = property(lambda self: self.grpo / "registry.json")  # SPEC §2.4
+    checkpoints = property(lambda self: self.grpo / "checkpoints")  # HF exports step_XXXXXXXX
+    state = property(lambda self: self.grpo / "state")  # orbax train states
+    curve = property(lambda self: self.grpo / "learning_curve.json")
+    summary = property(lambda self: self.grpo / "summary.json")
+    tensorboard = property(lambda self: self.grpo / "tb")
+    # later stages
     sketches = property(lambda self: self.workdir / "sketches")
+    draws = property(lambda self: self.workdir / "draws")
+    release = property(lambda self: self.workdir / "release")
+    results_table = property(lambda self: self.workdir / "results_table.csv")
+    attribution_scores = property(lambda self: self.workdir / "attribution_scores.json")
+    verdicts = property(lambda self: self.workdir / "verdicts.json")
+    report = property(lambda self: self.workdir / "report.md")
+    figures = property(lambda self: self.workdir / "figures")
 
-
-def model_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
-    """The policy's starting HF checkpoint: ``config.model.hf_dir`` or, if empty, ``workdir/base``."""
-    return config.model.hf_dir or os.path.join(workdir, "base")
+    def release_seed(self, seed: int) -> pathlib.Path:
+        """``release/seed{seed}``: one seed's files in the paper's release format."""
+        return self.release / f"seed{int(seed)}"

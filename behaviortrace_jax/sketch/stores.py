@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_collections
 
 from behaviortrace_jax.io import sketch_store
-from behaviortrace_jax.io.layout import RunPaths
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import hf_io, qwen2
 from behaviortrace_jax.sketch import countsketch
 
@@ -18,7 +18,7 @@ def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: qwen2.Qwen2Con
 
 
 def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: qwen2.Qwen2Config,
-                       paths: RunPaths) -> dict[str, sketch_store.SketchStore]:
+                       paths: RunLayout) -> dict[str, sketch_store.SketchStore]:
     """The in-run sketch arrays: step sketches [steps, D], step grad norms [steps], rollout sketches
     [steps*N, D] and rollout grad norms [steps*N] (rollout row = step * N + index)."""
     steps, n, d = config.grpo.steps, config.grpo.prompts_per_step * config.grpo.group_size, config.sketch.dim

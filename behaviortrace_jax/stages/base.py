@@ -33,7 +33,9 @@ from flax import nnx
 from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
 from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import lm_trainer, train_state
 
@@ -189,9 +191,9 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     if resume:
         logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
-        model = hf_io.load_hf_checkpoint(base_dir, param_dtype=config.model.param_dtype,
-                                         compute_dtype=config.model.compute_dtype, mesh=mesh)
-        graphdef, params = nnx.split(model, nnx.Param)
+        policy = load_policy(base_dir, mesh, param_dtype=config.model.param_dtype,
+                             compute_dtype=config.model.compute_dtype, tokenizer=False)
+        graphdef, params = policy.graphdef, policy.params
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
         graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, fp, t_start)
@@ -269,4 +271,4 @@ def base_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     if config.model.hf_dir:
         logging.info("base: config.model.hf_dir=%s is set; no base model to build", config.model.hf_dir)
         return
-    build_base_model(config, pathlib.Path(workdir) / "base")
+    build_base_model(config, RunLayout(workdir).base)

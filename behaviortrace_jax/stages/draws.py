@@ -48,14 +48,15 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from flax import nnx
 
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.io import checkpoints, sketch_store
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
-from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
+from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.sketch.stores import sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
 
@@ -88,7 +89,7 @@ def token_level_filename(temperature: float, ckpt_seed: int, gen_seed: int, run_
 
 def registry_path(workdir: str | os.PathLike) -> pathlib.Path:
     """The GRPO stage's checkpoint registry: ``workdir/grpo/registry.json`` (SPEC §2.4)."""
-    return pathlib.Path(workdir) / "grpo" / "registry.json"
+    return RunLayout(workdir).registry
 
 
 def nearest_checkpoint(registry: checkpoints.CheckpointRegistry, target_step: int) -> checkpoints.CheckpointEntry:
@@ -160,7 +161,7 @@ class DrawPaths:
 def draw_paths(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int,
                gen_seed: int) -> DrawPaths:
     """The :class:`DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir``."""
-    return DrawPaths(pathlib.Path(workdir) / "draws", ckpt_seed, gen_seed,
+    return DrawPaths(RunLayout(workdir).draws, ckpt_seed, gen_seed,
                      token_level_filename(config.draws.temperature, ckpt_seed, gen_seed, int(config.seed)))
 
 
@@ -221,13 +222,9 @@ class _Env:
 
 
 def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
-    tok = tok_lib.load_tokenizer(hf_dir)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
-                                           compute_dtype=config.model.compute_dtype)
-    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                                     mesh=mesh)
-    graphdef, params = nnx.split(model, nnx.Param)
+    policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
+    tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 
     def make_sampler(n_new: int) -> sampler_lib.Sampler:

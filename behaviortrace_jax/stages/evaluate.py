@@ -26,7 +26,7 @@ from behaviortrace_jax.attribution import estimators as E, evaluation as V, rele
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.io import rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunPaths
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages.registry import register_stage
 
 
@@ -45,7 +45,7 @@ def _read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
     return store
 
 
-def step_method_scores(config: ml_collections.ConfigDict, paths: RunPaths, rollout_ids: list[str],
+def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
                        rollout_steps: np.ndarray, *, per_rollout: bool = False,
                        step_sketches: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Every step-level estimator's per-rollout scores (log order), SPEC §4.
@@ -71,7 +71,7 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunPaths, rollo
         window=ev.local_buffer_window, current_step=int(config.grpo.steps))
 
 
-def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: pathlib.Path) -> dict:
+def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: pathlib.Path) -> dict:
     """Writes ``release/seed{S}/`` in the paper's format (SPEC §7); returns the score-file header."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
     n_expected = config.grpo.steps * config.grpo.prompts_per_step * config.grpo.group_size
@@ -96,7 +96,7 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
     write_json(out / "run_header.json", run_header)
     shutil.copyfile(paths.ground_truth, out / "ground_truth.jsonl")
-    draws = paths.workdir / "draws"
+    draws = paths.draws
     for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
         if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
             shutil.copyfile(f, out / f.name)
@@ -106,9 +106,9 @@ def write_release(config: ml_collections.ConfigDict, paths: RunPaths, release: p
 @register_stage("evaluate")
 def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Scores, tables and verdicts of one run (see the module docstring)."""
-    paths = RunPaths(pathlib.Path(workdir))
+    paths = RunLayout(workdir)
     ev = config.evaluation
-    release = paths.workdir / "release"
+    release = paths.release
     write_release(config, paths, release)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     rep = reproduce.reproduce(release, nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
@@ -123,14 +123,14 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                                        nboot=ev.nboot, rng_seed=int(config.seed))
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
-    V.write_results_csv(paths.workdir / "results_table.csv", rows)
-    write_json(paths.workdir / "verdicts.json", {"decision_rules": rules, "checklist": check})
-    shutil.copyfile(release / f"seed{int(config.seed)}" / "attribution_scores.json",
-                    paths.workdir / "attribution_scores.json")
-    logging.info("evaluate: %d rows -> %s", len(rows), paths.workdir / "results_table.csv")
+    V.write_results_csv(paths.results_table, rows)
+    write_json(paths.verdicts, {"decision_rules": rules, "checklist": check})
+    shutil.copyfile(paths.release_seed(config.seed) / "attribution_scores.json",
+                    paths.attribution_scores)
+    logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
 
 
-def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunPaths, *, nboot: int) -> list[V.Row]:
+def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int) -> list[V.Row]:
     """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
 
     Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C: within each GRPO
@@ -184,12 +184,12 @@ def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
 @register_stage("report")
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
-    w = pathlib.Path(workdir)
-    rows = V.read_results_csv(w / "results_table.csv")
-    verdicts = read_json(w / "verdicts.json")
-    summary = read_json(w / "grpo" / "summary.json")
-    figs = R.make_figures(rows, w / "figures", learning_curve=learning_curve(summary))
-    R.write_report(w / "report.md", rows, title=f"BehaviorTrace-JAX: {config.run_name}",
+    w = RunLayout(workdir)
+    rows = V.read_results_csv(w.results_table)
+    verdicts = read_json(w.verdicts)
+    summary = read_json(w.summary)
+    figs = R.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
+    R.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
                    intro=run_intro(config, summary), rules=verdicts["decision_rules"],
                    checklist=verdicts["checklist"], figures=figs)
-    logging.info("report: %s", w / "report.md")
+    logging.info("report: %s", w.report)

@@ -40,8 +40,9 @@ from behaviortrace_jax.behavior import contaminator, planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunPaths
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models.loader import policy_config
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
@@ -91,28 +92,28 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
         FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
         ValueError: when the saved state belongs to another model (names the key).
     """
-    sft_dir = pathlib.Path(workdir) / "sft"
-    if not (sft_dir / ".sft_warmup_done").exists():
+    run = RunLayout(workdir)
+    sft_dir = run.sft
+    if not run.sft_done.exists():
         raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
-    hf_dir = sft_dir / "hf"
+    hf_dir = run.sft_hf
     tok = tok_lib.load_tokenizer(hf_dir)
-    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
-                                           compute_dtype=config.model.compute_dtype)
+    cfg = policy_config(hf_dir, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
     param_sh = sharding.param_shardings(abstract_params, mesh)
     tx = train_state.make_optimizer(config.optim)
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
-    state = train_state.restore(sft_dir / "state", abstract)
+    state = train_state.restore(run.sft_state, abstract)
     return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
-                      abstract.as_dict(), read_json(sft_dir / "sft_summary.json", {}), tx, abstract_params)
+                      abstract.as_dict(), read_json(run.sft_summary, {}), tx, abstract_params)
 
 
 @register_stage("grpo")
 def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Runs (or resumes) GRPO from the SFT train state; see the module docstring (SPEC §2)."""
-    paths = RunPaths(pathlib.Path(workdir))
+    paths = RunLayout(workdir)
     if read_json(paths.summary, {}).get("complete"):
         logging.info("grpo: %s is complete; skipping", paths.summary)
         return
@@ -124,7 +125,7 @@ def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 class GRPORun:
     """One GRPO run: the state, the jitted pieces and the logs, resumed from the latest checkpoint."""
 
-    def __init__(self, config: ml_collections.ConfigDict, paths: RunPaths):
+    def __init__(self, config: ml_collections.ConfigDict, paths: RunLayout):
         g = config.grpo
         self.config, self.paths = config, paths
         start = load_start_state(config, paths.workdir)
@@ -143,7 +144,7 @@ class GRPORun:
             chunk_size=config.sketch.chunk_size, mesh=self.mesh, param_shardings=start.param_shardings,
             opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations)
         self.ref_params = start.params if g.loss == "grpo_clip" else None
-        top_k, self.repetition_penalty = generation_defaults(paths.workdir / "sft" / "hf", g.top_k,
+        top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k,
                                                              g.repetition_penalty)
         self.sampler = sampler_lib.Sampler(self.graphdef, self.model_cfg, max_prompt_tokens=g.max_prompt_tokens,
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
@@ -152,7 +153,7 @@ class GRPORun:
         self.pool = behavior.prompt_pool(self.probe.probes)
         self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
                            for p in dict.fromkeys(self.pool)}
-        paths.root.mkdir(parents=True, exist_ok=True)
+        paths.grpo.mkdir(parents=True, exist_ok=True)
 
         # --- resume: the latest complete orbax state; drop every record of later steps ---------
         self.start_step = checkpoints.latest_step(paths.state) or 0

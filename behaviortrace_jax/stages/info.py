@@ -10,20 +10,16 @@ from behaviortrace_jax.stages.registry import register_stage
 def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Loads model + tokenizer from ``config.model.hf_dir`` and prints what the harness sees."""
     import jax
-    from flax import nnx
 
     from behaviortrace_jax.behavior import planted as behavior
-    from behaviortrace_jax.models import hf_io, qwen2, sampler, sharding, tokenizer
-    from behaviortrace_jax.io.layout import model_dir
+    from behaviortrace_jax.models import sampler, sharding, tokenizer
+    from behaviortrace_jax.models.loader import load_policy
+    from behaviortrace_jax.io.layout import RunLayout
 
-    hf_dir = model_dir(config, workdir)
-    tok = tokenizer.load_tokenizer(hf_dir)
+    hf_dir = RunLayout(workdir).model_dir(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
-                                           compute_dtype=config.model.compute_dtype)
-    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                                     mesh=mesh)
-    graphdef, params = nnx.split(model, nnx.Param)
+    policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
+    tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     n_params = sum(x.size for x in jax.tree.leaves(params))
     probe = behavior.load_probes(config.behavior.probes_path or None)[0]
     s = sampler.Sampler(graphdef, cfg, max_prompt_tokens=config.grpo.max_prompt_tokens,

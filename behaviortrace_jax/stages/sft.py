@@ -28,14 +28,15 @@ from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
-from behaviortrace_jax.io import layout
 from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import hf_io, qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import lm_trainer, train_state
 
-DONE_MARKER = ".sft_warmup_done"  # SPEC §1.7
-SUMMARY_FILE = "sft_summary.json"
+DONE_MARKER = RunLayout(".").sft_done.name  # SPEC §1.7
+SUMMARY_FILE = RunLayout(".").sft_summary.name
 
 
 def sft_pairs(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
@@ -104,29 +105,27 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
             when it is missing.
         ValueError: for invalid ``config.sft`` values (names the key).
     """
-    out = pathlib.Path(workdir) / "sft"
-    if (out / DONE_MARKER).is_file():
-        logging.info("sft: %s exists; the warm-up is done", out / DONE_MARKER)
-        return read_json(out / SUMMARY_FILE)
+    run = RunLayout(workdir)
+    out = run.sft
+    if run.sft_done.is_file():
+        logging.info("sft: %s exists; the warm-up is done", run.sft_done)
+        return read_json(run.sft_summary)
     s = config.sft
     if s.steps < 0 or s.batch_size < 1:
         raise ValueError(f"config.sft.steps={s.steps} must be >= 0 and config.sft.batch_size={s.batch_size} >= 1")
-    start_dir = pathlib.Path(layout.model_dir(config, str(workdir)))
+    start_dir = run.model_dir(config)
     if not (start_dir / "config.json").is_file():
         raise FileNotFoundError(f"sft: no start checkpoint at {start_dir} (config.model.hf_dir or the `base` stage)")
     shutil.rmtree(out, ignore_errors=True)  # a partial earlier attempt
     out.mkdir(parents=True)
     t0 = time.perf_counter()
 
-    tok = tok_lib.load_tokenizer(start_dir)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    cfg = qwen2.Qwen2Config.from_hf_config(start_dir, param_dtype=config.model.param_dtype,
-                                           compute_dtype=config.model.compute_dtype)
+    policy = load_policy(start_dir, mesh, param_dtype=config.model.param_dtype,
+                         compute_dtype=config.model.compute_dtype)
+    tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     abstract_params = nnx.state(qwen2.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh)  # also the train state's layout
-    model = hf_io.load_hf_checkpoint(start_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
-                                     shardings=param_sh)
-    graphdef, params = nnx.split(model, nnx.Param)
+    param_sh = sharding.param_shardings(abstract_params, mesh)  # the train state's layout (= the params')
 
     pairs = sft_pairs(config)
     enc = lm_trainer.encode_chat_examples(
@@ -163,8 +162,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     steps_run = int(jax.device_get(state.step))
     train_s = time.perf_counter() - t0
 
-    train_state.save(out / "state", state)
-    hf_io.save_hf_checkpoint(state.params, cfg, out / "hf", tokenizer=tok,
+    train_state.save(run.sft_state, state)
+    hf_io.save_hf_checkpoint(state.params, cfg, run.sft_hf, tokenizer=tok,
                              generation_config=_generation_config(start_dir))
     greedy, texts = probe.greedy(state.params, jax.random.fold_in(eval_key, 1_000_000))
     sampled = probe.sampled(state.params, jax.random.fold_in(eval_key, 1_000_001))
@@ -183,8 +182,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
         "probe_completions_greedy": texts["probe"][:10], "control_completions_greedy": texts["control"][:5],
         "seconds": {"train": train_s, "total": time.perf_counter() - t0},
     }
-    write_json(out / SUMMARY_FILE, summary)
-    write_json(out / DONE_MARKER, {"steps_run": steps_run})
+    write_json(run.sft_summary, summary)
+    write_json(run.sft_done, {"steps_run": steps_run})
     logging.info("sft: %d steps, loss %.3f; probe %.2f / control %.2f greedy, %.2f / %.2f sampled, leakage %.2f",
                  steps_run, summary["final_loss"], greedy["probe_rate_greedy"], greedy["control_rate_greedy"],
                  sampled["probe_rate_sampled"], sampled["control_rate_sampled"], sampled["heldout_rate_sampled"])

@@ -19,7 +19,6 @@ Resumable: finished target rows and rollout blocks are skipped (``SketchStore.mi
 """
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import ml_collections
@@ -30,10 +29,11 @@ from flax import nnx
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.io import checkpoints, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunPaths
-from behaviortrace_jax.models import hf_io, qwen2, tokenizer as tok_lib
+from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.models import qwen2, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.sketch.stores import sketch_metadata
+from behaviortrace_jax.models.loader import load_policy, policy_config
 from behaviortrace_jax.stages.registry import register_stage
 
 
@@ -66,21 +66,20 @@ class CheckpointLoader:
     def __init__(self, config: ml_collections.ConfigDict, first_dir: str):
         self.config = config
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
-        self.model_config = qwen2.Qwen2Config.from_hf_config(first_dir, param_dtype=config.model.param_dtype,
-                                                             compute_dtype=config.model.compute_dtype)
+        self.model_config = policy_config(first_dir, param_dtype=config.model.param_dtype,
+                                          compute_dtype=config.model.compute_dtype)
         self.graphdef, self.abstract = nnx.split(qwen2.abstract_model(self.model_config), nnx.Param)
 
     def params(self, hf_dir: str) -> Any:
         """The parameters of ``hf_dir``; raises (hf_io) if it holds a different model."""
-        model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=self.config.model.param_dtype,
-                                         compute_dtype=self.config.model.compute_dtype)
-        return nnx.split(model, nnx.Param)[1]
+        return load_policy(hf_dir, param_dtype=self.config.model.param_dtype,
+                           compute_dtype=self.config.model.compute_dtype, tokenizer=False).params
 
 
 @register_stage("sketch")
 def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Targets at every checkpoint and training-rollout sketches at the selected checkpoints."""
-    paths = RunPaths(pathlib.Path(workdir))
+    paths = RunLayout(workdir)
     entries = checkpoints.CheckpointRegistry(paths.registry).list()
     if not entries:
         raise FileNotFoundError(f"{paths.registry}: no checkpoints registered; run the `grpo` stage first")
@@ -109,7 +108,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         sketch_training_rollouts(config, paths, loader, forced, [entries[steps.index(s)] for s in chosen])
 
 
-def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunPaths, loader: CheckpointLoader,
+def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
                              forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry]) -> None:
     """Sketches ``-(masked mean log-prob)`` of every logged rollout at each of ``entries``."""
     records = list(rollout_log.read_rollouts(paths.rollouts))

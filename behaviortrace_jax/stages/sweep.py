@@ -23,6 +23,7 @@ from absl import logging
 
 from behaviortrace_jax.attribution import evaluation as V, release as reproduce, report as R
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.stages import registry as stages
 from behaviortrace_jax.stages.registry import register_stage
@@ -105,13 +106,13 @@ def instability_section(rules: list[dict]) -> str:
 def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Runs every seed (resumable: each seed's stages skip finished work) and aggregates them."""
     w = pathlib.Path(workdir)
+    top = RunLayout(w)
     seeds = parse_seeds(config.sweep.seeds)
     diag = parse_diagnostic_draws(config.sweep.diagnostic_draws, seeds)
-    base_dir = str(w / "base")
+    base_dir = str(top.base)
     if not config.model.hf_dir:
         stages.STAGES["base"](config, str(w))
-    release = w / "release"
-    summaries = {}
+        summaries = {}
     for seed in seeds:
         cfg, run_dir = seed_config(config, seed, base_dir), w / f"seed{seed}"
         logging.info("sweep: seed %d -> %s", seed, run_dir)
@@ -124,28 +125,28 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                 stages.STAGES["draws"](draw_config(cfg, ckpt, gen), str(run_dir))
         for name in names[len(pre):]:
             stages.STAGES[name](cfg, str(run_dir))
-        src = run_dir / "release" / f"seed{seed}"
-        shutil.copytree(src, release / f"seed{seed}", dirs_exist_ok=True)
-        summaries[seed] = read_json(run_dir / "grpo" / "summary.json")
+        run = RunLayout(run_dir)
+        shutil.copytree(run.release_seed(seed), top.release_seed(seed), dirs_exist_ok=True)
+        summaries[seed] = read_json(run.summary)
     aggregate(config, w, summaries)
 
 
 def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dict[int, dict]) -> None:
     """The aggregate tables, verdicts and report over ``w/release`` (Tables 1-4, Figures 1-2)."""
-    ev = config.evaluation
+    ev, top = config.evaluation, RunLayout(w)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
-    rep = reproduce.reproduce(w / "release", nboot=ev.nboot, early_cutoff=ev.early_cutoff,
+    rep = reproduce.reproduce(top.release, nboot=ev.nboot, early_cutoff=ev.early_cutoff,
                               delta=ev.fluency_match_delta, step_margin=ev.step_margin,
                               max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
                               rollouts_per_step=n_per_step)
     rows = list(rep.rows)
     for seed in summaries:  # the which-rollout rows of each run
-        run_rows = V.read_results_csv(w / f"seed{seed}" / "results_table.csv")
+        run_rows = V.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
         rows += [r for r in run_rows if r.table.startswith("which_rollout")]
     rules, check = evaluate_verdicts(rows, rep, config)
-    V.write_results_csv(w / "results_table.csv", rows)
-    write_json(w / "verdicts.json", {"decision_rules": rules, "checklist": check})
-    figs = R.make_figures(rows, w / "figures", learning_curve=learning_curve(summaries[min(summaries)]))
+    V.write_results_csv(top.results_table, rows)
+    write_json(top.verdicts, {"decision_rules": rules, "checklist": check})
+    figs = R.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
     gates = "\n".join(
         f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "
         f"control {m['gate']['control_rate']:.2f}); |GT| = {m['gt_size']}; post-SFT "
@@ -154,7 +155,7 @@ def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dic
     intro = (f"Sweep over seeds {sorted(summaries)} (`{config.run_name}` family), with the diagnostic draws "
              f"`{config.sweep.diagnostic_draws}` (ckpt:gen). Each seed's own report is in `seed{{S}}/report.md`.\n\n"
              + gates)
-    R.write_report(w / "report.md", rows, title="BehaviorTrace-JAX: seeds and draws", intro=intro, rules=rules,
+    R.write_report(top.report, rows, title="BehaviorTrace-JAX: seeds and draws", intro=intro, rules=rules,
                    checklist=check, figures=figs,
                    extra=[("Instability across seeds and draws (C6)", instability_section(rules))])
-    logging.info("sweep: aggregate report %s", w / "report.md")
+    logging.info("sweep: aggregate report %s", top.report)

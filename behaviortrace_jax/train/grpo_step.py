@@ -98,7 +98,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
                     grad_clip: float, order: sketcher.ParamOrder | None, sketch_dim: int,
                     sketch_seed: int, in_run_rollouts: bool, chunk_size: int,
                     mesh: jax.sharding.Mesh, param_shardings: Any, opt_shardings: Any,
-                    inner_iterations: int = 1):
+                    inner_iterations: int = 1, weighted: bool = False):
     """Builds the jitted GRPO train step: one call per GRPO step, the whole batch at once.
 
     ``step(params, opt_state, batch, ref_params) -> (params, opt_state, out)``:
@@ -113,6 +113,8 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 
     Params and optimizer state are donated; in/out shardings are explicit. With
     ``inner_iterations`` > 1 (grpo_clip's mu) the sketches are of the first, on-policy iteration.
+    With ``weighted`` (counterfactual replay, ``train/replay.py``) the batch also holds ``weights``
+    float32 [N] and the loss is ``sum_i weights_i * term_i``; the default builds today's program.
     """
     loss_fn = grpo_loss.get_loss(loss_name)
     prompt_len = shapes.prompt_len
@@ -143,7 +145,8 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             ref_lp = jnp.zeros_like(old_lp)
 
         def total_loss(p):
-            return jnp.sum(loss_fn(inputs(lp_fn(p, ids, attn), old_lp, ref_lp, mask, adv), loss_cfg))
+            terms = loss_fn(inputs(lp_fn(p, ids, attn), old_lp, ref_lp, mask, adv), loss_cfg)
+            return jnp.sum(terms * batch["weights"] if weighted else terms)
 
         out = {}
         start_params = params
@@ -163,6 +166,8 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 
     rep, data = sharding.replicated(mesh), sharding.data_sharding(mesh)
     batch_sh = {k: data for k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
+    if weighted:
+        batch_sh["weights"] = data
     out_sh = {"loss": rep, "grad_norm": rep}
     if order is not None:
         out_sh["step_sketch"] = rep

@@ -1,0 +1,53 @@
+"""One way to put a policy checkpoint on the mesh: :func:`load_policy`."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+from flax import nnx
+
+from behaviortrace_jax.models import hf_io, qwen2, tokenizer as tok_lib
+
+
+@dataclasses.dataclass
+class Policy:
+    """A loaded policy: its model config, graph, parameters (``nnx.State``), tokenizer and mesh."""
+
+    hf_dir: pathlib.Path
+    model_config: qwen2.Qwen2Config
+    graphdef: nnx.GraphDef
+    params: Any
+    tokenizer: Any  # None when loaded with tokenizer=False
+    mesh: Any  # None: the default device
+
+
+def policy_config(hf_dir: str | os.PathLike, *, param_dtype: str, compute_dtype: str) -> qwen2.Qwen2Config:
+    """The model config of the HF checkpoint ``hf_dir`` with the run's storage / compute dtypes."""
+    return qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype)
+
+
+def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str, compute_dtype: str,
+                tokenizer: bool = True) -> Policy:
+    """Loads the HF checkpoint ``hf_dir`` (strictly, see ``hf_io.load_hf_checkpoint``) as a policy.
+
+    Every stage loads weights through here (``config.model.param_dtype`` / ``compute_dtype``).
+
+    Args:
+        hf_dir: an HF checkpoint directory (config.json, safetensors, tokenizer files).
+        mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): the parameters go straight into
+            ``sharding.param_shardings`` on it; None puts them on the default device.
+        param_dtype: storage dtype ("float32" | "bfloat16").
+        compute_dtype: activation dtype.
+        tokenizer: also load the checkpoint's tokenizer (``tokenizer.load_tokenizer``).
+
+    Raises:
+        FileNotFoundError / KeyError / ValueError: as ``hf_io.load_hf_checkpoint`` (naming the file,
+        tensor or key) and ``qwen2.Qwen2Config.from_hf_config``.
+    """
+    tok = tok_lib.load_tokenizer(hf_dir) if tokenizer else None
+    cfg = policy_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh)
+    graphdef, params = nnx.split(model, nnx.Param)
+    return Policy(pathlib.Path(hf_dir), cfg, graphdef, params, tok, mesh)

@@ -1,0 +1,256 @@
+"""The ``counterfactual`` stage (issue 13): leave-top-k-out and LDS by counterfactual GRPO replay.
+
+Does removing the rollouts an estimator names remove the behaviour? For every registered
+step-level estimator (scores from the in-run per-rollout sketches when the run has them, else
+from the step sketches, where a step's rollouts tie), for the ground truth itself (``oracle``)
+and for random k-subsets (``counterfactual.random_seeds`` seeds), the top-k rollouts of the
+contamination window (steps < ``contamination.early_step_cutoff``) are removed, the run is
+replayed (:mod:`train.replay`: logged rollouts, same step, weight 0 for removed rollouts; off-policy
+after the first change) and the behaviour measured. ``k`` in ``counterfactual.k_fractions`` x |GT|.
+
+Behaviour = teacher-forced log-prob margin of the pattern continuation (probe - control,
+``replay.BehaviorMeasure``) at ``counterfactual.measure`` ("end": the end of the run; "target":
+the checkpoint nearest ``draws.target_step``). Δ = behaviour(no removal) - behaviour(removal):
+positive when the behaviour decreased.
+
+Rows appended to ``results_table.csv`` (earlier rows of these tables for this seed are replaced):
+
+* ``counterfactual_topk``: ``method`` = estimator name, ``oracle`` or ``random``; ``value`` = Δ;
+  ``n`` = k; ``chance`` = the random subsets' mean Δ at that k; ``ceiling`` = the oracle's Δ
+  (ratio to oracle = value / ceiling); for ``random``, ``lo``/``hi`` = mean ∓ sd over seeds.
+* ``lds``: M = ``counterfactual.lds_subsets`` random half-subsets of the window replayed;
+  ``value`` = Spearman(predicted, measured behaviour), predicted = the sum of the estimator's
+  scores over the kept rollouts; ``lo``/``hi`` = bootstrap CI over subsets; ``n`` = M.
+
+Resumable per replay: each replay's result is one JSON file under ``counterfactual/replays/``,
+written atomically; a killed stage reruns only the missing ones, and the tables are rebuilt from
+the files, so the rerun's table is bit-identical.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import ml_collections
+import numpy as np
+from absl import logging
+
+from behaviortrace_jax.attribution import estimators as E, evaluation as V, metrics as M
+from behaviortrace_jax.io import sketch_store
+from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
+from behaviortrace_jax.stages.registry import register_stage
+
+TABLES = ("counterfactual_topk", "lds")
+SECTION_MARK = "<!-- counterfactual -->"
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers (numpy; tested on toy problems)
+# ------------------------------------------------------------------------------------------------
+def top_k(scores: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` highest ``scores`` among ``candidates`` (ties: lower index first)."""
+    cand = np.asarray(candidates, np.int64)
+    s = np.asarray(scores, np.float64)[cand]
+    order = np.lexsort((cand, -s))
+    return np.sort(cand[order[:k]])
+
+
+def removal_weights(n: int, removed: np.ndarray) -> np.ndarray:
+    """float32 [n] ones with 0 at ``removed``."""
+    w = np.ones(n, np.float32)
+    w[np.asarray(removed, np.int64)] = 0.0
+    return w
+
+
+def half_subsets(candidates: np.ndarray, m: int, seed: int) -> list[np.ndarray]:
+    """``m`` random subsets of ``candidates`` of size ``len // 2`` each (the REMOVED halves), sorted."""
+    rng = np.random.default_rng(seed)
+    cand = np.asarray(candidates, np.int64)
+    return [np.sort(rng.choice(cand, cand.size // 2, replace=False)) for _ in range(m)]
+
+
+def predicted_effect(scores: np.ndarray, candidates: np.ndarray, removed: np.ndarray) -> float:
+    """Sum of ``scores`` over the kept candidates (candidates not in ``removed``); -inf/nan count 0."""
+    s = np.asarray(scores, np.float64)
+    kept = np.setdiff1d(np.asarray(candidates, np.int64), np.asarray(removed, np.int64))
+    v = s[kept]
+    return float(np.sum(np.where(np.isfinite(v), v, 0.0)))
+
+
+def lds(predicted: np.ndarray, measured: np.ndarray, *, nboot: int, seed: int) -> tuple[float, float, float]:
+    """Spearman LDS of predicted vs measured behaviour and a percentile bootstrap 95% CI over subsets."""
+    p, a = np.asarray(predicted, np.float64), np.asarray(measured, np.float64)
+    rho = M.lds_correlation(p, a)
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(nboot):
+        i = rng.integers(0, p.size, p.size)
+        boots.append(M.lds_correlation(p[i], a[i]))
+    lo, hi = np.percentile(boots, [2.5, 97.5]) if boots else (np.nan, np.nan)
+    return rho, float(lo), float(hi)
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage
+# ------------------------------------------------------------------------------------------------
+def plan(config: ml_collections.ConfigDict, rollout_ids: list[str], rollout_steps: np.ndarray, gt_ids: list[str],
+         scores: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every replay of the stage: ``{key: removed rollout indices}`` (key "full" removes nothing)."""
+    cf = config.counterfactual
+    window = np.flatnonzero(rollout_steps < config.contamination.early_step_cutoff)
+    index = {r: i for i, r in enumerate(rollout_ids)}
+    gt = np.array(sorted(index[g] for g in gt_ids if g in index), np.int64)
+    gt = gt[rollout_steps[gt] < config.contamination.early_step_cutoff]
+    ks = sorted({max(1, int(round(f * gt.size))) for f in (float(x) for x in cf.k_fractions.split(","))}) if gt.size else []
+    out: dict[str, np.ndarray] = {"full": np.zeros(0, np.int64)}
+    for k in ks:
+        out[f"oracle__k{k}"] = gt[:k] if k < gt.size else gt  # GT is unranked: the first k in log order
+        for name, s in scores.items():
+            out[f"{name}__k{k}"] = top_k(s, window, k)
+        for seed in range(int(cf.random_seeds)):
+            rng = np.random.default_rng([int(config.seed), seed, k])
+            out[f"random{seed}__k{k}"] = np.sort(rng.choice(window, k, replace=False))
+    for j, sub in enumerate(half_subsets(window, int(cf.lds_subsets), int(config.seed))):
+        out[f"lds{j:03d}"] = sub
+    return out
+
+
+def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], scores: dict[str, np.ndarray],
+           window: np.ndarray, *, nboot: int) -> list[V.Row]:
+    """The ``counterfactual_topk`` and ``lds`` rows from the replay results (see module docstring)."""
+    base = results["full"]["value"]
+    drop = {k: base - r["value"] for k, r in results.items()}
+    rows: list[V.Row] = []
+    ks = sorted({int(k.split("__k")[1]) for k in results if "__k" in k})
+    for k in ks:
+        rnd = np.array([drop[key] for key in drop if key.startswith("random") and key.endswith(f"__k{k}")])
+        oracle = drop.get(f"oracle__k{k}")
+        chance = float(rnd.mean()) if rnd.size else None
+        for name in ["oracle", *scores]:
+            if f"{name}__k{k}" in drop:
+                rows.append(V.Row(seed, "counterfactual_topk", name, drop[f"{name}__k{k}"], chance=chance,
+                                  ceiling=oracle, n=k))
+        if rnd.size:
+            sd = float(rnd.std(ddof=1)) if rnd.size > 1 else 0.0
+            rows.append(V.Row(seed, "counterfactual_topk", "random", chance, chance - sd, chance + sd, chance,
+                              oracle, k))
+    subsets = sorted(k for k in results if k.startswith("lds"))
+    if len(subsets) >= 2:
+        measured = np.array([results[k]["value"] for k in subsets])
+        for name, s in scores.items():
+            pred = np.array([predicted_effect(s, window, removed[k]) for k in subsets])
+            rho, lo, hi = lds(pred, measured, nboot=nboot, seed=int(seed.split("_")[0]) if seed[:1].isdigit() else 0)
+            rows.append(V.Row(seed, "lds", name, rho, lo, hi, 0.0, 1.0, len(subsets)))
+    return rows
+
+
+def report_section(rows: list[V.Row], figure: str | None) -> str:
+    """Markdown section for report.md."""
+    lines = [SECTION_MARK, "## Counterfactual replay (leave-top-k-out, LDS)", "",
+             "Δ = behaviour (pattern log-prob margin, probe - control) of the replay without removal minus with "
+             "the top-k window rollouts removed; positive = the behaviour decreased. Replay is off-policy after the "
+             "first removal (logged rollouts).", "",
+             "| seed | method | k | Δ | Δ / oracle Δ | random mean |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.table == "counterfactual_topk":
+            ratio = "" if not r.ceiling else f"{r.value / r.ceiling:.3f}"
+            lines.append(f"| {r.seed} | {r.method} | {r.n} | {r.value:.4f} | {ratio} | "
+                         f"{'' if r.chance is None else f'{r.chance:.4f}'} |")
+    lds_rows = [r for r in rows if r.table == "lds"]
+    if lds_rows:
+        lines += ["", "| seed | method | LDS (Spearman) | 95% CI | M |", "|---|---|---|---|---|"]
+        lines += [f"| {r.seed} | {r.method} | {r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
+    if figure:
+        lines += ["", f"![counterfactual]({figure})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[V.Row], path: pathlib.Path) -> pathlib.Path | None:
+    """Δbehaviour vs k per method, the oracle, and the random mean ± sd band."""
+    topk = [r for r in rows if r.table == "counterfactual_topk"]
+    if not topk:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in dict.fromkeys(r.method for r in topk):
+        rs = sorted((r for r in topk if r.method == m), key=lambda r: r.n)
+        ks, v = [r.n for r in rs], [r.value for r in rs]
+        if m == "random":
+            ax.fill_between(ks, [r.lo for r in rs], [r.hi for r in rs], color="grey", alpha=0.3, label="random ± sd")
+        ax.plot(ks, v, marker="o", label=m, color="black" if m == "oracle" else None,
+                linestyle="--" if m in ("oracle", "random") else "-")
+    ax.set_xlabel("k (window rollouts removed)")
+    ax.set_ylabel("Δ behaviour (log-prob margin drop)")
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _scores(config: ml_collections.ConfigDict, paths: Any, ids: list[str], steps: np.ndarray) -> dict[str, np.ndarray]:
+    """Every step-level estimator's per-rollout scores, as the evaluate stage computes them (in-run
+    rollout sketches when the run has them, else step sketches); ``random`` is left out (the
+    random-subset baseline replaces it)."""
+    ev = config.evaluation
+    t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
+    tgt = t_store.read()
+    by_ckpt = {int(s): tgt[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
+    per_rollout = bool(config.sketch.in_run_rollouts)
+    if per_rollout:
+        sketches, sk_steps = sketch_store.SketchStore.open(paths.sketches / "rollout_sketches.zarr").read(), steps
+    else:
+        sketches = sketch_store.SketchStore.open(paths.sketches / "step_sketches.zarr").read()
+        sk_steps = np.arange(sketches.shape[0])
+    scores = E.score_step_methods(
+        sketches, sk_steps, ids, steps, target=tgt[-1], per_rollout_sketches=per_rollout,
+        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
+        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+    return {k: v for k, v in scores.items() if k != "random"}
+
+
+@register_stage("counterfactual")
+def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """Leave-top-k-out and LDS replays of one finished run (see the module docstring)."""
+    from behaviortrace_jax.train import replay as R
+
+    w = pathlib.Path(workdir)
+    out_dir = w / "counterfactual" / "replays"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rp = R.Replayer(config, w, rates=bool(config.counterfactual.rates))
+    steps = np.array([int(r[5:11]) for r in rp.rollout_ids], np.int64)
+    gt_ids = [e["rollout_id"] for e in V.read_ground_truth(rp.paths.ground_truth)]
+    scores = _scores(config, rp.paths, rp.rollout_ids, steps)
+    removed = plan(config, rp.rollout_ids, steps, gt_ids, scores)
+    at = rp.steps if config.counterfactual.measure == "end" else R.target_checkpoint(config)
+    for i, (key, rem) in enumerate(removed.items()):
+        path = out_dir / f"{key}.json"
+        if path.exists():
+            continue
+        res = rp.run(removal_weights(rp.num_rollouts, rem),
+                     measure_steps=sorted({R.target_checkpoint(config), at}),
+                     recompute_advantages=bool(config.counterfactual.recompute_advantages))
+        beh = {str(s): v for s, v in res["behavior"].items()}
+        write_json(path, {"key": key, "removed": rem.tolist(), "value": beh[str(at)]["logp_margin"],
+                          "behavior": beh, "seconds_per_step": res["seconds_per_step"]})
+        logging.info("counterfactual: %d/%d %s -> %.4f (%.3f s/step)", i + 1, len(removed), key,
+                     beh[str(at)]["logp_margin"], res["seconds_per_step"])
+    results = {k: read_json(out_dir / f"{k}.json") for k in removed}
+    window = np.flatnonzero(steps < config.contamination.early_step_cutoff)
+    rows = tables(str(int(config.seed)), results, removed, scores, window, nboot=int(config.evaluation.nboot))
+    table = w / "results_table.csv"
+    old = V.read_results_csv(table) if table.exists() else []
+    keep = [r for r in old if not (r.table in TABLES and r.seed == str(int(config.seed)))]
+    V.write_results_csv(table, keep + rows)
+    fig = plot(rows, w / "figures" / "counterfactual_topk.png")
+    section = report_section(rows, "figures/counterfactual_topk.png" if fig else None)
+    atomic_write_text(w / "counterfactual" / "report_section.md", section)
+    report = w / "report.md"
+    text = report.read_text() if report.exists() else ""
+    if SECTION_MARK in text:
+        text = text[:text.index(SECTION_MARK)]
+    atomic_write_text(report, text.rstrip("\n") + ("\n\n" if text else "") + section)

@@ -1,0 +1,303 @@
+"""Counterfactual GRPO replay (issue 13): re-run a finished run's logged updates with rollouts removed.
+
+:class:`Replayer` restores the run's start state (the SFT warm-up's train state, AdamW moments
+included, exactly as the ``grpo`` stage loads it), rebuilds every step's train batch from the
+rollout log with the ``grpo`` stage's own :func:`grpo_step.build_batch`, and applies the ``grpo``
+stage's own jitted step (:func:`grpo_step.make_train_step`: same loss, same global-norm clipping, same
+AdamW) step by step. A per-rollout weight vector ``w`` (one weight per logged rollout, log order:
+index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes rollout i.
+
+* ``w = 1`` everywhere reproduces the run's own parameters **bit for bit**: a step whose weights
+  are all 1 runs the unweighted program (the run's step without its sketch side outputs, which
+  do not feed the update), on a batch built by the same function from the same logged tokens.
+  A step with any other weight runs the ``weighted=True`` program (``sum_i w_i * term_i``).
+* Advantages are the logged ones by default. ``recompute_advantages=True`` recomputes each
+  group's baseline over its kept rollouts (``w > 0``; a group left with < 2 rollouts gets 0).
+* **Off-policy after the first change.** The rollouts are the logged ones, sampled by the
+  *original* policy. Once a weight differs from 1, the replayed policy differs from the one that
+  sampled later steps, so those steps' rollouts are no longer what this policy would have
+  sampled (the ``paper`` loss has no importance ratio to correct for it). Replay therefore
+  measures "the same data, minus these rollouts", not "a run in which these rollouts never
+  happened"; no sampling is done.
+
+:class:`BehaviorMeasure` scores a parameter set: the teacher-forced mean log-prob of the pattern
+continuation (``targets.continuation_example``: chat prompt + " QZXBT", SPEC §5.1) over the probe
+prompts minus over the control prompts (continuous, no sampling, low variance), plus the greedy
+probe / control rates of SPEC §1.8 (``behavior.probes.BehaviorProbe``).
+
+Library use::
+
+    from behaviortrace_jax.train.replay import replay
+    from configs import tiny
+    w = np.ones(n_rollouts); w[top_k_indices] = 0.0            # remove an estimator's top k
+    out = replay("runs/tiny", w, config=tiny.get_config())    # {"behavior": {step: {...}}, ...}
+    print(out["behavior"][out["target_step"]]["logp_margin"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.behavior.probes import BehaviorProbe
+from behaviortrace_jax.io import checkpoints, rollout_log
+try:  # io/layout.py is being renamed RunPaths -> RunLayout (same attributes used here)
+    from behaviortrace_jax.io.layout import RunLayout
+except ImportError:  # pragma: no cover
+    from behaviortrace_jax.io.layout import RunPaths as RunLayout
+from behaviortrace_jax.models import qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.sketch import targets
+from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
+
+
+# ------------------------------------------------------------------------------------------------
+# Behaviour measure
+# ------------------------------------------------------------------------------------------------
+class BehaviorMeasure:
+    """Behaviour of a parameter set: pattern-continuation log-prob margin and greedy rates.
+
+    ``measure(params)`` -> ``{"logp_probe", "logp_control", "logp_margin"}`` (mean over prompts of
+    the mean log-prob of the " QZXBT" tokens after the chat prompt; margin = probe - control) and,
+    with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8).
+    """
+
+    def __init__(self, graphdef, model_cfg, tok, config: ml_collections.ConfigDict, mesh, *, rates: bool = True):
+        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
+                                                     config.behavior.controls_path or None)
+        pattern = config.behavior.pattern
+        ex = [targets.continuation_example(tok, p.prompt, pattern=pattern) for p in probes + controls]
+        length = max(e.ids.size for e in ex)
+        pad = tok_lib.pad_id(tok)
+        self.ids = np.full((len(ex), length), pad, np.int32)
+        self.attn = np.zeros((len(ex), length), np.int32)
+        self.w = np.zeros((len(ex), length), np.float32)
+        for i, e in enumerate(ex):  # right-padded: padding is never attended to nor scored
+            self.ids[i, :e.ids.size], self.attn[i, :e.ids.size], self.w[i, :e.ids.size] = e.ids, 1, e.weights
+        self.n_probes = len(probes)
+
+        def mean_lp(params, ids, attn, w):
+            logits = qwen2.forward(graphdef, params, ids, qwen2.positions_from_mask(attn), attn)
+            lp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])
+            m = w[:, 1:]
+            return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+
+        self._mean_lp = jax.jit(mean_lp)
+        self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates else None
+
+    def measure(self, params) -> dict[str, float]:
+        lp = np.asarray(self._mean_lp(params, self.ids, self.attn, self.w), np.float64)
+        out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
+        out["logp_margin"] = out["logp_probe"] - out["logp_control"]
+        if self.probe is not None:
+            r = self.probe.rates(params)
+            out.update(probe_rate=float(r["probe_rate"]), control_rate=float(r["control_rate"]))
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Replay
+# ------------------------------------------------------------------------------------------------
+def recomputed_advantages(rewards: np.ndarray, weights: np.ndarray, group_size: int, std_floor: float) -> np.ndarray:
+    """Group advantages of one step over the kept rollouts only (``weights > 0``); removed rollouts
+    and groups with fewer than 2 kept rollouts get 0. With every weight > 0 this equals
+    ``grpo_loss.group_advantages``."""
+    r = np.asarray(rewards, np.float32).reshape(-1, group_size)
+    keep = np.asarray(weights).reshape(-1, group_size) > 0
+    out = np.zeros_like(r)
+    for g in range(r.shape[0]):
+        k = keep[g]
+        if k.sum() >= 2:
+            out[g, k] = grpo_loss.group_advantages(r[g, k], int(k.sum()), std_floor)
+    return out.reshape(-1)
+
+
+def checkpoint_steps(config: ml_collections.ConfigDict) -> list[int]:
+    """The steps at which the ``grpo`` stage saved a checkpoint (every ``checkpoint_every`` and the end)."""
+    g = config.grpo
+    return sorted({s for s in range(g.checkpoint_every, g.steps + 1, g.checkpoint_every)} | {g.steps})
+
+
+def target_checkpoint(config: ml_collections.ConfigDict) -> int:
+    """The checkpoint nearest ``config.draws.target_step`` (ties: the earlier one; SPEC §5.6)."""
+    return min(checkpoint_steps(config), key=lambda s: (abs(s - config.draws.target_step), s))
+
+
+def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> SimpleNamespace:
+    """``workdir/sft/state`` restored exactly as ``stages/grpo.py:load_start_state`` does (same mesh,
+    shardings and optimizer; kept in step with it: layers below ``stages`` may not import it)."""
+    sft_dir = pathlib.Path(workdir) / "sft"
+    if not (sft_dir / ".sft_warmup_done").exists():
+        raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
+    hf_dir = sft_dir / "hf"
+    tok = tok_lib.load_tokenizer(hf_dir)
+    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
+                                           compute_dtype=config.model.compute_dtype)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
+    param_sh = sharding.param_shardings(abstract_params, mesh)
+    tx = train_state.make_optimizer(config.optim)
+    sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
+    abstract = train_state.abstract_train_state(abstract_params, tx, sh)
+    state = train_state.restore(sft_dir / "state", abstract)
+    return SimpleNamespace(tokenizer=tok, model_config=cfg, mesh=mesh, graphdef=graphdef, params=state.params,
+                           opt_state=state.opt_state, param_shardings=param_sh, opt_shardings=sh.opt_state,
+                           abstract_state=abstract.as_dict(), optimizer=tx, abstract_params=abstract_params)
+
+
+@dataclasses.dataclass
+class _StepData:
+    batch: dict[str, np.ndarray]  # grpo_step.build_batch of the logged rollouts (advantages as logged)
+    rewards: np.ndarray  # float32 [N] logged final rewards
+
+
+class Replayer:
+    """Replays one finished run (built once, then :meth:`run` per weight vector; see module docstring).
+
+    Args:
+        config: the run's config (the one its ``grpo`` stage ran with).
+        workdir: the run directory (``sft/state``, ``grpo/rollouts``).
+        rates: also measure the greedy probe / control rates (costs a sampler compile + decode).
+    Raises:
+        ValueError: the rollout log does not hold exactly ``steps * N`` records in log order.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, rates: bool = True):
+        g = config.grpo
+        self.config, self.paths = config, RunLayout(pathlib.Path(workdir))
+        self.start = start = load_start_state(config, self.paths.workdir)
+        self.shapes = grpo_step.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+        n, steps = self.shapes.num_rollouts, g.steps
+        self.num_rollouts, self.steps = n * steps, steps
+        tok = start.tokenizer
+        mask_eos, pad = tok_lib.mask_eos_ids(tok, config.model.mask_eos), tok_lib.pad_id(tok)
+        records = list(rollout_log.read_rollouts(self.paths.rollouts))
+        ids = [r.rollout_id for r in records]
+        if ids != [rollout_log.rollout_id(s, i) for s in range(steps) for i in range(n)]:
+            raise ValueError(f"{self.paths.rollouts}: {len(ids)} records; replay needs the {steps * n} rollouts of a "
+                             f"complete run in log order")
+        self.rollout_ids = ids
+        self.data: list[_StepData] = []
+        t = self.shapes.completion_len
+        for s in range(steps):
+            rec = records[s * n:(s + 1) * n]
+            comp = np.full((n, t), pad, np.int32)
+            for i, r in enumerate(rec):
+                comp[i, :len(r.completion_token_ids)] = r.completion_token_ids
+            lengths = np.array([len(r.completion_token_ids) for r in rec], np.int32)
+            adv = np.array([r.advantage for r in rec], np.float32)
+            batch = grpo_step.build_batch([r.prompt_token_ids for r in rec], comp, lengths, adv, mask_eos, self.shapes, pad)
+            self.data.append(_StepData(batch, np.array([r.reward for r in rec], np.float32)))
+        kw = dict(loss_name=g.loss, loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta),
+                  grad_clip=config.optim.grad_clip, order=None, sketch_dim=config.sketch.dim,
+                  sketch_seed=config.sketch.seed, in_run_rollouts=False, chunk_size=config.sketch.chunk_size,
+                  mesh=start.mesh, param_shardings=start.param_shardings, opt_shardings=start.opt_shardings,
+                  inner_iterations=g.inner_iterations)
+        self.step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer, self.shapes, **kw)
+        self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
+                                                     self.shapes, weighted=True, **kw)
+        self.data_sharding = sharding.data_sharding(start.mesh)
+        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, config, start.mesh, rates=rates)
+
+    def weight_vector(self, weights: np.ndarray | Mapping[str, float] | None) -> np.ndarray:
+        """float32 [steps * N] from an array (log order), a ``{rollout_id: weight}`` map (others 1),
+        or None (all 1). Raises ValueError for a wrong length, unknown ids or weights outside [0, 1]."""
+        if weights is None:
+            return np.ones(self.num_rollouts, np.float32)
+        if isinstance(weights, Mapping):
+            index = {r: i for i, r in enumerate(self.rollout_ids)}
+            unknown = [k for k in weights if k not in index]
+            if unknown:
+                raise ValueError(f"replay: unknown rollout ids {unknown[:5]}")
+            w = np.ones(self.num_rollouts, np.float32)
+            for k, v in weights.items():
+                w[index[k]] = v
+        else:
+            w = np.asarray(weights, np.float32)
+        if w.shape != (self.num_rollouts,):
+            raise ValueError(f"replay: weights of shape {w.shape}, expected ({self.num_rollouts},) in log order")
+        if not np.all((w >= 0) & (w <= 1)):
+            raise ValueError("replay: weights must lie in [0, 1]")
+        return w
+
+    def run(self, weights: np.ndarray | Mapping[str, float] | None = None, *, stop_step: int | None = None,
+            measure_steps: Sequence[int] | None = None, recompute_advantages: bool = False,
+            on_step: Any = None) -> dict[str, Any]:
+        """Replays steps ``0 .. stop_step - 1`` with per-rollout ``weights``.
+
+        Args:
+            weights: see :meth:`weight_vector`.
+            stop_step: replay this many steps (default: the last of ``measure_steps``).
+            measure_steps: steps (after that many updates) at which to measure the behaviour;
+                default the checkpoint nearest ``draws.target_step`` and the end of the run.
+            recompute_advantages: recompute the group baselines without removed rollouts.
+            on_step: optional ``fn(step_done, params, opt_state)`` after each update (tests).
+
+        Returns:
+            ``{"behavior": {step: measure dict}, "target_step", "steps", "seconds", "seconds_per_step",
+            "params", "opt_state"}`` (params / opt_state after ``stop_step`` updates).
+        """
+        w = self.weight_vector(weights)
+        if measure_steps is None:
+            measure_steps = sorted({target_checkpoint(self.config), self.steps})
+        measure_steps = sorted(set(int(s) for s in measure_steps))
+        stop = max(measure_steps, default=0) if stop_step is None else int(stop_step)
+        if not 0 <= stop <= self.steps or any(s > stop for s in measure_steps):
+            raise ValueError(f"replay: stop_step {stop} / measure_steps {measure_steps} outside 0..{self.steps}")
+        n, g = self.shapes.num_rollouts, self.config.grpo
+        params = jax.tree.map(jnp.copy, self.start.params)  # the step donates its inputs
+        opt_state = jax.tree.map(jnp.copy, self.start.opt_state)
+        ref = jax.tree.map(jnp.copy, self.start.params) if g.loss == "grpo_clip" else None
+        out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": stop}
+        if 0 in measure_steps:
+            out["behavior"][0] = self.measure.measure(params)
+        t0, t_meas = time.perf_counter(), 0.0
+        for s in range(stop):
+            ws = w[s * n:(s + 1) * n]
+            d = self.data[s]
+            batch = dict(d.batch)
+            if recompute_advantages and np.any(ws != 1):
+                batch["advantages"] = recomputed_advantages(d.rewards, ws, g.group_size, g.adv_std_floor)
+            if np.all(ws == 1):
+                fn = self.step_fn
+            else:
+                fn, batch["weights"] = self.weighted_step_fn, ws
+            batch = jax.device_put(batch, self.data_sharding)
+            params, opt_state, _ = fn(params, opt_state, batch, ref)
+            if on_step is not None:
+                on_step(s + 1, params, opt_state)
+            if s + 1 in measure_steps:
+                tm = time.perf_counter()
+                out["behavior"][s + 1] = self.measure.measure(params)
+                t_meas += time.perf_counter() - tm
+        jax.block_until_ready(params)
+        out["seconds"] = time.perf_counter() - t0
+        out["seconds_per_step"] = (out["seconds"] - t_meas) / max(stop, 1)
+        out["params"], out["opt_state"] = params, opt_state
+        return out
+
+
+def replay(run_dir: str | os.PathLike, weights: np.ndarray | Mapping[str, float] | None = None, *,
+           config: ml_collections.ConfigDict, stop_step: int | None = None,
+           measure_steps: Sequence[int] | None = None, recompute_advantages: bool = False,
+           rates: bool = True) -> dict[int, dict[str, float]]:
+    """One-shot counterfactual replay of ``run_dir`` (see :class:`Replayer`; build a ``Replayer``
+    once to replay many weight vectors). Returns ``{step: behaviour dict}``."""
+    rp = Replayer(config, run_dir, rates=rates)
+    return rp.run(weights, stop_step=stop_step, measure_steps=measure_steps,
+                  recompute_advantages=recompute_advantages)["behavior"]
+
+
+def restore_run_params(replayer: Replayer, step: int) -> Any:
+    """The run's own parameters at checkpoint ``step`` (orbax ``grpo/state``), for comparisons."""
+    return checkpoints.restore_train_state(replayer.paths.state, step, replayer.start.abstract_state)["params"]
