@@ -18,6 +18,7 @@ from behaviortrace_jax import runtime
 _CPU_MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4294967295", "MALLOC_ARENA_MAX": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 _ENV = runtime.reproducible_cpu_env(os.environ)
+_ENV.update(runtime.platform_env(os.environ))  # libtpu installed, no TPU attached: CPU, quietly
 if os.environ.get("BEHAVIORTRACE_MALLOC_TUNING", "1") != "0" and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     _ENV.update({k: v for k, v in _CPU_MALLOC.items() if k not in os.environ})
 if _ENV:
@@ -39,6 +40,8 @@ def main(argv):
     runtime.quiet_library_logs(FLAGS.verbosity)
     import jax
 
+    if n_cpu := runtime.compile_cpu_devices(FLAGS.config):  # `compile` for cpu:<n>: before JAX starts
+        jax.config.update("jax_num_cpu_devices", n_cpu)
     from behaviortrace_jax.io import files
     from behaviortrace_jax import pipeline
 

@@ -44,8 +44,7 @@ try:  # package layout after the layer-folder move
     from behaviortrace_jax.models import qwen2, sampler as sampler_lib, sharding
     from behaviortrace_jax.sketch import sketcher, targets
     from behaviortrace_jax.stages.registry import register_stage
-    from behaviortrace_jax.train import grpo_loss, lm_trainer, train_state
-    from behaviortrace_jax.train import grpo_step as grpo
+    from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, lm_trainer, train_state
 except ImportError:  # flat layout
     from behaviortrace_jax import files, grpo, grpo_loss, lm_trainer, qwen2, sampler as sampler_lib
     from behaviortrace_jax import sharding, sketcher, targets, train_state
