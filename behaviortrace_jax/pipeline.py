@@ -20,11 +20,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-from pathlib import Path
 
 import ml_collections
 
-from behaviortrace_jax.io import files, layout
+from behaviortrace_jax.io import files
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages import registry as stages
 
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep",
@@ -64,11 +64,11 @@ def run_digest(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str
         ``workdir/results_table.csv``.
     """
     out = {}
-    weights = sorted(Path(layout.model_dir(config, workdir)).glob("*.safetensors"))
+    weights = sorted(RunLayout(workdir).model_dir(config).glob("*.safetensors"))
     if weights:
         out["base_weights"] = (files.sha256_file(weights[0]) if len(weights) == 1 else
                                hashlib.sha256("".join(files.sha256_file(w) for w in weights).encode()).hexdigest())
-    table = Path(workdir) / "results_table.csv"
+    table = RunLayout(workdir).results_table
     if table.is_file():
         out["results_table.csv"] = files.sha256_file(table)
     return out
