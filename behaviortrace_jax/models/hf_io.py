@@ -1,7 +1,7 @@
-"""Hugging Face checkpoint I/O for :mod:`behaviortrace_jax.qwen2` (SPEC §2.4).
+"""Hugging Face checkpoint I/O for every model family (``families``; SPEC §2.4).
 
-The weight map is a data table (:func:`hf_param_table`): one row per HF tensor, in HF
-``model.parameters()`` order, giving its key, the NNX path of the parameter and its shape. The
+The weight map is a data table (:func:`hf_param_table`, assembled from the family's per-layer
+rows): one row per HF tensor, in HF ``model.parameters()`` order, giving its key, the NNX path of the parameter and its shape. The
 parameters are stored in HF layout, so loading and export are renames with no transposes, and
 the table order is the order the CountSketch walks (SPEC §3.1, §10.6).
 
@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from behaviortrace_jax.io.files import atomic_write_dir, read_json
-from behaviortrace_jax.models import sharding
-from behaviortrace_jax.models.qwen2 import Qwen2Config, Qwen2ForCausalLM, abstract_model, resolve_sharding
+from behaviortrace_jax.models import families, sharding
+from behaviortrace_jax.models.decoder import DecoderConfig, DecoderForCausalLM, abstract_model, resolve_sharding
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,49 +42,35 @@ class HFParam(NamedTuple):
     shape: tuple
 
 
-_LAYER_ROWS: tuple[tuple[str, Callable[[Qwen2Config], tuple]], ...] = (
-    ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.q_proj.bias", lambda c: (c.num_attention_heads * c.head_dim,)),
-    ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.k_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,)),
-    ("self_attn.v_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.v_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,)),
-    ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim)),
-    ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    ("input_layernorm.weight", lambda c: (c.hidden_size,)),
-    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
-)
-
-
 def _path(key: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in key.split("."))
 
 
-def hf_param_table(config: Qwen2Config) -> list[HFParam]:
-    """The weight map in HF ``Qwen2ForCausalLM.parameters()`` order.
+def hf_param_table(config: DecoderConfig) -> list[HFParam]:
+    """The weight map in HF ``<Family>ForCausalLM.parameters()`` order.
 
-    ``model.embed_tokens.weight [V, d]``, then per layer the 12 rows of ``_LAYER_ROWS``, then
-    ``model.norm.weight [d]`` and, for untied models only, ``lm_head.weight [V, d]``.
+    ``model.embed_tokens.weight [V, d]``, then per layer the family's ``hf_layer_rows`` (12 for
+    Qwen2, 9 for Llama, 11 for Qwen3), then ``model.norm.weight [d]`` and, for untied models only,
+    ``lm_head.weight [V, d]``.
     """
     c = config
+    rows = families.family_of(config).hf_layer_rows
     keys = [("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))]
     for i in range(c.num_hidden_layers):
-        keys += [(f"model.layers.{i}.{name}", shape(c)) for name, shape in _LAYER_ROWS]
+        keys += [(f"model.layers.{i}.{name}", shape(c)) for name, shape in rows]
     keys.append(("model.norm.weight", (c.hidden_size,)))
     if not c.tie_word_embeddings:
         keys.append(("lm_head.weight", (c.vocab_size, c.hidden_size)))
     return [HFParam(k, _path(k), tuple(s)) for k, s in keys]
 
 
-def param_order_fingerprint(config: Qwen2Config) -> str:
+def param_order_fingerprint(config: DecoderConfig) -> str:
     """sha256 hex of the table's ``key:shape`` rows in order (equal fingerprints = same sketch order)."""
     rows = "".join(f"{p.hf_key}:{','.join(map(str, p.shape))}\n" for p in hf_param_table(config))
     return hashlib.sha256(rows.encode()).hexdigest()
 
 
-def model_fingerprint(config: Qwen2Config) -> str:
+def model_fingerprint(config: DecoderConfig) -> str:
     """sha256 hex of the architecture (config without dtypes) and the parameter-order fingerprint."""
     arch = {k: v for k, v in config.to_hf_config().items() if k not in ("torch_dtype", "dtype")}
     blob = json.dumps(arch, sort_keys=True) + param_order_fingerprint(config)
@@ -149,31 +135,32 @@ def _open_checkpoint(hf_dir: pathlib.Path) -> dict[str, _SafetensorsFile]:
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = None,
                        compute_dtype: str | None = None, shardings: Any = None,
-                       mesh: Any = None, remat: bool = False) -> Qwen2ForCausalLM:
-    """Loads a HF Qwen2 checkpoint directory into :class:`Qwen2ForCausalLM`, strictly and lazily.
+                       mesh: Any = None, remat: bool = False, family: str | None = None) -> DecoderForCausalLM:
+    """Loads a HF checkpoint directory into its family's module, strictly and lazily.
 
     Args:
         hf_dir: directory with ``config.json`` and ``model.safetensors`` or a sharded
             ``model.safetensors.index.json`` + shards.
         param_dtype: storage dtype ("float32" | "bfloat16"); None -> config.json's ``torch_dtype``.
         compute_dtype: activation dtype; None -> ``param_dtype``.
-        shardings: where each parameter goes (see ``qwen2.resolve_sharding``): None (first
+        shardings: where each parameter goes (see ``decoder.resolve_sharding``): None (first
             device), one ``Sharding``, a callable ``nnx_path -> Sharding`` or a dict / ``nnx.State``.
         mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): the parameters go straight into
             ``sharding.param_shardings`` on it (instead of ``shardings``; give one or neither).
         remat: passed to the model (gradient checkpointing per layer).
+        family: the model family (``families``); None -> config.json's ``model_type``.
 
     Raises:
         FileNotFoundError: naming the missing config.json / weights file / shard.
         KeyError: naming a tensor the checkpoint lacks.
-        ValueError: naming an unexpected tensor, a tensor of the wrong shape or dtype, or a tied
+        ValueError: naming ``model_type`` (unregistered, or not ``family``), an unexpected tensor, a tensor of the wrong shape or dtype, or a tied
             checkpoint whose stored ``lm_head.weight`` differs from the embedding; or both
             ``shardings`` and ``mesh``.
     """
     if mesh is not None and shardings is not None:
         raise ValueError("load_hf_checkpoint: give shardings or mesh, not both")
     hf_dir = pathlib.Path(hf_dir)
-    cfg = Qwen2Config.from_hf_config(hf_dir)
+    cfg = families.config_from_hf(hf_dir, family)
     pdt = param_dtype or cfg.param_dtype
     cfg = cfg.replace(param_dtype=pdt, compute_dtype=compute_dtype or pdt)
     table = hf_param_table(cfg)
@@ -184,7 +171,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
         extra.remove("lm_head.weight")
         _check_tied_head(tensors, hf_dir)
     if extra:
-        raise ValueError(f"{hf_dir}: unexpected tensor(s) not in the Qwen2 weight map: {sorted(extra)}")
+        raise ValueError(f"{hf_dir}: unexpected tensor(s) not in the weight map of model_type="
+                         f"{cfg.model_type!r}: {sorted(extra)}")
     for p in table:
         if p.hf_key not in tensors:
             raise KeyError(f"{hf_dir}: checkpoint lacks tensor {p.hf_key!r} (shape {p.shape})")
@@ -198,7 +186,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
     if set(flat) != {p.nnx_path for p in table}:  # the table and the module tree must agree
         raise AssertionError(f"weight map and model disagree: {set(flat) ^ {p.nnx_path for p in table}}")
     if mesh is not None:
-        shardings = sharding.param_shardings(abstract, mesh)
+        shardings = sharding.param_shardings(abstract, mesh, families.family_of(cfg).param_rules)
     np_dtype = _NP_DTYPES[pdt]
     for p in table:
         src = tensors[p.hf_key].tensor(p.hf_key)
@@ -235,7 +223,7 @@ def _flat_params(params_or_model: Any) -> dict[tuple, Any]:
             for path, v in nnx.to_flat_state(state)}
 
 
-def hf_ordered_leaves(params_or_model: Any, config: Qwen2Config) -> list[Any]:
+def hf_ordered_leaves(params_or_model: Any, config: DecoderConfig) -> list[Any]:
     """The parameter (or gradient) arrays in table order, unchanged (jit-friendly; no host copy).
 
     ``params_or_model`` is a model or an ``nnx.State`` of params / grads with the model's paths.
@@ -244,7 +232,7 @@ def hf_ordered_leaves(params_or_model: Any, config: Qwen2Config) -> list[Any]:
     return [flat[p.nnx_path] for p in hf_param_table(config)]
 
 
-def hf_state_dict(params_or_model: Any, config: Qwen2Config) -> dict[str, np.ndarray]:
+def hf_state_dict(params_or_model: Any, config: DecoderConfig) -> dict[str, np.ndarray]:
     """``{hf_key: numpy array}`` in table order (host copies; the dtype of the stored params)."""
     leaves = hf_ordered_leaves(params_or_model, config)
     table = hf_param_table(config)
@@ -257,7 +245,7 @@ def hf_state_dict(params_or_model: Any, config: Qwen2Config) -> dict[str, np.nda
     return out
 
 
-def save_hf_checkpoint(model_or_state: Any, config: Qwen2Config, out_dir: str | os.PathLike,
+def save_hf_checkpoint(model_or_state: Any, config: DecoderConfig, out_dir: str | os.PathLike,
                        tokenizer: Any = None, generation_config: dict | None = None) -> pathlib.Path:
     """Writes a transformers-loadable checkpoint: config.json, model.safetensors (+ tokenizer files).
 

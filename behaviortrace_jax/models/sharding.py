@@ -2,12 +2,12 @@
 
 The mesh has two axes: ``"data"`` (rows of a batch: prompts, rollouts, examples) and ``"model"``
 (tensor parallelism inside a layer, Megatron style). Parameters are in Hugging Face layout
-(``[out, in]`` linear weights, ``embed_tokens.weight [vocab, embed]``; see ``qwen2.py``), so a
+(``[out, in]`` linear weights, ``embed_tokens.weight [vocab, embed]``; see ``decoder.py``), so a
 partition rule is a row of :data:`PARAM_RULES`: a regex on the HF key and the *logical* name of
 each weight axis; :data:`LOGICAL_AXES` maps logical names to mesh axes. Column-parallel layers
 (q/k/v, gate/up) split their output rows over ``"model"``; row-parallel layers (o_proj, down) split
-their input columns, so each attention / MLP block needs one reduction; biases and norms are
-replicated. A weight axis whose size is not divisible by the mesh axis is replicated instead.
+their input columns, so each attention / MLP block needs one reduction; biases and norms (Qwen3's
+per-head ``q_norm`` / ``k_norm`` too) are replicated. A weight axis whose size is not divisible by the mesh axis is replicated instead.
 """
 from __future__ import annotations
 
@@ -77,13 +77,14 @@ def _path_key(path: tuple) -> str:
     return ".".join(parts)
 
 
-def logical_axes(key: str) -> tuple[str, ...]:
-    """The logical axes of the parameter with HF key ``key`` (from :data:`PARAM_RULES`).
+def logical_axes(key: str, rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> tuple[str, ...]:
+    """The logical axes of the parameter with HF key ``key`` (from ``rules``, default :data:`PARAM_RULES`;
+    a family's own rules are ``families.family_of(config).param_rules``).
 
     Raises:
         ValueError: naming ``key`` when no rule matches.
     """
-    for pattern, axes in PARAM_RULES:
+    for pattern, axes in (PARAM_RULES if rules is None else rules):
         if re.search(pattern, key):
             return axes
     raise ValueError(f"no partition rule matches parameter {key!r}; add a row to sharding.PARAM_RULES")
@@ -108,14 +109,16 @@ def spec_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
-def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
+def param_shardings(abstract_params: Any, mesh: Mesh,
+                    rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> Any:
     """``NamedSharding`` for every parameter, in the structure of ``abstract_params``.
 
     Args:
         abstract_params: the ``nnx.State`` from ``nnx.split(model, nnx.Param)`` (arrays or
-            ``jax.ShapeDtypeStruct`` leaves, e.g. of ``qwen2.abstract_model``), or any pytree whose
+            ``jax.ShapeDtypeStruct`` leaves, e.g. of ``decoder.abstract_model``), or any pytree whose
             key paths spell HF keys.
         mesh: from :func:`make_mesh`.
+        rules: partition rules (default :data:`PARAM_RULES`, which covers every registered family).
 
     Returns:
         The same pytree with ``NamedSharding`` leaves: pass it to ``jax.device_put``,
@@ -125,7 +128,7 @@ def param_shardings(abstract_params: Any, mesh: Mesh) -> Any:
         ValueError: naming the parameter when no rule of :data:`PARAM_RULES` matches it.
     """
     def one(path, leaf):
-        axes = logical_axes(_path_key(path))
+        axes = logical_axes(_path_key(path), rules)
         shape = tuple(leaf.shape)
         if len(axes) != len(shape):
             raise ValueError(f"parameter {_path_key(path)!r}: rule axes {axes} vs shape {shape}")

@@ -1,0 +1,472 @@
+"""The decoder-only transformer every model family shares (Qwen2, Llama, Qwen3), in Flax NNX.
+
+One module tree with switches read from the family's config class: ``qkv_bias`` (Qwen2's q/k/v
+biases), ``qk_norm`` (Qwen3's per-head RMSNorm of q and k before RoPE) and the RoPE inverse
+frequencies (:meth:`DecoderConfig.rope_inv_freq`: default, or Llama 3's scaled ones). A family
+(``qwen2.py``, ``llama.py``, ``qwen3.py``) is a :class:`DecoderConfig` subclass (switches, presets,
+``from_hf_config`` / ``to_hf_config``), a :class:`DecoderForCausalLM` subclass and its HF weight
+rows; ``families.py`` registers them by HF ``model_type``.
+
+Parameters are stored in **Hugging Face layout** under Hugging Face names: linear weights are
+``[out, in]`` (``y = x @ W.T + b``), ``model.embed_tokens.weight`` is ``[V, d]`` and
+``lm_head.weight`` (untied models only) is ``[V, d]``. The NNX path of each parameter is the HF key
+split at the dots, with layer indices as ints, e.g. ``("model", "layers", 3, "self_attn", "q_proj",
+"weight")``; ``hf_io.hf_param_table`` lists them in HF ``model.parameters()`` order.
+
+Other modules call any family's model through the pure functions :func:`forward` and
+:func:`forward_with_cache` on ``(graphdef, params)`` from ``nnx.split(model, nnx.Param)`` under
+``jax.jit``. Numerics follow transformers: RMSNorm in float32, RoPE with ``rotate_half`` and
+float32 cos/sin, softmax in float32, logits returned in float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from behaviortrace_jax.io.files import read_json
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype_name(d: Any) -> str:
+    name = jnp.dtype(d).name
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {d!r}; expected one of {sorted(_DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture of a decoder-only causal LM (the fields of HF ``config.json`` that matter).
+
+    ``param_dtype`` / ``compute_dtype`` are "float32" | "bfloat16" (| "float16"): the storage dtype of
+    the parameters and the dtype activations are computed in (logits are always float32). A family
+    subclasses it and sets the class-level switches below.
+    """
+
+    model_type: ClassVar[str] = ""  # HF config.json model_type, the family's registry name
+    architecture: ClassVar[str] = ""  # HF architectures[0], e.g. "Qwen2ForCausalLM"
+    qkv_bias: ClassVar[bool] = False  # q/k/v projections carry biases (Qwen2)
+    qk_norm: ClassVar[bool] = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
+        object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def jnp_param_dtype(self) -> Any:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def jnp_compute_dtype(self) -> Any:
+        return _DTYPES[self.compute_dtype]
+
+    def replace(self, **kw: Any):
+        return dataclasses.replace(self, **kw)
+
+    def module_class(self) -> type["DecoderForCausalLM"]:
+        """The family's NNX module class (subclasses return their own)."""
+        return DecoderForCausalLM
+
+    def rope_inv_freq(self) -> jax.Array | None:
+        """RoPE inverse frequencies [head_dim/2] float32; None = the default ``theta^(-2i/d)``."""
+        return None
+
+
+def read_hf_config(path_or_dict: str | os.PathLike | dict) -> tuple[dict, str]:
+    """(the parsed HF ``config.json``, its path for messages) from a file, its directory or a dict.
+
+    Raises:
+        FileNotFoundError: naming the path when config.json is absent.
+    """
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict), "<dict>"
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    if not os.path.isfile(p):
+        raise FileNotFoundError(f"HF config not found: {p}")
+    return read_json(p), p
+
+
+def rope_parameters(d: dict) -> tuple[str, dict, float]:
+    """(rope_type, the rope dict, rope_theta) of a HF config (``rope_parameters`` or ``rope_scaling``)."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return rope_type, rope, float(theta)
+
+
+def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
+                  default_tie: bool = False) -> dict:
+    """The :class:`DecoderConfig` fields every family reads alike from a HF config dict.
+
+    ``head_dim``: ``d["head_dim"]``, else ``default_head_dim``, else ``hidden_size // heads``.
+
+    Raises:
+        ValueError: naming a missing required key.
+    """
+    _, _, theta = rope_parameters(d)
+    try:
+        n_heads = d["num_attention_heads"]
+        kw = dict(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or default_head_dim or d["hidden_size"] // n_heads,
+            rope_theta=theta, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", default_tie)),
+            max_position_embeddings=d.get("max_position_embeddings", 32768))
+    except KeyError as e:
+        raise ValueError(f"{src}: required key {e.args[0]!r} is missing") from None
+    dt = d.get("torch_dtype") or d.get("dtype")
+    if dt in _DTYPES:
+        kw["param_dtype"] = dt
+    return kw
+
+
+def check_model_type(d: dict, src: str, model_type: str) -> None:
+    """Raises ValueError naming ``model_type`` when the config is another family's."""
+    if d.get("model_type") != model_type:
+        raise ValueError(f"{src}: model_type={d.get('model_type')!r}, expected {model_type!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules (attribute names == HF module names)
+# ------------------------------------------------------------------------------------------------
+
+
+class Linear(nnx.Module):
+    """``y = x @ weight.T (+ bias)`` with ``weight [out, in]`` (HF / torch layout)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: DecoderConfig, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(0.02)
+        self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), cfg.jnp_param_dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), cfg.jnp_param_dtype)) if bias else None
+        self.dtype = cfg.jnp_compute_dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """HF Qwen2RMSNorm / LlamaRMSNorm / Qwen3RMSNorm: normalise in float32, cast back, scale by ``weight [d]``."""
+
+    def __init__(self, d: int, *, cfg: DecoderConfig):
+        self.weight = nnx.Param(jnp.ones((d,), cfg.jnp_param_dtype))
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, d: int, *, cfg: DecoderConfig, rngs: nnx.Rngs):
+        init = jax.nn.initializers.normal(0.02)
+        self.weight = nnx.Param(init(rngs.params(), (vocab, d), cfg.jnp_param_dtype))
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    h = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def default_inv_freq(head_dim: int, theta: float) -> jax.Array:
+    """HF default RoPE inverse frequencies ``1 / theta^(2i/d)``, float32 [head_dim/2]."""
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
+                 inv_freq: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """RoPE tables: positions [B, T] int -> (cos, sin) float32 [B, T, head_dim].
+
+    ``inv_freq`` None = the HF default frequencies of ``theta`` (see :func:`default_inv_freq`).
+    """
+    if inv_freq is None:
+        inv_freq = default_inv_freq(head_dim, theta)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(d, h * hd, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(d, kv * hd, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(d, kv * hd, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.o_proj = Linear(h * hd, d, bias=False, cfg=cfg, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg=cfg)
+            self.k_norm = RMSNorm(hd, cfg=cfg)
+        self.qk_norm = cfg.qk_norm
+        self.n_heads, self.n_kv, self.head_dim = h, kv, hd
+
+    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
+        """x [B,T,d]; cos/sin [B,T,hd]; mask bool [B,T,S]; kv_cache (k, v) [B,S_max,n_kv,hd]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        new_cache = None
+        if kv_cache is not None:
+            ck, cv = kv_cache
+            idx = (0, cache_index, 0, 0)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), idx)
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), idx)
+            new_cache = (ck, cv)
+            k, v = ck.astype(x.dtype), cv.astype(x.dtype)
+        rep = self.n_heads // self.n_kv
+        q = q.reshape(b, t, self.n_kv, rep, self.head_dim)  # HF repeat_kv: head = kv * rep + r
+        scores = jnp.einsum("btkrd,bskd->bkrts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (self.head_dim ** -0.5)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkrts,bskd->btkrd", probs, v).reshape(b, t, self.n_heads * self.head_dim)
+        return self.o_proj(out), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        d, m = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, m, bias=False, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear(d, m, bias=False, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear(m, d, bias=False, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
+
+    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
+        a, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_index)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), new_cache
+
+
+class DecoderModel(nnx.Module):
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg=cfg, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer key/value cache: ``k[i]``, ``v[i]`` are [B, S_max, n_kv, head_dim] in compute dtype.
+
+    Slot ``j`` of the cache holds the key/value of the token written there by the call with
+    ``cache_index <= j < cache_index + T``; slot validity is the caller's ``attention_mask``.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def init_cache(config: DecoderConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    """Zero KV cache for ``batch`` rows of ``max_len`` slots (dtype defaults to the compute dtype)."""
+    dt = dtype or config.jnp_compute_dtype
+    shape = (batch, max_len, config.num_key_value_heads, config.head_dim)
+    n = config.num_hidden_layers
+    return KVCache(k=tuple(jnp.zeros(shape, dt) for _ in range(n)),
+                   v=tuple(jnp.zeros(shape, dt) for _ in range(n)))
+
+
+class DecoderForCausalLM(nnx.Module):
+    """A causal LM of any registered family; parameters under HF names and layout (module docstring).
+
+    Args:
+        config: the architecture and dtypes (a family's :class:`DecoderConfig` subclass).
+        rngs: ``nnx.Rngs`` for the N(0, 0.02) initialisation of linear/embedding weights.
+        remat: rematerialise each decoder layer in the backward pass (gradient checkpointing).
+    """
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, remat: bool = False):
+        self.config = config
+        self.remat = remat
+        self.model = DecoderModel(config, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, cfg=config, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array,
+                 cache: KVCache | None = None, cache_index: jax.Array | int | None = None
+                 ) -> tuple[jax.Array, KVCache | None]:
+        """Runs the decoder.
+
+        Args:
+            input_ids: [B, T] int32 token ids.
+            positions: [B, T] int32 RoPE positions (see :func:`positions_from_mask`).
+            attention_mask: without cache, [B, T] (1 = real token, left padding) combined with the
+                causal mask; with cache, [B, S_max] validity of the cache slots (after this write).
+            cache: a :class:`KVCache` from :func:`init_cache`, or None.
+            cache_index: int32 scalar (may be traced): the T new tokens go to slots
+                ``[cache_index, cache_index + T)``; query ``t`` sees valid slots ``j <= cache_index + t``.
+
+        Returns:
+            (logits float32 [B, T, V], the updated cache or None).
+        """
+        cfg = self.config
+        dt = cfg.jnp_compute_dtype
+        b, t = input_ids.shape
+        x = self.model.embed_tokens.weight[...][input_ids].astype(dt)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_inv_freq())
+        valid = attention_mask.astype(bool)
+        if cache is None:
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            mask = causal[None] & valid[:, None, :]
+        else:
+            if cache_index is None:
+                raise ValueError("cache_index is required when a cache is given")
+            s_max = cache.k[0].shape[1]
+            q_slot = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
+            causal = jnp.arange(s_max, dtype=jnp.int32)[None, :] <= q_slot[:, None]
+            mask = causal[None] & valid[:, None, :]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            if self.remat and cache is None:
+                x, _ = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
+            else:
+                x, nkv = layer(x, cos, sin, mask, kv, cache_index)
+                if nkv is not None:
+                    new_k.append(nkv[0])
+                    new_v.append(nkv[1])
+        x = self.model.norm(x)
+        w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
+        logits = jnp.einsum("btd,vd->btv", x, w[...].astype(dt), preferred_element_type=jnp.float32)
+        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits.astype(jnp.float32), new_cache
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure-function entry points and helpers (every family)
+# ------------------------------------------------------------------------------------------------
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array, positions: jax.Array,
+            attention_mask: jax.Array) -> jax.Array:
+    """Pure forward for ``jax.jit`` / ``jax.grad``: the way other modules call the model.
+
+    ``graphdef, params = nnx.split(model, nnx.Param)`` once; pass them here (params may be sharded,
+    donated or differentiated). Shapes as in :meth:`DecoderForCausalLM.__call__` without cache.
+
+    Returns:
+        logits float32 [B, T, V].
+    """
+    model = nnx.merge(graphdef, params)
+    return model(input_ids, positions, attention_mask)[0]
+
+
+def forward_with_cache(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array,
+                       positions: jax.Array, attention_mask: jax.Array, cache: KVCache,
+                       cache_index: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Pure cached forward (prefill or decode step): returns (logits float32 [B, T, V], new cache).
+
+    ``attention_mask`` is the [B, S_max] slot validity; see :meth:`DecoderForCausalLM.__call__`.
+    """
+    model = nnx.merge(graphdef, params)
+    return model(input_ids, positions, attention_mask, cache, cache_index)
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """RoPE positions for a left-padded batch: ``cumsum(mask) - 1`` clipped at 0; [B, T] int32."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0).astype(jnp.int32)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``log_softmax(logits)[b, t, tokens[b, t]]`` in float32; logits [B,T,V], tokens [B,T] -> [B,T].
+
+    Callers align targets themselves (logits at t predict token t+1).
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def abstract_model(config: DecoderConfig, remat: bool = False) -> DecoderForCausalLM:
+    """The family's model with ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``); allocates nothing."""
+    cls = config.module_class()
+    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), remat=remat))
+
+
+def resolve_sharding(shardings: Any, path: tuple) -> jax.sharding.Sharding:
+    """The sharding of the parameter at NNX ``path``.
+
+    ``shardings`` is None (first device), one ``Sharding`` for all, a callable ``path -> Sharding``,
+    or a dict / ``nnx.State`` keyed by NNX path (leaves ``Sharding`` or ``Variable(Sharding)``).
+    """
+    if shardings is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+        return shardings
+    if callable(shardings):
+        return shardings(path)
+    if isinstance(shardings, nnx.State):
+        shardings = dict(nnx.to_flat_state(shardings))
+    s = shardings[path]
+    return s.get_value() if isinstance(s, nnx.Variable) else s
+
+
+def init_model(config: DecoderConfig, seed: int = 0, *, remat: bool = False,
+               shardings: Any = None) -> DecoderForCausalLM:
+    """A randomly initialised model, built in one jitted program (fast; straight into ``shardings``).
+
+    Initialisation as the constructor: linear/embedding weights N(0, 0.02), biases 0, norms 1.
+    ``shardings`` as in :func:`resolve_sharding`.
+    """
+    cls = config.module_class()
+    graphdef, abstract = nnx.split(abstract_model(config, remat), nnx.Param)
+    flat = [(path, v.replace(value=resolve_sharding(shardings, path))) for path, v in nnx.to_flat_state(abstract)]
+    out_shardings = nnx.from_flat_state(flat)
+
+    def make(key: jax.Array) -> nnx.State:
+        return nnx.state(cls(config, rngs=nnx.Rngs(params=key), remat=remat), nnx.Param)
+
+    return nnx.merge(graphdef, jax.jit(make, out_shardings=out_shardings)(jax.random.key(seed)))
+
+
+def count_params(config: DecoderConfig) -> int:
+    """Number of parameters (tied embeddings counted once), computed without allocating arrays."""
+    state = nnx.state(abstract_model(config), nnx.Param)
+    return int(sum(x.size for x in jax.tree.leaves(state)))

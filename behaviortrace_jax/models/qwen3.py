@@ -1,0 +1,110 @@
+"""Qwen3 family (``Qwen3ForCausalLM``, dense): config, module, HF weight rows.
+
+The shared decoder of :mod:`behaviortrace_jax.models.decoder` without q/k/v biases and with a
+per-head RMSNorm of q and k (``q_norm`` / ``k_norm``, weight ``[head_dim]``) before RoPE; the
+``head_dim`` is explicit in config.json (128 when absent, as transformers' default), not
+``hidden_size / heads``. Default RoPE only; sliding windows and ``attention_bias`` are refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+from behaviortrace_jax.models import decoder
+
+# Published Qwen/Qwen3-1.7B config.json (huggingface.co/Qwen/Qwen3-1.7B, file config.json,
+# transformers_version 4.51.0): the values the preset below writes out.
+QWEN3_1P7B_HF_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config(decoder.DecoderConfig):
+    """Architecture of a Qwen3 causal LM (per-head q/k RMSNorm, no q/k/v bias)."""
+
+    model_type: ClassVar[str] = "qwen3"
+    architecture: ClassVar[str] = "Qwen3ForCausalLM"
+    qk_norm: ClassVar[bool] = True
+
+    def module_class(self) -> type["Qwen3ForCausalLM"]:
+        return Qwen3ForCausalLM
+
+    @classmethod
+    def qwen3_1p7b(cls, **overrides: Any) -> "Qwen3Config":
+        """Qwen3-1.7B: 28 layers, d 2048, MLP 6144, 16/8 heads of 128, tied
+        (:data:`QWEN3_1P7B_HF_CONFIG`; 1,720,574,976 parameters as transformers counts them)."""
+        return cls.from_hf_config(QWEN3_1P7B_HF_CONFIG, **{"param_dtype": "float32", **overrides})
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 1536, **overrides: Any) -> "Qwen3Config":
+        """A tiny CPU Qwen3 with the shape of ``Qwen2Config.tiny`` (d 128, 4 layers, 4/2 heads of 32)."""
+        kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=512)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "Qwen3Config":
+        """Reads a HF Qwen3 ``config.json`` (a file, its directory or the parsed dict).
+
+        Raises:
+            FileNotFoundError: naming the path when config.json is absent.
+            ValueError: naming the key for ``model_type`` != "qwen3", ``use_sliding_window`` or
+                ``attention_bias`` true, a non-default ``rope_type`` or a missing required key.
+        """
+        d, src = decoder.read_hf_config(path_or_dict)
+        decoder.check_model_type(d, src, "qwen3")
+        for key in ("use_sliding_window", "attention_bias"):
+            if d.get(key, False):
+                raise ValueError(f"{src}: {key}=true is not supported")
+        rope_type, _, _ = decoder.rope_parameters(d)
+        if rope_type != "default":
+            raise ValueError(f"{src}: rope_parameters.rope_type={rope_type!r}, only 'default' is supported")
+        kw = decoder.common_kwargs(d, src, default_head_dim=128)
+        return cls(**{**kw, **overrides})
+
+    def to_hf_config(self) -> dict:
+        """A dict that transformers' ``Qwen3Config(**d)`` / ``config.json`` accepts."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": self.num_hidden_layers, "attention_bias": False,
+            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+            "torch_dtype": self.param_dtype, "dtype": self.param_dtype,
+        }
+
+
+class Qwen3ForCausalLM(decoder.DecoderForCausalLM):
+    """Qwen3 causal LM: the shared decoder with q/k RMSNorm; parameters under HF names and layout."""
+
+
+# HF weight rows of one decoder layer, in ``Qwen3ForCausalLM.parameters()`` order.
+HF_LAYER_ROWS: tuple[tuple[str, Any], ...] = (
+    ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size)),
+    ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
+    ("self_attn.v_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
+    ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim)),
+    ("self_attn.q_norm.weight", lambda c: (c.head_dim,)),
+    ("self_attn.k_norm.weight", lambda c: (c.head_dim,)),
+    ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+    ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+    ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
+    ("input_layernorm.weight", lambda c: (c.hidden_size,)),
+    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
+)
