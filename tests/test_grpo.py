@@ -137,7 +137,7 @@ def _batch(seed=0, advantages=None):
     return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
 
 
-def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2):
+def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False):
     cfg = _model_cfg()
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -152,7 +152,7 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2):
     step = grpo.make_train_step(graphdef, abstract, tx, SHAPES, loss_name=loss, loss_cfg=grpo_loss.LossConfig(),
                                 grad_clip=1.0, order=sketcher.qwen2_param_order(cfg), sketch_dim=dim, sketch_seed=0,
                                 in_run_rollouts=in_run, chunk_size=chunk, mesh=mesh, param_shardings=p_sh,
-                                opt_shardings=o_sh)
+                                opt_shardings=o_sh, use_tables=tables)
     return cfg, graphdef, params, opt_state, step
 
 
@@ -228,12 +228,15 @@ def test_grpo_clip_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
     np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * scale, rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss", ["paper", "grpo_clip"])
-def test_sharded_step_equals_single_device(loss):
+@pytest.mark.parametrize("loss,tables,data", [("paper", False, 2), ("grpo_clip", False, 2), ("paper", True, 3)])
+def test_sharded_step_equals_single_device(loss, tables, data):
+    """On a data axis > 1 the in-run rollout sketches run under shard_map (with hash tables as a step
+    argument when asked); same parameters and outputs as one device."""
     batch = _batch(seed=5)
     outs = []
-    for mesh in (_single_mesh(), sharding.make_mesh(data=2, model=2, devices=jax.devices()[:4])):
-        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss)
+    for mesh, tab in ((_single_mesh(), False),
+                      (sharding.make_mesh(data=data, model=2, devices=jax.devices()[:2 * data]), tables)):
+        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss, tables=tab)
         ref = jax.tree.map(jnp.copy, params) if loss == "grpo_clip" else None
         params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), ref)
         outs.append((jax.device_get(params), jax.device_get(out)))

@@ -95,6 +95,29 @@ def test_sharded_params_give_same_sketches():
     np.testing.assert_allclose(sk(replicated, batch).sketches, ref.sketches, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("tables,model", [(False, 1), (True, 1), (False, 2)])
+def test_shard_map_over_data_axis_gives_same_sketches(tables, model):
+    """mesh= runs the chunked loop per device under jax.shard_map (batch P('data'), params P());
+    examples are independent, so sketches and norms equal the one-device ones (to float rounding)."""
+    devs = np.array(jax.devices())
+    if devs.size < 8:
+        pytest.skip("needs the 8 fake CPU devices of tests/conftest.py")
+    params, batch = _mlp_params(d_in=16, d_h=32), _batch(12)
+    ref = PerExampleSketcher(_mlp_loss, params, dim=DIM, chunk_size=2)(params, batch)
+    mesh = Mesh(devs[:4 * model].reshape(4, model), ("data", "model"))
+    sk = PerExampleSketcher(_mlp_loss, params, dim=DIM, chunk_size=2, use_tables=tables, mesh=mesh)
+    assert sk.mesh is mesh
+    text = sk.lower(params, batch).as_text()
+    assert "shard_map" in text or "manual" in text.lower()
+    out = sk(params, batch)
+    np.testing.assert_allclose(out.sketches, ref.sketches, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.norms, ref.norms, rtol=1e-6)
+    np.testing.assert_allclose(out.group_norms, ref.group_norms, rtol=1e-6)
+    # a batch the data axis does not divide runs the plain loop
+    odd = jax.tree.map(lambda x: x[:7], batch)
+    np.testing.assert_allclose(sk(params, odd).sketches, ref.sketches[:7], rtol=1e-5, atol=1e-6)
+
+
 def test_sketch_vector_tree_and_list():
     params = _mlp_params()
     g = jax.grad(_mlp_loss)(params, jax.tree.map(lambda x: x[0], _batch(1)))

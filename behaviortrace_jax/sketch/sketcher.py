@@ -4,7 +4,7 @@ The reusable library API. Given any pure ``loss(params, example) -> scalar`` and
 whose leaves share a leading axis B, :class:`PerExampleSketcher` returns, from ONE jitted function,
 
 * ``sketches``    float32[B, D]: CountSketch (SPEC §3.1) of each example's gradient in the
-  parameter order of a :class:`ParamOrder` (HF ``model.parameters()`` order for Qwen2);
+  parameter order of a :class:`ParamOrder` (HF ``model.parameters()`` order for a decoder);
 * ``norms``       float32[B]: the exact L2 norm of each example's full gradient (not the sketch's);
 * ``group_norms`` float32[B, G]: the same restricted to parameter groups (``sketcher.group_names``).
 
@@ -13,6 +13,13 @@ The batch is padded (by repeating its last example; outputs dropped) to a multip
 ``jax.vmap(jax.grad(loss), in_axes=(None, 0))`` and are sketched straight away, so peak memory is
 about ``chunk_size x params`` whatever B is. One compilation per distinct B (and batch dtypes).
 Parameters may be sharded: the result does not depend on the sharding.
+
+With ``mesh=`` (a mesh whose ``"data"`` axis has more than one device) the chunked loop runs under
+``jax.shard_map`` over that axis: the batch is split ``P("data")``, the parameters (and hash tables)
+enter replicated ``P()``, and each device sketches its own examples - no per-example gradient crosses
+devices. Left to GSPMD, the ``lax.map`` over a data-sharded batch is partitioned badly (all-gathers
+of gradient slices inside the loop, redundant work, minutes of TPU code generation;
+../shared/notes/AOT_FINDINGS.md). Examples are independent, so the sketches are the same.
 
 Example (any model, here a 2-layer MLP in a plain dict)::
 
@@ -30,8 +37,8 @@ Example (any model, here a 2-layer MLP in a plain dict)::
     out.sketches.shape, out.norms.shape, out.group_norms.shape   # (100, 65536) (100,) (100, 3)
     sk.layout.names                        # ('b1', 'w1', 'w2'): jax.tree_util flatten order
 
-For a Qwen2 model pass ``param_order=qwen2_param_order(config)`` (HF order and HF names, groups =
-embedding / each decoder layer / final norm / lm_head) and a loss such as :func:`qwen2_completion_loss`.
+For a decoder of any family pass ``param_order=hf_param_order(config)`` (HF order and HF names, groups =
+embedding / each decoder layer / final norm / lm_head) and a loss such as :func:`completion_loss`.
 A single gradient (e.g. the GRPO step gradient) is sketched with :func:`sketch_vector`.
 """
 from __future__ import annotations
@@ -46,6 +53,7 @@ import jax.numpy as jnp
 from behaviortrace_jax.sketch.countsketch import ParamLayout, check_dim, layout_tables, sketch_batch, sketch_tree
 
 PyTree = Any
+DATA_AXIS = "data"  # the mesh axis of examples (models/sharding.DATA)
 KeyPath = tuple[str | int, ...]
 
 
@@ -77,13 +85,16 @@ def top_level_group(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def qwen2_group(name: str) -> str:
-    """Group of a Qwen2 HF parameter name: ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``
-    or ``lm_head``."""
+def hf_group(name: str) -> str:
+    """Group of a HF decoder parameter name (every model family): ``model.embed_tokens``,
+    ``model.layers.{i}``, ``model.norm`` or ``lm_head``."""
     m = re.match(r"(model\.layers\.\d+|model\.embed_tokens|model\.norm|lm_head)(\.|$)", name)
     if not m:
-        raise ValueError(f"not a Qwen2 parameter name: {name!r}")
+        raise ValueError(f"not a HF decoder parameter name: {name!r}")
     return m.group(1)
+
+
+qwen2_group = hf_group  # the name before model families
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +102,7 @@ class ParamOrder:
     """How a params (or gradient) pytree is flattened into the sketch's parameter order.
 
     Attributes:
-        names: parameter names in order (HF names for Qwen2); they define the :class:`ParamLayout`.
+        names: parameter names in order (HF names for a decoder); they define the :class:`ParamLayout`.
         paths: the pytree key path of each name (see :func:`flat_params`).
         group_fn: name -> group name, for the per-group gradient norms.
     """
@@ -129,19 +140,24 @@ def tree_param_order(params: PyTree, group_fn: Callable[[str], str] = top_level_
     return ParamOrder(tuple(".".join(map(str, p)) for p in paths), paths, group_fn)
 
 
-def qwen2_param_order(config: Any, group_fn: Callable[[str], str] = qwen2_group) -> ParamOrder:
-    """HF ``model.parameters()`` order and names of a Qwen2 model, from ``hf_io.hf_param_table``.
+def hf_param_order(config: Any, group_fn: Callable[[str], str] | None = None) -> ParamOrder:
+    """HF ``model.parameters()`` order and names of a model of any family, from ``hf_io.hf_param_table``.
 
-    ``config`` is a :class:`behaviortrace_jax.qwen2.Qwen2Config`; the order applies to the
-    ``nnx.State`` from ``nnx.split(model, nnx.Param)`` and to its gradients.
+    ``config`` is a model config (``models.families``: Qwen2, Llama, Qwen3, ...); the order applies
+    to the ``nnx.State`` from ``nnx.split(model, nnx.Param)`` and to its gradients. ``group_fn``
+    defaults to the family's ``param_group``.
     """
-    from behaviortrace_jax.models import hf_io
+    from behaviortrace_jax.models import families, hf_io
 
     table = hf_io.hf_param_table(config)
+    group_fn = group_fn or families.family_of(config).param_group
     return ParamOrder(tuple(e[0] for e in table), tuple(tuple(e[1]) for e in table), group_fn)
 
 
-def qwen2_completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
+qwen2_param_order = hf_param_order  # the name before model families
+
+
+def completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
     """The rollout-level loss of SPEC §3.2 for :class:`PerExampleSketcher`.
 
     Returns ``loss(params, example)`` with ``example = {"input_ids": int32[T],
@@ -150,16 +166,19 @@ def qwen2_completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
     EOS; the loss is ``-sum(mask * logp) / sum(mask)`` (masked mean log-prob, no advantage, no 1/B).
     A rollout with no masked token gets loss 0 and a zero gradient (torch would give NaN).
     """
-    from behaviortrace_jax.models import qwen2
+    from behaviortrace_jax.models import decoder
 
     def loss(params: PyTree, ex: dict) -> jax.Array:
         ids, am = ex["input_ids"][None], ex["attention_mask"][None]
-        logits = qwen2.forward(graphdef, params, ids, qwen2.positions_from_mask(am), am)
-        logp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])[0]
+        logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(am), am)
+        logp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])[0]
         m = ex["loss_mask"][1:].astype(jnp.float32)
         return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
 
     return loss
+
+
+qwen2_completion_loss = completion_loss  # the name before model families
 
 
 class PerExampleSketches(NamedTuple):
@@ -189,7 +208,11 @@ class PerExampleSketcher:
         chunk_size: examples per ``vmap(grad)`` chunk; peak memory ~ chunk_size x params.
         param_order: a :class:`ParamOrder`; default :func:`tree_param_order` (flatten order).
         use_tables: precompute device hash tables (4 bytes/parameter, held by the sketcher)
-            instead of hashing inside the jitted function (see docs/benchmarks.md).
+            instead of hashing inside the jitted function (see docs/benchmarks.md). With a mesh
+            they are placed replicated on it (created on the first call).
+        mesh: optional ``jax.sharding.Mesh`` with a ``"data"`` axis: run per device under
+            ``jax.shard_map`` (used when that axis has > 1 device and divides the batch; else the
+            plain jitted loop). A ``"model"`` axis > 1 stays automatic (partially manual shard_map).
     Raises:
         ValueError: bad dim/chunk_size; at call time, batch leaves without a common leading axis.
 
@@ -199,21 +222,47 @@ class PerExampleSketcher:
 
     def __init__(self, loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree, *,
                  dim: int = 65536, seed: int = 0, chunk_size: int = 4,
-                 param_order: ParamOrder | None = None, use_tables: bool = False):
+                 param_order: ParamOrder | None = None, use_tables: bool = False,
+                 mesh: jax.sharding.Mesh | None = None):
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
         self.order = param_order if param_order is not None else tree_param_order(params)
         self.layout = self.order.layout(params)
         self.group_names, self._group_idx = self.order.groups()
-        self.tables = layout_tables(self.layout, self.dim, self.seed) if use_tables else None
+        self.use_tables = bool(use_tables)
+        self.mesh = mesh if mesh is not None and dict(mesh.shape).get(DATA_AXIS, 1) > 1 else None
+        self._tables = None
         self._jitted = jax.jit(self._run)
+
+    @property
+    def tables(self) -> list[jax.Array] | None:
+        """The device hash tables (``use_tables``), made on first use; replicated on ``mesh``."""
+        if self.use_tables and self._tables is None:
+            t = layout_tables(self.layout, self.dim, self.seed)
+            if self.mesh is not None:
+                t = jax.device_put(t, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+            self._tables = t
+        return self._tables
+
+    def abstract_tables(self) -> list[jax.ShapeDtypeStruct] | None:
+        """``jax.ShapeDtypeStruct`` leaves of :attr:`tables` (replicated on ``mesh``), for AOT lowering."""
+        if not self.use_tables:
+            return None
+        sh = None if self.mesh is None else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return [jax.ShapeDtypeStruct(tuple(s), jnp.int32, sharding=sh) for s in self.layout.shapes]
 
     def __call__(self, params: PyTree, batch: PyTree) -> PerExampleSketches:
         return self._jitted(params, batch, self.tables)
 
-    def lower(self, params: PyTree, batch: PyTree) -> jax.stages.Lowered:
-        return self._jitted.lower(params, batch, self.tables)
+    def lower(self, params: PyTree, batch: PyTree, tables: Any = None) -> jax.stages.Lowered:
+        """``jax.stages.Lowered`` of the jitted function; ``tables`` default: :meth:`abstract_tables`."""
+        return self._jitted.lower(params, batch, tables if tables is not None else self.abstract_tables())
+
+    def sketch(self, params: PyTree, batch: PyTree, tables: Any = None) -> PerExampleSketches:
+        """The traceable body (no ``jax.jit`` of its own): for use inside another jitted function,
+        e.g. the GRPO step, with ``tables`` passed in as that function's argument."""
+        return self._run(params, batch, tables)
 
     def _chunk(self, params: PyTree, tables: Any, ex: PyTree) -> tuple[jax.Array, jax.Array]:
         grads = jax.vmap(jax.grad(self.loss_fn), in_axes=(None, 0))(params, ex)
@@ -224,6 +273,18 @@ class PerExampleSketcher:
         return sk, sq
 
     def _run(self, params: PyTree, batch: PyTree, tables: Any) -> PerExampleSketches:
+        if self.use_tables and tables is None:
+            raise ValueError("PerExampleSketcher(use_tables=True): pass the hash tables")
+        b = _batch_size(batch)
+        mesh = self.mesh
+        if mesh is not None and b % mesh.shape[DATA_AXIS] == 0:
+            rep, data = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(DATA_AXIS)
+            local = jax.shard_map(self._local, mesh=mesh, in_specs=(rep, data, rep), out_specs=data,
+                                  axis_names={DATA_AXIS}, check_vma=False)
+            return local(params, batch, tables)
+        return self._local(params, batch, tables)
+
+    def _local(self, params: PyTree, batch: PyTree, tables: Any) -> PerExampleSketches:
         b = _batch_size(batch)
         c = min(self.chunk_size, b)
         n = -(-b // c)

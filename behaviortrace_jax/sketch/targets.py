@@ -182,6 +182,8 @@ class ForcedSketcher:
         pad_id: token id for the padding (never attended, never scored).
         use_tables: precomputed device hash tables (4 bytes per parameter; faster, see
             ``sketcher.PerExampleSketcher``) - ``targets.use_tables``.
+        mesh: optional mesh: each block is split over its ``"data"`` axis under ``jax.shard_map``
+            (``PerExampleSketcher(mesh=)``; needed to compile at paper scale).
     Raises:
         ValueError: bad sizes (and as ``PerExampleSketcher``).
 
@@ -193,13 +195,13 @@ class ForcedSketcher:
 
     def __init__(self, graphdef: Any, model_config: qwen2.Qwen2Config, params: Any, *, dim: int,
                  seed: int = 0, chunk_size: int = 4, block_size: int = 64, length_bucket: int = 32,
-                 pad_id: int = 0, use_tables: bool = False):
+                 pad_id: int = 0, use_tables: bool = False, mesh: Any = None):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
         self.graphdef = graphdef
         self.sketcher = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=dim, seed=seed,
                                            chunk_size=chunk_size, param_order=qwen2_param_order(model_config),
-                                           use_tables=use_tables)
+                                           use_tables=use_tables, mesh=mesh)
         self.dim, self.seed, self.chunk_size = self.sketcher.dim, self.sketcher.seed, self.sketcher.chunk_size
         self.block_size = -(-int(block_size) // self.chunk_size) * self.chunk_size
         self.length_bucket, self.pad_id = int(length_bucket), int(pad_id)
@@ -215,13 +217,13 @@ class ForcedSketcher:
 
     @classmethod
     def from_config(cls, config: Any, graphdef: Any, model_config: qwen2.Qwen2Config, params: Any,
-                    pad_id: int) -> "ForcedSketcher":
+                    pad_id: int, mesh: Any = None) -> "ForcedSketcher":
         """Built from ``config.sketch.{dim, seed, chunk_size}`` and ``config.targets.{block_size,
         length_bucket, use_tables}``."""
         t = config.targets
         return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
                    chunk_size=config.sketch.chunk_size, block_size=t.block_size,
-                   length_bucket=t.length_bucket, pad_id=pad_id, use_tables=t.use_tables)
+                   length_bucket=t.length_bucket, pad_id=pad_id, use_tables=t.use_tables, mesh=mesh)
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

@@ -98,7 +98,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
                     grad_clip: float, order: sketcher.ParamOrder | None, sketch_dim: int,
                     sketch_seed: int, in_run_rollouts: bool, chunk_size: int,
                     mesh: jax.sharding.Mesh, param_shardings: Any, opt_shardings: Any,
-                    inner_iterations: int = 1, weighted: bool = False):
+                    inner_iterations: int = 1, weighted: bool = False, use_tables: bool = False):
     """Builds the jitted GRPO train step: one call per GRPO step, the whole batch at once.
 
     ``step(params, opt_state, batch, ref_params) -> (params, opt_state, out)``:
@@ -115,6 +115,13 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     ``inner_iterations`` > 1 (grpo_clip's mu) the sketches are of the first, on-policy iteration.
     With ``weighted`` (counterfactual replay, ``train/replay.py``) the batch also holds ``weights``
     float32 [N] and the loss is ``sum_i weights_i * term_i``; the default builds today's program.
+
+    On a mesh whose ``"data"`` axis has > 1 device the in-run rollout sketches run per device under
+    ``jax.shard_map`` (``sketcher.PerExampleSketcher(mesh=)``; what makes the step compile at 1.5B).
+    With ``use_tables`` (``sketch.in_run_tables``) the CountSketch hash tables (int32, 4 bytes per
+    parameter, replicated) are an extra argument of the jitted step instead of being hashed inside
+    it; the returned callable then passes the sketcher's device tables itself (``step(params,
+    opt_state, batch, ref_params)`` as before) and its ``lower(...)`` takes abstract ones.
     """
     loss_fn = grpo_loss.get_loss(loss_name)
     prompt_len = shapes.prompt_len
@@ -134,9 +141,11 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     rollout_sketcher = None
     if order is not None and in_run_rollouts:
         rollout_sketcher = sketcher.PerExampleSketcher(rollout_term, abstract_params, dim=sketch_dim,
-                                                       seed=sketch_seed, chunk_size=chunk_size, param_order=order)
+                                                       seed=sketch_seed, chunk_size=chunk_size, param_order=order,
+                                                       use_tables=use_tables, mesh=mesh)
+    tables_arg = rollout_sketcher is not None and use_tables
 
-    def step(params, opt_state, batch, ref_params):
+    def step(params, opt_state, batch, ref_params, tables=None):
         ids, attn, mask, adv = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["advantages"]
         old_lp = jax.lax.stop_gradient(lp_fn(params, ids, attn))
         if loss_name == "grpo_clip":
@@ -160,7 +169,11 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         if rollout_sketcher is not None:
-            res = rollout_sketcher(start_params, dict(batch, old_lp=old_lp, ref_lp=ref_lp))
+            rb = dict(batch, old_lp=old_lp, ref_lp=ref_lp)
+            if rollout_sketcher.mesh is None and not tables_arg:
+                res = rollout_sketcher(start_params, rb)  # one device: the program as it always was
+            else:
+                res = rollout_sketcher.sketch(start_params, rb, tables)
             out["rollout_sketches"], out["rollout_grad_norms"] = res.sketches, res.norms
         return params, opt_state, out
 
@@ -174,5 +187,23 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         if in_run_rollouts:
             out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
     ref_sh = param_shardings if loss_name == "grpo_clip" else None  # ref_params is None otherwise
-    return jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
-                   out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
+    if not tables_arg:
+        return jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
+                       out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
+    jitted = jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh, rep),
+                     out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
+    return _StepWithTables(jitted, rollout_sketcher)
+
+
+class _StepWithTables:
+    """The jitted step with hash tables as its last argument, called like the plain step."""
+
+    def __init__(self, jitted, rollout_sketcher: sketcher.PerExampleSketcher):
+        self.jitted, self.sketcher = jitted, rollout_sketcher
+
+    def __call__(self, params, opt_state, batch, ref_params):
+        return self.jitted(params, opt_state, batch, ref_params, self.sketcher.tables)
+
+    def lower(self, params, opt_state, batch, ref_params, tables=None):
+        return self.jitted.lower(params, opt_state, batch, ref_params,
+                                 tables if tables is not None else self.sketcher.abstract_tables())
