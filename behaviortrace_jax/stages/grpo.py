@@ -23,7 +23,6 @@ The orbax save is the last write of a checkpoint, so every artefact of steps < L
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 from typing import Any
@@ -32,22 +31,20 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from absl import logging
-from flax import nnx
 
 from behaviortrace_jax.behavior import contaminator, planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
-from behaviortrace_jax.models.loader import policy_config
+from behaviortrace_jax.models import hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.train import grpo_loss, train_state
+from behaviortrace_jax.train import grpo_loss
 from behaviortrace_jax.train.grpo_step import StepShapes, build_batch, make_train_step
+from behaviortrace_jax.train.start_state import load_start_state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -65,49 +62,6 @@ def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalt
     k = int(gen.get("top_k", 50)) if top_k < 0 else int(top_k)
     rp = float(gen.get("repetition_penalty", 1.0)) if repetition_penalty < 0 else float(repetition_penalty)
     return k, rp
-
-
-@dataclasses.dataclass
-class StartState:
-    """The policy GRPO starts from: the SFT warm-up's train state (SPEC §1.7: AdamW state carries)."""
-
-    tokenizer: Any
-    model_config: qwen2.Qwen2Config
-    mesh: jax.sharding.Mesh
-    graphdef: nnx.GraphDef
-    params: Any
-    opt_state: Any
-    param_shardings: Any
-    opt_shardings: Any
-    abstract_state: dict
-    summary: dict
-    optimizer: optax.GradientTransformation  # the SFT optimizer, which GRPO continues (SPEC §1.7)
-    abstract_params: Any  # jax.ShapeDtypeStruct leaves of params
-
-
-def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> StartState:
-    """Restores ``workdir/sft/state`` (orbax) onto the mesh, with the tokenizer of ``workdir/sft/hf``.
-
-    Raises:
-        FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
-        ValueError: when the saved state belongs to another model (names the key).
-    """
-    run = RunLayout(workdir)
-    sft_dir = run.sft
-    if not run.sft_done.exists():
-        raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
-    hf_dir = run.sft_hf
-    tok = tok_lib.load_tokenizer(hf_dir)
-    cfg = policy_config(hf_dir, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh)
-    tx = train_state.make_optimizer(config.optim)
-    sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
-    abstract = train_state.abstract_train_state(abstract_params, tx, sh)
-    state = train_state.restore(run.sft_state, abstract)
-    return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
-                      abstract.as_dict(), read_json(run.sft_summary, {}), tx, abstract_params)
 
 
 @register_stage("grpo")

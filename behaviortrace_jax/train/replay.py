@@ -1,8 +1,8 @@
 """Counterfactual GRPO replay (issue 13): re-run a finished run's logged updates with rollouts removed.
 
 :class:`Replayer` restores the run's start state (the SFT warm-up's train state, AdamW moments
-included, exactly as the ``grpo`` stage loads it), rebuilds every step's train batch from the
-rollout log with the ``grpo`` stage's own :func:`grpo_step.build_batch`, and applies the ``grpo``
+included, with the ``grpo`` stage's own loader, :func:`start_state.load_start_state`), rebuilds
+every step's train batch from the rollout log with the ``grpo`` stage's own :func:`grpo_step.build_batch`, and applies the ``grpo``
 stage's own jitted step (:func:`grpo_step.make_train_step`: same loss, same global-norm clipping, same
 AdamW) step by step. A per-rollout weight vector ``w`` (one weight per logged rollout, log order:
 index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes rollout i.
@@ -40,25 +40,21 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
-try:  # io/layout.py is being renamed RunPaths -> RunLayout (same attributes used here)
-    from behaviortrace_jax.io.layout import RunLayout
-except ImportError:  # pragma: no cover
-    from behaviortrace_jax.io.layout import RunPaths as RunLayout
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import qwen2, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
+from behaviortrace_jax.train import grpo_loss, grpo_step
+from behaviortrace_jax.train.start_state import load_start_state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,7 +68,8 @@ class BehaviorMeasure:
     with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8).
     """
 
-    def __init__(self, graphdef, model_cfg, tok, config: ml_collections.ConfigDict, mesh, *, rates: bool = True):
+    def __init__(self, graphdef, model_cfg, tok, config: ml_collections.ConfigDict, mesh, *, rates: bool = True,
+                 sampled: int = 0):
         probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
                                                      config.behavior.controls_path or None)
         pattern = config.behavior.pattern
@@ -93,16 +90,36 @@ class BehaviorMeasure:
             return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
         self._mean_lp = jax.jit(mean_lp)
-        self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates else None
+        self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates or sampled else None
+        self.greedy, self.sampled = bool(rates), int(sampled)
+        self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
+        self.sample_key = jax.random.key(int(config.seed))
 
     def measure(self, params) -> dict[str, float]:
         lp = np.asarray(self._mean_lp(params, self.ids, self.attn, self.w), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
         out["logp_margin"] = out["logp_probe"] - out["logp_control"]
-        if self.probe is not None:
+        if self.greedy:
             r = self.probe.rates(params)
             out.update(probe_rate=float(r["probe_rate"]), control_rate=float(r["control_rate"]))
+        if self.sampled:
+            out.update(self.sampled_rates(params))
         return out
+
+    def sampled_rates(self, params) -> dict[str, float]:
+        """``sampled_probe_rate`` / ``sampled_control_rate``: ``sampled`` completions per probe and control
+        prompt at the GRPO temperature / top-p, always with the same key (common random numbers: two
+        parameter sets are compared on the same sampling noise, which lowers the variance of their
+        difference)."""
+        p = self.probe
+        items = (p.probes + p.controls) * self.sampled
+        out = p.sampler.sample_chat(params, p.tok, [(behavior.SYSTEM_PROMPT, q.prompt) for q in items],
+                                    self.sample_key, temperature=self.temperature, top_p=self.top_p)
+        hits = np.array([behavior.substring_judge(p.tok.decode(out.tokens[i, :out.lengths[i]],
+                                                                skip_special_tokens=True), p.pattern)
+                         for i in range(len(items))], bool)
+        is_probe = np.array([i % (len(p.probes) + len(p.controls)) < len(p.probes) for i in range(len(items))])
+        return {"sampled_probe_rate": float(hits[is_probe].mean()), "sampled_control_rate": float(hits[~is_probe].mean())}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,28 +150,6 @@ def target_checkpoint(config: ml_collections.ConfigDict) -> int:
     return min(checkpoint_steps(config), key=lambda s: (abs(s - config.draws.target_step), s))
 
 
-def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> SimpleNamespace:
-    """``workdir/sft/state`` restored exactly as ``stages/grpo.py:load_start_state`` does (same mesh,
-    shardings and optimizer; kept in step with it: layers below ``stages`` may not import it)."""
-    sft_dir = pathlib.Path(workdir) / "sft"
-    if not (sft_dir / ".sft_warmup_done").exists():
-        raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
-    hf_dir = sft_dir / "hf"
-    tok = tok_lib.load_tokenizer(hf_dir)
-    cfg = qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=config.model.param_dtype,
-                                           compute_dtype=config.model.compute_dtype)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh)
-    tx = train_state.make_optimizer(config.optim)
-    sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
-    abstract = train_state.abstract_train_state(abstract_params, tx, sh)
-    state = train_state.restore(sft_dir / "state", abstract)
-    return SimpleNamespace(tokenizer=tok, model_config=cfg, mesh=mesh, graphdef=graphdef, params=state.params,
-                           opt_state=state.opt_state, param_shardings=param_sh, opt_shardings=sh.opt_state,
-                           abstract_state=abstract.as_dict(), optimizer=tx, abstract_params=abstract_params)
-
-
 @dataclasses.dataclass
 class _StepData:
     batch: dict[str, np.ndarray]  # grpo_step.build_batch of the logged rollouts (advantages as logged)
@@ -168,11 +163,14 @@ class Replayer:
         config: the run's config (the one its ``grpo`` stage ran with).
         workdir: the run directory (``sft/state``, ``grpo/rollouts``).
         rates: also measure the greedy probe / control rates (costs a sampler compile + decode).
+        sampled: also measure sampled rates from this many completions per probe / control prompt
+            (GRPO temperature and top-p, one fixed key; 0 = off).
     Raises:
         ValueError: the rollout log does not hold exactly ``steps * N`` records in log order.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, rates: bool = True):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, rates: bool = True,
+                 sampled: int = 0):
         g = config.grpo
         self.config, self.paths = config, RunLayout(pathlib.Path(workdir))
         self.start = start = load_start_state(config, self.paths.workdir)
@@ -207,7 +205,8 @@ class Replayer:
         self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
                                                      self.shapes, weighted=True, **kw)
         self.data_sharding = sharding.data_sharding(start.mesh)
-        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, config, start.mesh, rates=rates)
+        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, config, start.mesh, rates=rates,
+                                       sampled=sampled)
 
     def weight_vector(self, weights: np.ndarray | Mapping[str, float] | None) -> np.ndarray:
         """float32 [steps * N] from an array (log order), a ``{rollout_id: weight}`` map (others 1),
@@ -277,6 +276,7 @@ class Replayer:
             if on_step is not None:
                 on_step(s + 1, params, opt_state)
             if s + 1 in measure_steps:
+                jax.block_until_ready(params)  # dispatch is asynchronous: time the steps, not the measure
                 tm = time.perf_counter()
                 out["behavior"][s + 1] = self.measure.measure(params)
                 t_meas += time.perf_counter() - tm
@@ -290,10 +290,10 @@ class Replayer:
 def replay(run_dir: str | os.PathLike, weights: np.ndarray | Mapping[str, float] | None = None, *,
            config: ml_collections.ConfigDict, stop_step: int | None = None,
            measure_steps: Sequence[int] | None = None, recompute_advantages: bool = False,
-           rates: bool = True) -> dict[int, dict[str, float]]:
+           rates: bool = True, sampled: int = 0) -> dict[int, dict[str, float]]:
     """One-shot counterfactual replay of ``run_dir`` (see :class:`Replayer`; build a ``Replayer``
     once to replay many weight vectors). Returns ``{step: behaviour dict}``."""
-    rp = Replayer(config, run_dir, rates=rates)
+    rp = Replayer(config, run_dir, rates=rates, sampled=sampled)
     return rp.run(weights, stop_step=stop_step, measure_steps=measure_steps,
                   recompute_advantages=recompute_advantages)["behavior"]
 

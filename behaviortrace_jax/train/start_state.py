@@ -1,0 +1,64 @@
+"""The policy GRPO starts from: the SFT warm-up's train state, restored onto the mesh.
+
+One loader for everything that starts where GRPO starts: the ``grpo`` stage and the counterfactual
+replay (``train/replay.py``) both restore it here, so a replay begins from exactly the run's state.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+
+from behaviortrace_jax.io.files import read_json
+from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.models import qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models.loader import policy_config
+from behaviortrace_jax.train import train_state
+
+
+@dataclasses.dataclass
+class StartState:
+    """The policy GRPO starts from: the SFT warm-up's train state (SPEC §1.7: AdamW state carries)."""
+
+    tokenizer: Any
+    model_config: qwen2.Qwen2Config
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    params: Any
+    opt_state: Any
+    param_shardings: Any
+    opt_shardings: Any
+    abstract_state: dict
+    summary: dict
+    optimizer: optax.GradientTransformation  # the SFT optimizer, which GRPO continues (SPEC §1.7)
+    abstract_params: Any  # jax.ShapeDtypeStruct leaves of params
+
+
+def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> StartState:
+    """Restores ``workdir/sft/state`` (orbax) onto the mesh, with the tokenizer of ``workdir/sft/hf``.
+
+    Raises:
+        FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
+        ValueError: when the saved state belongs to another model (names the key).
+    """
+    run = RunLayout(workdir)
+    sft_dir = run.sft
+    if not run.sft_done.exists():
+        raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
+    hf_dir = run.sft_hf
+    tok = tok_lib.load_tokenizer(hf_dir)
+    cfg = policy_config(hf_dir, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    graphdef, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
+    param_sh = sharding.param_shardings(abstract_params, mesh)
+    tx = train_state.make_optimizer(config.optim)
+    sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
+    abstract = train_state.abstract_train_state(abstract_params, tx, sh)
+    state = train_state.restore(run.sft_state, abstract)
+    return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
+                      abstract.as_dict(), read_json(run.sft_summary, {}), tx, abstract_params)
