@@ -166,7 +166,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.k_fractions = "0.25,0.5,1.0"  # Leave-top-k-out: k = these fractions of |GT| (window).
     c.counterfactual.random_seeds = 5  # Random k-subsets per k (the random baseline's mean ± sd).
     c.counterfactual.lds_subsets = 32  # M random half-subsets of the window replayed for the LDS.
-    c.counterfactual.measure = "end"  # Behaviour step of the tables: "end" of the run or "target" (draws.target_step ckpt).
+    c.counterfactual.measure = "window"  # Behaviour step of the tables: "window" (end of the contamination window;
+    # the replay stops there), "target" (the checkpoint nearest draws.target_step) or "end" of the run.
+    c.counterfactual.sampled = 4  # Sampled rates: completions per probe/control prompt (GRPO temperature, fixed key); 0 = off.
     c.counterfactual.rates = True  # Also measure greedy probe/control rates (SPEC §1.8) at each measured step.
     c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts.
 

@@ -9,9 +9,11 @@ replayed (:mod:`train.replay`: logged rollouts, same step, weight 0 for removed 
 after the first change) and the behaviour measured. ``k`` in ``counterfactual.k_fractions`` x |GT|.
 
 Behaviour = teacher-forced log-prob margin of the pattern continuation (probe - control,
-``replay.BehaviorMeasure``) at ``counterfactual.measure`` ("end": the end of the run; "target":
-the checkpoint nearest ``draws.target_step``). Δ = behaviour(no removal) - behaviour(removal):
-positive when the behaviour decreased.
+``replay.BehaviorMeasure``) at ``counterfactual.measure`` ("window", the default: the end of the
+contamination window, where the replay stops; "target": the checkpoint nearest ``draws.target_step``;
+"end": the end of the run, ~5x the replay time at tiny scale). Each replay also records the
+behaviour at the target checkpoint, the greedy and (``counterfactual.sampled``) sampled rates.
+Δ = behaviour(no removal) - behaviour(removal): positive when the behaviour decreased.
 
 Rows appended to ``results_table.csv`` (earlier rows of these tables for this seed are replaced):
 
@@ -29,15 +31,14 @@ the files, so the rerun's table is bit-identical.
 from __future__ import annotations
 
 import pathlib
-from typing import Any
 
 import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.attribution import estimators as E, evaluation as V, metrics as M
-from behaviortrace_jax.io import sketch_store
+from behaviortrace_jax.attribution import evaluation as V, metrics as M
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
+from behaviortrace_jax.sketch.scores import step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
 
 TABLES = ("counterfactual_topk", "lds")
@@ -192,25 +193,20 @@ def plot(rows: list[V.Row], path: pathlib.Path) -> pathlib.Path | None:
     return path
 
 
-def _scores(config: ml_collections.ConfigDict, paths: Any, ids: list[str], steps: np.ndarray) -> dict[str, np.ndarray]:
-    """Every step-level estimator's per-rollout scores, as the evaluate stage computes them (in-run
-    rollout sketches when the run has them, else step sketches); ``random`` is left out (the
-    random-subset baseline replaces it)."""
-    ev = config.evaluation
-    t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
-    tgt = t_store.read()
-    by_ckpt = {int(s): tgt[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
-    per_rollout = bool(config.sketch.in_run_rollouts)
-    if per_rollout:
-        sketches, sk_steps = sketch_store.SketchStore.open(paths.sketches / "rollout_sketches.zarr").read(), steps
-    else:
-        sketches = sketch_store.SketchStore.open(paths.sketches / "step_sketches.zarr").read()
-        sk_steps = np.arange(sketches.shape[0])
-    scores = E.score_step_methods(
-        sketches, sk_steps, ids, steps, target=tgt[-1], per_rollout_sketches=per_rollout,
-        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
-        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
-    return {k: v for k, v in scores.items() if k != "random"}
+def measure_step(config: ml_collections.ConfigDict) -> int:
+    """The step whose behaviour the tables report (``counterfactual.measure``): "window" = the end of
+    the contamination window (``contamination.early_step_cutoff``, capped at the run's length; the
+    replay stops there), "target" = the checkpoint nearest ``draws.target_step``, "end" = the run's end."""
+    from behaviortrace_jax.train import replay as R
+
+    m, steps = config.counterfactual.measure, int(config.grpo.steps)
+    if m == "window":
+        return min(int(config.contamination.early_step_cutoff), steps)
+    if m == "target":
+        return R.target_checkpoint(config)
+    if m == "end":
+        return steps
+    raise ValueError(f"counterfactual.measure: {m!r}; expected 'window', 'target' or 'end'")
 
 
 @register_stage("counterfactual")
@@ -221,12 +217,16 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     w = pathlib.Path(workdir)
     out_dir = w / "counterfactual" / "replays"
     out_dir.mkdir(parents=True, exist_ok=True)
-    rp = R.Replayer(config, w, rates=bool(config.counterfactual.rates))
+    cf = config.counterfactual
+    rp = R.Replayer(config, w, rates=bool(cf.rates), sampled=int(cf.sampled))
     steps = np.array([int(r[5:11]) for r in rp.rollout_ids], np.int64)
     gt_ids = [e["rollout_id"] for e in V.read_ground_truth(rp.paths.ground_truth)]
-    scores = _scores(config, rp.paths, rp.rollout_ids, steps)
+    # Every step-level estimator, as the evaluate stage scores them (in-run rollout sketches when the
+    # run has them, else step sketches); ``random`` is left out (the random subsets replace it).
+    scores = step_method_scores(config, rp.paths, rp.rollout_ids, steps, per_rollout=bool(config.sketch.in_run_rollouts))
+    scores.pop("random", None)
     removed = plan(config, rp.rollout_ids, steps, gt_ids, scores)
-    at = rp.steps if config.counterfactual.measure == "end" else R.target_checkpoint(config)
+    at = measure_step(config)
     for i, (key, rem) in enumerate(removed.items()):
         path = out_dir / f"{key}.json"
         if path.exists():

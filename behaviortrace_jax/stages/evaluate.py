@@ -27,48 +27,8 @@ from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_cu
 from behaviortrace_jax.io import rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.sketch.scores import read_complete, step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
-
-
-def _read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
-    """Opens an existing sketch store and checks that every row was written.
-
-    Raises:
-        FileNotFoundError / ValueError: naming the store when it is absent or incomplete.
-    """
-    if not (path / "metadata.json").exists():
-        raise FileNotFoundError(f"{path}: sketch store not found; run the `grpo` and `sketch` stages first")
-    store = sketch_store.SketchStore.open(path)
-    missing = store.missing_rows()
-    if missing.size:
-        raise ValueError(f"{path}: {missing.size} rows were never written (first: {missing[:5].tolist()})")
-    return store
-
-
-def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
-                       rollout_steps: np.ndarray, *, per_rollout: bool = False,
-                       step_sketches: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Every step-level estimator's per-rollout scores (log order), SPEC §4.
-
-    With ``per_rollout`` the in-run rollout sketches replace the step sketches (the "which rollout"
-    scores). Targets: the final checkpoint's continuation target (C1, TRAK, local-buffer) and one
-    per checkpoint (TracInCP). ``step_sketches`` (float32 [steps, D]) saves re-reading
-    ``step_sketches.zarr`` when the caller already holds it.
-    """
-    ev = config.evaluation
-    t_store = _read_complete(paths.sketches / "targets_continuation.zarr")
-    targets = t_store.read()
-    by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
-    if per_rollout:
-        sketches, steps = _read_complete(paths.sketches / "rollout_sketches.zarr").read(), rollout_steps
-    else:
-        sketches = (step_sketches if step_sketches is not None
-                    else _read_complete(paths.sketches / "step_sketches.zarr").read())
-        steps = np.arange(sketches.shape[0])
-    return E.score_step_methods(
-        sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
-        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
-        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
 
 
 def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: pathlib.Path) -> dict:
@@ -80,7 +40,7 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)]
-    step_sk = _read_complete(paths.sketches / "step_sketches.zarr").read()
+    step_sk = read_complete(paths.sketches / "step_sketches.zarr").read()
     scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     header = V.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,

@@ -1,0 +1,59 @@
+"""Every step-level estimator's per-rollout scores of a finished run, read from its sketch stores.
+
+One reader for the stages that score rollouts (``evaluate`` for its tables and release,
+``counterfactual`` for its leave-top-k-out and LDS replays), so a newly registered estimator
+(``attribution.estimators``) reaches both with no other change. It sits in the sketch layer, not in
+``attribution/``, because it opens tensorstore sketch stores (``attribution`` imports only
+``io.files`` / ``io.layout``; tests/test_layers.py).
+"""
+from __future__ import annotations
+
+import pathlib
+
+import ml_collections
+import numpy as np
+
+from behaviortrace_jax.attribution import estimators as E
+from behaviortrace_jax.io import sketch_store
+from behaviortrace_jax.io.layout import RunLayout
+
+
+def read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
+    """Opens an existing sketch store and checks that every row was written.
+
+    Raises:
+        FileNotFoundError / ValueError: naming the store when it is absent or incomplete.
+    """
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path}: sketch store not found; run the `grpo` and `sketch` stages first")
+    store = sketch_store.SketchStore.open(path)
+    missing = store.missing_rows()
+    if missing.size:
+        raise ValueError(f"{path}: {missing.size} rows were never written (first: {missing[:5].tolist()})")
+    return store
+
+
+def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
+                       rollout_steps: np.ndarray, *, per_rollout: bool = False,
+                       step_sketches: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Every step-level estimator's per-rollout scores (log order), SPEC §4.
+
+    With ``per_rollout`` the in-run rollout sketches replace the step sketches (the "which rollout"
+    scores). Targets: the final checkpoint's continuation target (C1, TRAK, local-buffer) and one
+    per checkpoint (TracInCP). ``step_sketches`` (float32 [steps, D]) saves re-reading
+    ``step_sketches.zarr`` when the caller already holds it.
+    """
+    ev = config.evaluation
+    t_store = read_complete(paths.sketches / "targets_continuation.zarr")
+    targets = t_store.read()
+    by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
+    if per_rollout:
+        sketches, steps = read_complete(paths.sketches / "rollout_sketches.zarr").read(), rollout_steps
+    else:
+        sketches = (step_sketches if step_sketches is not None
+                    else read_complete(paths.sketches / "step_sketches.zarr").read())
+        steps = np.arange(sketches.shape[0])
+    return E.score_step_methods(
+        sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
+        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
+        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
