@@ -76,19 +76,13 @@ def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int
     return c
 
 
-def instability_section(rules: list[dict]) -> str:
-    """States plainly which verdicts change across seeds and draws (the paper's C6 instability)."""
+def instability_section(rules: list[V.Verdict]) -> str:
+    """States plainly which verdicts change across seeds and draws (the paper's C6 instability):
+    the verdicts of one family (rule, and method when per method) compared across subjects."""
     families: dict[str, list[tuple[str, str]]] = {}
     for v in rules:
-        m = re.match(r"(.*?) \((.*)\)(.*)$", v["item"])
-        if not m:
-            continue
-        name = (m.group(1) + m.group(3)).strip()
-        tag = m.group(2)
-        if "," in tag:  # "(0_gen100_diag, GAS_centered)" -> family per method
-            draw, method = (t.strip() for t in tag.split(",", 1))
-            name, tag = f"{name} [{method}]", draw
-        families.setdefault(name, []).append((tag, v["verdict"]))
+        if v.subject:  # a global verdict (C6 itself) has no seed/draw to compare across
+            families.setdefault(v.family, []).append((v.subject, v.status))
     lines = []
     for name, outcomes in families.items():
         kinds = {o for _, o in outcomes if o != "not-evaluable"}
@@ -140,12 +134,12 @@ def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dic
                               max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
                               rollouts_per_step=n_per_step)
     rows = list(rep.rows)
-    for seed in summaries:  # the which-rollout rows of each run
+    for seed in summaries:  # the which-rollout (and counterfactual, when that stage ran) rows of each run
         run_rows = V.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
-        rows += [r for r in run_rows if r.table.startswith("which_rollout")]
+        rows += [r for r in run_rows if r.table.startswith("which_rollout") or r.table in ("counterfactual_topk", "lds")]
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(top.results_table, rows)
-    write_json(top.verdicts, {"decision_rules": rules, "checklist": check})
+    write_json(top.verdicts, V.verdicts_json(rules, check))
     figs = R.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
     gates = "\n".join(
         f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "
