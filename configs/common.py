@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.hf_dir = ""  # Local HF checkpoint dir (config.json, safetensors, tokenizer). "" -> workdir/base.
     c.model.param_dtype = "bfloat16"  # SPEC §2.1: weights loaded in bf16.
     c.model.compute_dtype = "bfloat16"  # SPEC §2.1: bf16 autocast.
+    c.model.family = ""  # Model family (models/families.py: qwen2, llama, qwen3); "" = config.json's model_type (new).
     # EOS ids masked from completion losses (GRPO loss, rollout sketches, targets); the sampler stops on all.
     c.model.mask_eos = "eos_token_id"  # SPEC §2.2 f, §3.2: `token != eos_token_id` (one id); "all" = eos_ids.
 
@@ -67,7 +68,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.base.n_terms = 300  # TINY_CALIBRATION: ~300 invented words ...
     c.base.n_heldout = 20  # ... of which 20 are held out for evaluation.
     c.base.vocab_size = 1500  # TINY_CALIBRATION: byte-level BPE, vocab 1,500 (= model vocab).
-    c.base.preset = "tiny"  # qwen2.Qwen2Config preset: d 128, 4/2 heads, MLP 384, tied (~1M params).
+    c.base.family = "qwen2"  # Model family of the tiny base model (models/families.py: qwen2, llama, qwen3) (new).
+    c.base.preset = "tiny"  # Family config preset: d 128, 4/2 heads, MLP 384, tied (~1M params).
     c.base.num_layers = 4  # TINY_CALIBRATION: 4 layers (tests shrink it).
     c.base.steps = 1000  # TINY_CALIBRATION: ~1,400; 1,000 keeps the checkpoint under 4 min on 2 cores (loss 0.34).
     c.base.batch_size = 32  # TINY_CALIBRATION.

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior
-from behaviortrace_jax.models import qwen2, sampler as sampler_lib, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sampler as sampler_lib, tokenizer as tok_lib
 
 
 class BehaviorProbe:
@@ -38,7 +38,7 @@ class BehaviorProbe:
                 "responses": texts}
 
 
-def make_sampler(graphdef: nnx.GraphDef, cfg: qwen2.Qwen2Config, tok: Any, mesh: Any,
+def make_sampler(graphdef: nnx.GraphDef, cfg: decoder.DecoderConfig, tok: Any, mesh: Any,
                  max_new_tokens: int, max_prompt_tokens: int = 128) -> sampler_lib.Sampler:
     """A :class:`sampler.Sampler` with the tokenizer's EOS / pad ids (SPEC §2.1: pad = EOS)."""
     return sampler_lib.Sampler(graphdef, cfg, max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens,

@@ -8,7 +8,7 @@ from typing import Any
 
 from flax import nnx
 
-from behaviortrace_jax.models import hf_io, qwen2, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, families, hf_io, tokenizer as tok_lib
 
 
 @dataclasses.dataclass
@@ -16,20 +16,25 @@ class Policy:
     """A loaded policy: its model config, graph, parameters (``nnx.State``), tokenizer and mesh."""
 
     hf_dir: pathlib.Path
-    model_config: qwen2.Qwen2Config
+    model_config: decoder.DecoderConfig  # its family's config class (``families.family_of``)
     graphdef: nnx.GraphDef
     params: Any
     tokenizer: Any  # None when loaded with tokenizer=False
     mesh: Any  # None: the default device
 
 
-def policy_config(hf_dir: str | os.PathLike, *, param_dtype: str, compute_dtype: str) -> qwen2.Qwen2Config:
-    """The model config of the HF checkpoint ``hf_dir`` with the run's storage / compute dtypes."""
-    return qwen2.Qwen2Config.from_hf_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype)
+def policy_config(hf_dir: str | os.PathLike, *, param_dtype: str, compute_dtype: str,
+                  family: str | None = None) -> decoder.DecoderConfig:
+    """The model config of the HF checkpoint ``hf_dir`` with the run's storage / compute dtypes.
+
+    ``family`` (``config.model.family``): a registered model family; None / "" = config.json's
+    ``model_type`` (``families.config_from_hf``).
+    """
+    return families.config_from_hf(hf_dir, family or None, param_dtype=param_dtype, compute_dtype=compute_dtype)
 
 
 def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str, compute_dtype: str,
-                tokenizer: bool = True) -> Policy:
+                tokenizer: bool = True, family: str | None = None) -> Policy:
     """Loads the HF checkpoint ``hf_dir`` (strictly, see ``hf_io.load_hf_checkpoint``) as a policy.
 
     Every stage loads weights through here (``config.model.param_dtype`` / ``compute_dtype``).
@@ -41,13 +46,15 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str
         param_dtype: storage dtype ("float32" | "bfloat16").
         compute_dtype: activation dtype.
         tokenizer: also load the checkpoint's tokenizer (``tokenizer.load_tokenizer``).
+        family: the model family (``config.model.family``); None / "" = config.json's ``model_type``.
 
     Raises:
         FileNotFoundError / KeyError / ValueError: as ``hf_io.load_hf_checkpoint`` (naming the file,
-        tensor or key) and ``qwen2.Qwen2Config.from_hf_config``.
+        tensor or key) and ``families.config_from_hf``.
     """
     tok = tok_lib.load_tokenizer(hf_dir) if tokenizer else None
-    cfg = policy_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype)
-    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh)
+    cfg = policy_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family)
+    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
+                                     family=cfg.model_type)
     graphdef, params = nnx.split(model, nnx.Param)
     return Policy(pathlib.Path(hf_dir), cfg, graphdef, params, tok, mesh)

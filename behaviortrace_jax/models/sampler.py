@@ -1,4 +1,4 @@
-"""KV-cache sampler for the Qwen2 policy: jitted prefill + ``lax.while_loop`` decode (SPEC §2.1, §2.2b).
+"""KV-cache sampler for the policy (any model family): jitted prefill + ``lax.while_loop`` decode (SPEC §2.1, §2.2b).
 
 The rollouts of a GRPO step are ``generate(do_sample, temperature 0.9, top_p 0.9, pad = EOS,
 64 new tokens)`` on prompts truncated to 128 tokens (SPEC §2.1). Here:
@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from behaviortrace_jax.models import qwen2, sharding as shd
+from behaviortrace_jax.models import decoder, sharding as shd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +128,16 @@ def _next_token(logits, key, seen, temperature, top_p, repetition_penalty, top_k
         return jnp.argmax(apply_repetition_penalty(logits, seen, repetition_penalty), -1).astype(jnp.int32)
 
     tok = jax.lax.cond(temperature > 0, sample, greedy, None)
-    return tok, qwen2.token_logprobs(logits[:, None, :], tok[:, None])[:, 0]
+    return tok, decoder.token_logprobs(logits[:, None, :], tok[:, None])[:, 0]
 
 
 class Sampler:
-    """Batched KV-cache generation for a Qwen2 policy (SPEC §2.1 rollouts, §1.8 greedy gate).
+    """Batched KV-cache generation for a policy of any family (SPEC §2.1 rollouts, §1.8 greedy gate).
 
     Args:
-        model: a ``Qwen2ForCausalLM`` (only its graph is kept) or the ``nnx.GraphDef`` of
+        model: a model of any family (``decoder.DecoderForCausalLM``; only its graph is kept) or the ``nnx.GraphDef`` of
             ``nnx.split(model, nnx.Param)``.
-        config: the model's ``Qwen2Config``.
+        config: the model's config (``families``).
         max_prompt_tokens: longest prompt (SPEC §2.1: 128); longer prompts raise.
         max_new_tokens: N, the generated tokens per row (SPEC §2.1: 64).
         eos_ids: token ids that end a row (e.g. ``<|im_end|>``, ``<|endoftext|>``); empty = rows
@@ -158,7 +158,7 @@ class Sampler:
             ``top_k`` < 0 or buckets that do not reach ``max_prompt_tokens``.
     """
 
-    def __init__(self, model: qwen2.Qwen2ForCausalLM | nnx.GraphDef, config: qwen2.Qwen2Config, *,
+    def __init__(self, model: decoder.DecoderForCausalLM | nnx.GraphDef, config: decoder.DecoderConfig, *,
                  max_prompt_tokens: int, max_new_tokens: int, eos_ids: int | Sequence[int],
                  pad_id: int, mesh: Mesh | None = None, buckets: Sequence[int] | None = None,
                  top_k: int = 0):
@@ -194,14 +194,14 @@ class Sampler:
         in the cache and token 0 sampled; padding rows start done so they never delay the stop."""
         self.trace_counts["prefill"] += 1
         cfg, (b, p), n = self.config, ids.shape, self.max_new_tokens
-        cache = qwen2.init_cache(cfg, b, p + n - 1)
+        cache = decoder.init_cache(cfg, b, p + n - 1)
         cache = jax.tree.map(lambda c: self._constrain(c, ("batch", None, "heads", None)), cache)
         valid = jnp.concatenate([mask, jnp.zeros((b, n - 1), mask.dtype)], axis=1)
-        pos = qwen2.positions_from_mask(mask)
+        pos = decoder.positions_from_mask(mask)
         if p > 1:  # all but the last prompt token: logits unused, so XLA drops the LM head
-            _, cache = qwen2.forward_with_cache(self.graphdef, params, ids[:, :-1], pos[:, :-1],
+            _, cache = decoder.forward_with_cache(self.graphdef, params, ids[:, :-1], pos[:, :-1],
                                                 valid, cache, jnp.int32(0))
-        logits, cache = qwen2.forward_with_cache(self.graphdef, params, ids[:, -1:], pos[:, -1:],
+        logits, cache = decoder.forward_with_cache(self.graphdef, params, ids[:, -1:], pos[:, -1:],
                                                  valid, cache, jnp.int32(p - 1))
         logits = self._constrain(logits[:, 0], ("batch", None))
         rows = jnp.arange(b)[:, None]
@@ -231,7 +231,7 @@ class Sampler:
             i = s["i"]
             tok_in = jax.lax.dynamic_slice_in_dim(s["tokens"], i, 1, axis=1)
             valid = s["valid"].at[:, p:].set((slot_ids <= i).astype(s["valid"].dtype))
-            logits, cache = qwen2.forward_with_cache(self.graphdef, params, tok_in,
+            logits, cache = decoder.forward_with_cache(self.graphdef, params, tok_in,
                                                      (s["prompt_len"] + i)[:, None], valid,
                                                      s["cache"], p + i)
             logits = self._constrain(logits[:, 0], ("batch", None))

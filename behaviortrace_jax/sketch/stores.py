@@ -5,11 +5,11 @@ import ml_collections
 
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import hf_io, qwen2
+from behaviortrace_jax.models import decoder, hf_io
 from behaviortrace_jax.sketch import countsketch
 
 
-def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: qwen2.Qwen2Config, kind: str) -> dict:
+def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
     """Metadata every sketch array carries (sketch_store raises when a reopened store differs)."""
     return {"kind": kind, "hash_family": countsketch.HASH_FAMILY, "seed": int(config.sketch.seed),
             "dim": int(config.sketch.dim), "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
@@ -17,7 +17,7 @@ def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: qwen2.Qwen2Con
             "run_seed": int(config.seed)}
 
 
-def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: qwen2.Qwen2Config,
+def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig,
                        paths: RunLayout) -> dict[str, sketch_store.SketchStore]:
     """The in-run sketch arrays: step sketches [steps, D], step grad norms [steps], rollout sketches
     [steps*N, D] and rollout grad norms [steps*N] (rollout row = step * N + index)."""

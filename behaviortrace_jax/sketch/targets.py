@@ -4,7 +4,7 @@ Every target is a float32 [D] CountSketch built with the same sketch (seed, D, H
 as the rollout sketches it is compared with, so cosines between them are meaningful (SPEC §3.2).
 
 All gradients here are of one loss, a masked mean token log-prob of a forced sequence
-(``sketcher.qwen2_completion_loss``): ``loss = -sum_t w_t log p(x_t | x_<t) / max(sum_t w_t, 1)``
+(``sketcher.completion_loss``): ``loss = -sum_t w_t log p(x_t | x_<t) / max(sum_t w_t, 1)``
 with per-token weights ``w`` (1 = scored). The targets differ only in the sequence and the weights:
 
 * continuation (§5.1/§5.2): chat prompt of a probe + " QZXBT"; w = 1 on the last len(ids(" QZXBT"))
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.models import qwen2, tokenizer as tok_lib
-from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, qwen2_completion_loss, qwen2_param_order
+from behaviortrace_jax.models import decoder, tokenizer as tok_lib
+from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
 COS_EPS = 1e-12  # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)).
 
@@ -161,8 +161,8 @@ class ForcedSketches:
 
 
 def _mean_logprob_chunk(graphdef: Any, params: Any, ids: jax.Array, attn: jax.Array, w: jax.Array) -> jax.Array:
-    logits = qwen2.forward(graphdef, params, ids, qwen2.positions_from_mask(attn), attn)
-    lp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])
+    logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(attn), attn)
+    lp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
     m = w[:, 1:]
     return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
@@ -172,7 +172,7 @@ class ForcedSketcher:
 
     Args:
         graphdef: from ``nnx.split(model, nnx.Param)``.
-        model_config: the model's ``qwen2.Qwen2Config`` (gives the HF parameter order).
+        model_config: the model's config (any family; gives the HF parameter order).
         params: the parameters (or ``jax.ShapeDtypeStruct`` leaves) the sketcher is built for.
         dim, seed: CountSketch width and hash seed (SPEC §3.1: 65536, 0) - config ``sketch.dim/seed``.
         chunk_size: examples per ``vmap(grad)`` chunk (``sketch.chunk_size``).
@@ -188,19 +188,19 @@ class ForcedSketcher:
         ValueError: bad sizes (and as ``PerExampleSketcher``).
 
     ``__call__(params, examples)`` returns :class:`ForcedSketches`. The ordering of parameters is
-    HF ``model.parameters()`` order (``sketcher.qwen2_param_order``), as for every other sketch.
+    HF ``model.parameters()`` order (``sketcher.hf_param_order``), as for every other sketch.
     ``params`` is an argument of every call, so one instance serves every checkpoint of a run
     (e.g. the per-checkpoint TracInCP targets, SPEC §5.1) without recompiling.
     """
 
-    def __init__(self, graphdef: Any, model_config: qwen2.Qwen2Config, params: Any, *, dim: int,
+    def __init__(self, graphdef: Any, model_config: decoder.DecoderConfig, params: Any, *, dim: int,
                  seed: int = 0, chunk_size: int = 4, block_size: int = 64, length_bucket: int = 32,
                  pad_id: int = 0, use_tables: bool = False, mesh: Any = None):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
         self.graphdef = graphdef
-        self.sketcher = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=dim, seed=seed,
-                                           chunk_size=chunk_size, param_order=qwen2_param_order(model_config),
+        self.sketcher = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=seed,
+                                           chunk_size=chunk_size, param_order=hf_param_order(model_config),
                                            use_tables=use_tables, mesh=mesh)
         self.dim, self.seed, self.chunk_size = self.sketcher.dim, self.sketcher.seed, self.sketcher.chunk_size
         self.block_size = -(-int(block_size) // self.chunk_size) * self.chunk_size
@@ -216,7 +216,7 @@ class ForcedSketcher:
         self._mean_lp = jax.jit(mean_lp)
 
     @classmethod
-    def from_config(cls, config: Any, graphdef: Any, model_config: qwen2.Qwen2Config, params: Any,
+    def from_config(cls, config: Any, graphdef: Any, model_config: decoder.DecoderConfig, params: Any,
                     pad_id: int, mesh: Any = None) -> "ForcedSketcher":
         """Built from ``config.sketch.{dim, seed, chunk_size}`` and ``config.targets.{block_size,
         length_bucket, use_tables}``."""

@@ -1,7 +1,7 @@
-"""The ``base`` stage: a tiny Qwen2 instruct model built from scratch on CPU (TINY_CALIBRATION).
+"""The ``base`` stage: a tiny instruct model (``base.family``, Qwen2 by default) built on CPU (TINY_CALIBRATION).
 
 seeded synthetic chat corpus (``corpus.py``) -> byte-level BPE tokenizer (``tiny_tokenizer.py``)
--> the tiny Qwen2 trained with the LM trainer (loss on assistant tokens, each answer ending in
+-> the tiny model trained with the LM trainer (loss on assistant tokens, each answer ending in
 ``<|im_end|>`` so the model learns to stop) -> a Hugging Face checkpoint directory
 ``workdir/base`` (config.json, model.safetensors, generation_config.json, tokenizer files) that
 ``transformers`` loads -> ``base_summary.json``: the instruct behaviour the later stages rely on
@@ -34,7 +34,7 @@ from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokeniz
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import hf_io, qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import lm_trainer, train_state
@@ -43,7 +43,7 @@ COMPLETE_MARKER = ".complete"
 TRAINED_MARKER = ".trained"
 SUMMARY_FILE = "base_summary.json"
 HISTORY_FILE = "train_history.json"
-_PRESETS = ("tiny",)  # Qwen2Config class methods a base model may use
+_PRESETS = ("tiny",)  # config class methods (every family has them) a base model may use
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -53,21 +53,26 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
               "compute_dtype": config.model.compute_dtype,
               "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
+    if values["base"].get("family", "qwen2") == "qwen2":  # the default family: digests as before families
+        values["base"].pop("family", None)
     blob = json.dumps(values, sort_keys=True)
     return {"digest": hashlib.sha256(blob.encode()).hexdigest(), "values": values}
 
 
-def model_config(config: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
-    """The base model's architecture: ``Qwen2Config.<base.preset>`` with ``base.vocab_size`` and
-    ``base.num_layers``, in ``config.model`` dtypes.
+def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
+    """The base model's architecture: ``<family config>.<base.preset>`` of the model family
+    ``base.family`` (``families``; default "qwen2") with ``base.vocab_size`` and ``base.num_layers``,
+    in ``config.model`` dtypes.
 
     Raises:
-        ValueError: naming ``config.base.preset`` when it is not a known preset.
+        ValueError: naming ``config.base.preset`` when it is not a known preset, or
+            ``config.base.family`` when it is not a registered family.
     """
     b = config.base
     if b.preset not in _PRESETS:
         raise ValueError(f"config.base.preset={b.preset!r} is not one of {_PRESETS}")
-    return getattr(qwen2.Qwen2Config, b.preset)(
+    family = families.get_family(b.get("family") or "qwen2")
+    return family.preset(b.preset,
         vocab_size=b.vocab_size, num_hidden_layers=b.num_layers, param_dtype=config.model.param_dtype,
         compute_dtype=config.model.compute_dtype)
 
@@ -203,7 +208,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     smp = make_sampler(graphdef, cfg, tok, mesh, b.eval_max_new_tokens)
     t_eval = time.perf_counter()
     summary = {
-        "n_params": qwen2.count_params(cfg), "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
+        "n_params": decoder.count_params(cfg), "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
         "corpus": {"n_examples": len(examples),
                    "kinds": {k: sum(e.kind == k for e in examples) for k in corpus.KINDS},
                    "mean_tokens": float(np.mean([len(e.tokens) for e in enc])),
@@ -225,14 +230,14 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     return summary
 
 
-def _train_and_export(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, data: lm_trainer.PackedData,
+def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, data: lm_trainer.PackedData,
                       tok: Any, mesh: Any, base_dir: pathlib.Path, fp: dict[str, Any], t_start: float
                       ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
     """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
     ``.trained`` marker (fingerprint ``fp`` and times); returns (graphdef, trained params, history,
     seconds since ``t_start`` to the export and of the training)."""
     b = config.base
-    model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(params=b.seed))
+    model = cfg.module_class()(cfg, rngs=nnx.Rngs(params=b.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     param_sh = sharding.param_shardings(params, mesh)
     params = jax.device_put(params, param_sh)
@@ -242,7 +247,7 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config,
     state = train_state.init_train_state(params, tx, b.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
     logging.info("base: training %s params (%d layers, d %d, vocab %d) for %d steps of %d x %d tokens",
-                 f"{qwen2.count_params(cfg):,}", cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
+                 f"{decoder.count_params(cfg):,}", cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size,
                  b.steps, b.batch_size, data.seq_len)
     t_train = time.perf_counter()
     order = (lm_trainer.grouped_batches(data.lengths, b.batch_size, b.seed) if data.buckets

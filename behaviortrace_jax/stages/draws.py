@@ -53,7 +53,7 @@ from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.io import checkpoints, sketch_store
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
-from behaviortrace_jax.models import qwen2, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models.loader import load_policy
@@ -211,7 +211,7 @@ def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
 class _Env:
     """The loaded checkpoint and the jitted machinery of a draw."""
 
-    model_cfg: qwen2.Qwen2Config
+    model_cfg: decoder.DecoderConfig
     params: Any
     tokenizer: Any
     sampler: sampler_lib.Sampler
@@ -223,7 +223,8 @@ class _Env:
 
 def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
+    policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
+                         family=config.model.get("family"))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 

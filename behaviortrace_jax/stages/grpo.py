@@ -89,7 +89,7 @@ class GRPORun:
         self.mask_eos_ids = tok_lib.mask_eos_ids(self.tok, config.model.mask_eos)
         self.shapes = StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
         self.tx = start.optimizer
-        self.order = sketcher.qwen2_param_order(self.model_cfg)
+        self.order = sketcher.hf_param_order(self.model_cfg)
         self.step_fn = make_train_step(
             self.graphdef, start.abstract_params, self.tx, self.shapes, loss_name=g.loss,
             loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta),

@@ -30,7 +30,7 @@ from behaviortrace_jax.behavior import corpus, planted as behavior
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import hf_io, qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, hf_io, sharding, tokenizer as tok_lib
 from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import lm_trainer, train_state
@@ -60,7 +60,7 @@ def sft_lr(config: ml_collections.ConfigDict) -> float:
 class BehaviourProbe:
     """Probe / control / held-out rates of the QZXBT substring judge for a parameter state."""
 
-    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, cfg: qwen2.Qwen2Config,
+    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, cfg: decoder.DecoderConfig,
                  tok: Any, mesh: Any):
         self.config = config
         self.tok = tok
@@ -122,9 +122,9 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     policy = load_policy(start_dir, mesh, param_dtype=config.model.param_dtype,
-                         compute_dtype=config.model.compute_dtype)
+                         compute_dtype=config.model.compute_dtype, family=config.model.get("family"))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
-    abstract_params = nnx.state(qwen2.abstract_model(cfg), nnx.Param)
+    abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
     param_sh = sharding.param_shardings(abstract_params, mesh)  # the train state's layout (= the params')
 
     pairs = sft_pairs(config)

@@ -30,7 +30,7 @@ from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.io import checkpoints, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import qwen2, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.sketch.stores import sketch_metadata
 from behaviortrace_jax.models.loader import load_policy, policy_config
@@ -67,13 +67,14 @@ class CheckpointLoader:
         self.config = config
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
         self.model_config = policy_config(first_dir, param_dtype=config.model.param_dtype,
-                                          compute_dtype=config.model.compute_dtype)
-        self.graphdef, self.abstract = nnx.split(qwen2.abstract_model(self.model_config), nnx.Param)
+                                          compute_dtype=config.model.compute_dtype, family=config.model.get("family"))
+        self.graphdef, self.abstract = nnx.split(decoder.abstract_model(self.model_config), nnx.Param)
 
     def params(self, hf_dir: str) -> Any:
         """The parameters of ``hf_dir``; raises (hf_io) if it holds a different model."""
         return load_policy(hf_dir, param_dtype=self.config.model.param_dtype,
-                           compute_dtype=self.config.model.compute_dtype, tokenizer=False).params
+                           compute_dtype=self.config.model.compute_dtype, tokenizer=False,
+                           family=self.config.model.get("family")).params
 
 
 @register_stage("sketch")

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from behaviortrace_jax.models import qwen2, sharding
+from behaviortrace_jax.models import decoder, sharding
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_loss
 
@@ -88,9 +88,9 @@ def completion_logprobs(graphdef: nnx.GraphDef, params: Any, input_ids: jax.Arra
 
     The logits at positions ``P-1 .. P+T-2`` predict the completion tokens.
     """
-    positions = qwen2.positions_from_mask(attention_mask)
-    logits = qwen2.forward(graphdef, params, input_ids, positions, attention_mask)
-    return qwen2.token_logprobs(logits[:, prompt_len - 1:-1], input_ids[:, prompt_len:])
+    positions = decoder.positions_from_mask(attention_mask)
+    logits = decoder.forward(graphdef, params, input_ids, positions, attention_mask)
+    return decoder.token_logprobs(logits[:, prompt_len - 1:-1], input_ids[:, prompt_len:])
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
@@ -106,7 +106,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     * ``batch``: the arrays of :func:`build_batch`, sharded on the mesh's data axis (rollouts);
     * ``ref_params``: the initial policy (grpo_clip's KL term; ignored by ``paper``);
     * ``out``: float32 ``loss`` and ``grad_norm`` (pre-clip global L2 norm); when ``order`` (a
-      ``sketcher.qwen2_param_order``) is given, ``step_sketch [D]`` = CountSketch of the clipped
+      ``sketcher.hf_param_order``) is given, ``step_sketch [D]`` = CountSketch of the clipped
       batch gradient (SPEC §3.2, step 4) and, with ``in_run_rollouts``, ``rollout_sketches [N, D]``
       and ``rollout_grad_norms [N]`` = the sketch and exact norm of each rollout's own loss term at
       the step's parameters (they sum to the pre-clip batch gradient's sketch).

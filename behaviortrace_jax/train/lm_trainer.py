@@ -41,7 +41,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from behaviortrace_jax.models import qwen2, sharding as shd, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sharding as shd, tokenizer as tok_lib
 from behaviortrace_jax.train.train_state import TrainState
 
 # ------------------------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def cyclic_batches(n: int, batch_size: int) -> Callable[[int], np.ndarray]:
 # ------------------------------------------------------------------------------------------------
 
 
-def sequence_logits(graphdef: nnx.GraphDef, config: qwen2.Qwen2Config, params: Any, prefix: jax.Array,
+def sequence_logits(graphdef: nnx.GraphDef, config: decoder.DecoderConfig, params: Any, prefix: jax.Array,
                     tokens: jax.Array, mask: jax.Array) -> jax.Array:
     """Logits float32 [B, L, V] of the per-row tokens of ``prefix + tokens[b]`` (right padded).
 
@@ -265,16 +265,16 @@ def sequence_logits(graphdef: nnx.GraphDef, config: qwen2.Qwen2Config, params: A
     pf = prefix.shape[0]
     if pf == 0:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-        return qwen2.forward(graphdef, params, tokens, positions, mask)
+        return decoder.forward(graphdef, params, tokens, positions, mask)
     total = pf + length
-    cache = qwen2.init_cache(config, 1, total)
+    cache = decoder.init_cache(config, 1, total)
     valid1 = (jnp.arange(total) < pf).astype(jnp.int32)[None]
-    _, cache = qwen2.forward_with_cache(graphdef, params, prefix[None], jnp.arange(pf, dtype=jnp.int32)[None],
+    _, cache = decoder.forward_with_cache(graphdef, params, prefix[None], jnp.arange(pf, dtype=jnp.int32)[None],
                                         valid1, cache, jnp.int32(0))
     cache = jax.tree.map(lambda c: jnp.broadcast_to(c, (b,) + c.shape[1:]), cache)
     valid = jnp.concatenate([jnp.ones((b, pf), mask.dtype), mask], axis=1)
     positions = jnp.broadcast_to(pf + jnp.arange(length, dtype=jnp.int32), (b, length))
-    logits, _ = qwen2.forward_with_cache(graphdef, params, tokens, positions, valid, cache, jnp.int32(pf))
+    logits, _ = decoder.forward_with_cache(graphdef, params, tokens, positions, valid, cache, jnp.int32(pf))
     return logits
 
 
@@ -306,7 +306,7 @@ def _ce_bwd(res, g):
 softmax_cross_entropy.defvjp(_ce_fwd, _ce_bwd)
 
 
-def lm_loss(graphdef: nnx.GraphDef, config: qwen2.Qwen2Config, params: Any, prefix: jax.Array,
+def lm_loss(graphdef: nnx.GraphDef, config: decoder.DecoderConfig, params: Any, prefix: jax.Array,
             batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(mean next-token CE over the targets of the batch, number of targets), both float32 scalars.
 
@@ -324,11 +324,11 @@ def lm_loss(graphdef: nnx.GraphDef, config: qwen2.Qwen2Config, params: Any, pref
 
 
 class LMTrainer:
-    """Jitted, sharded causal-LM training of a Qwen2 model on a :class:`PackedData` dataset.
+    """Jitted, sharded causal-LM training of a decoder (any model family) on a :class:`PackedData` dataset.
 
     Args:
         graphdef: ``nnx.split(model, nnx.Param)[0]`` (split once).
-        config: the model's ``Qwen2Config``.
+        config: the model's config (``families``).
         optimizer: ``train_state.make_optimizer(...)``.
         prefix: the dataset's shared prefix (``PackedData.prefix``, int32 [Pf]); fixed per trainer.
         mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``); None = default device.
@@ -339,7 +339,7 @@ class LMTrainer:
         trace_count: times the step was traced: one per batch width (``PackedData.buckets``).
     """
 
-    def __init__(self, graphdef: nnx.GraphDef, config: qwen2.Qwen2Config, optimizer: optax.GradientTransformation,
+    def __init__(self, graphdef: nnx.GraphDef, config: decoder.DecoderConfig, optimizer: optax.GradientTransformation,
                  prefix: np.ndarray, *, mesh: Mesh | None = None, state_shardings: TrainState | None = None):
         if mesh is not None and state_shardings is None:
             raise ValueError("LMTrainer: a mesh needs state_shardings (train_state.train_state_shardings)")

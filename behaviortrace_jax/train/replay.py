@@ -51,7 +51,7 @@ from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.train import grpo_loss, grpo_step
 from behaviortrace_jax.train.start_state import load_start_state
@@ -84,8 +84,8 @@ class BehaviorMeasure:
         self.n_probes = len(probes)
 
         def mean_lp(params, ids, attn, w):
-            logits = qwen2.forward(graphdef, params, ids, qwen2.positions_from_mask(attn), attn)
-            lp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])
+            logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(attn), attn)
+            lp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
             m = w[:, 1:]
             return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
