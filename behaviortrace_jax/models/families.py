@@ -119,6 +119,22 @@ def resolve(family: str | None, hf_dir_or_dict: str | os.PathLike | dict | None 
     return get_family(model_type(hf_dir_or_dict))
 
 
+def preset(name: str, family: str | None = None, **overrides: Any) -> decoder.DecoderConfig:
+    """The preset ``name`` of ``family``, or (family None / "") of the one family that has it
+    (e.g. ``qwen2p5_1p5b``, ``llama3p2_1b``, ``qwen3_1p7b``).
+
+    Raises:
+        ValueError: naming ``name`` when no family, or more than one (give ``family``), has it.
+    """
+    if family:
+        return get_family(family).preset(name, **overrides)
+    have = [f for f in _FAMILIES.values() if callable(getattr(f.config_cls, name, None))]
+    if len(have) != 1:
+        raise ValueError(f"preset {name!r} is defined by {len(have)} model families "
+                         f"({[f.name for f in have]}); name the family")
+    return have[0].preset(name, **overrides)
+
+
 def config_from_hf(hf_dir_or_dict: str | os.PathLike | dict, family: str | None = None,
                    **overrides: Any) -> decoder.DecoderConfig:
     """The model config of a HF checkpoint: ``family`` (default: its ``model_type``) reads config.json.

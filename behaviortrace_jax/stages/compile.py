@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 try:  # package layout after the layer-folder move
     from behaviortrace_jax.io import files
-    from behaviortrace_jax.models import qwen2, sampler as sampler_lib, sharding
+    from behaviortrace_jax.models import decoder, families, sampler as sampler_lib, sharding
     from behaviortrace_jax.sketch import sketcher, targets
     from behaviortrace_jax.stages.registry import register_stage
     from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, lm_trainer, train_state
@@ -145,23 +145,24 @@ def cpu_device_count(config: ml_collections.ConfigDict) -> int:
     return int(str(c.target).split(":")[1])
 
 
-def model_config(config: ml_collections.ConfigDict) -> qwen2.Qwen2Config:
-    """The model to compile: ``compile.model`` = a ``Qwen2Config`` preset (e.g. ``qwen2p5_1p5b``), or
-    "" = ``model.hf_dir``'s config.json when present, else the ``base`` stage's preset. Only shapes
+def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
+    """The model to compile: ``compile.model`` = a model-family preset (e.g. ``qwen2p5_1p5b``,
+    ``llama3p2_1b``, ``qwen3_1p7b``; of ``model.family`` when set), or "" = ``model.hf_dir``'s
+    config.json when present, else the ``base`` stage's preset of ``base.family``. Only shapes
     are read; no weights. ``compile.num_layers`` > 0 overrides the depth."""
     c, dt = config.compile, dict(param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
-    hf = config.model.hf_dir
+    hf, family = config.model.hf_dir, config.model.get("family") or None
     if c.model:
-        cfg = getattr(qwen2.Qwen2Config, c.model)(**dt)
+        cfg = families.preset(c.model, family, **dt)
     elif hf and os.path.isfile(os.path.join(hf, "config.json")):
-        cfg = qwen2.Qwen2Config.from_hf_config(hf, **dt)
+        cfg = families.config_from_hf(hf, family, **dt)
     else:
-        cfg = getattr(qwen2.Qwen2Config, config.base.preset)(vocab_size=config.base.vocab_size,
-                                                            num_hidden_layers=config.base.num_layers, **dt)
+        cfg = families.preset(config.base.preset, config.base.get("family") or "qwen2",
+                              vocab_size=config.base.vocab_size, num_hidden_layers=config.base.num_layers, **dt)
     return cfg.replace(num_hidden_layers=c.num_layers) if c.num_layers > 0 else cfg
 
 
-def model_flops(cfg: qwen2.Qwen2Config, rows: int, length: int, *, backward: bool = False,
+def model_flops(cfg: decoder.DecoderConfig, rows: int, length: int, *, backward: bool = False,
                 context: int | None = None) -> float:
     """Analytic matmul FLOPs of a forward (x3 with ``backward``) over ``rows x length`` tokens:
     2 x (linear weights + LM head) per token, plus attention 4 x heads x head_dim x context per token
@@ -217,9 +218,9 @@ class Program:
     note: str = ""
 
 
-def build_programs(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, mesh) -> list[Program]:
+def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
     """Every jitted program of ``config`` at its real shapes, from the run's own constructors."""
-    graphdef, abs_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
+    graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
     param_sh = sharding.param_shardings(abs_params, mesh)
     params = _with_sh(abs_params, param_sh)
     tx = train_state.make_optimizer(config.optim)
@@ -276,7 +277,7 @@ def build_programs(config: ml_collections.ConfigDict, cfg: qwen2.Qwen2Config, me
     gbatch = {"input_ids": _sds((n, t), jnp.int32, data), "attention_mask": _sds((n, t), jnp.int32, data),
               "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, data),
               "advantages": _sds((n,), jnp.float32, data)}
-    order = sketcher.qwen2_param_order(cfg)
+    order = sketcher.hf_param_order(cfg)
     losses = sorted(grpo_loss.LOSSES) if config.compile.losses == "all" else [
         x.strip() for x in (config.compile.losses or g.loss).split(",") if x.strip()]
     variants = [sk.in_run_rollouts] + ([not sk.in_run_rollouts] if config.compile.both_sketch_variants else [])
