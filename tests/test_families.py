@@ -302,3 +302,48 @@ def test_qwen3_head_dim_is_explicit():
     d = {k: v for k, v in QWEN3_1P7B_HF_CONFIG.items() if k != "head_dim"}
     assert Qwen3Config.from_hf_config(d).head_dim == 128  # transformers' Qwen3Config default
     assert Qwen3Config.from_hf_config({**d, "head_dim": 64}).head_dim == 64
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_per_rollout_sketch_matches_pytorch(tmp_path, fam):
+    """As tests/test_sketcher.py's Qwen2 test, per family: JAX per-example sketches of -(masked mean
+    completion log-prob) equal numpy CountSketch of transformers' per-example gradients in HF
+    ``model.parameters()`` order (SPEC §3.2)."""
+    from transformers import AutoModelForCausalLM
+
+    from behaviortrace_jax.sketch.countsketch import numpy_countsketch
+    from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
+
+    hf_dir = save_random_hf(tmp_path / "hf", fam, tie=fam == "qwen3", tokenizer=False)
+    model = hf_io.load_hf_checkpoint(hf_dir)
+    graphdef, params = nnx.split(model, nnx.Param)
+    eos, b, t, p_len, dim = 2, 3, 16, 6, 2**14
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 320, (b, t))
+    am = np.ones((b, t), np.int64)
+    am[1, :2] = 0
+    ids[1, :2] = eos
+    ids[0, 12:] = eos
+    loss_mask = ((np.arange(t) >= p_len)[None] & (ids != eos)).astype(np.float32)
+    batch = {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(am, jnp.int32),
+             "loss_mask": jnp.asarray(loss_mask)}
+    sk = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, chunk_size=2,
+                            param_order=hf_param_order(model.config))
+    out = sk(params, batch)
+    tm = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
+    named = list(tm.named_parameters())
+    assert [n for n, _ in named] == list(sk.layout.names)
+    pos = np.maximum(np.cumsum(am, axis=1) - 1, 0)
+    for i in range(b):
+        tm.zero_grad(set_to_none=True)
+        logits = tm(input_ids=torch.tensor(ids[i:i + 1]), attention_mask=torch.tensor(am[i:i + 1]),
+                    position_ids=torch.tensor(pos[i:i + 1])).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.tensor(ids[i:i + 1, 1:, None]))[..., 0]
+        m = torch.tensor(loss_mask[i:i + 1, 1:])
+        (-(logp * m).sum() / m.sum()).backward()
+        vec = np.concatenate([p.grad.detach().numpy().ravel() for _, p in named])
+        ref = numpy_countsketch(vec, dim, 0)
+        rel = np.linalg.norm(np.asarray(out.sketches[i], np.float64) - ref) / np.linalg.norm(ref)
+        assert rel < 1e-4, rel
+        np.testing.assert_allclose(out.norms[i], np.linalg.norm(vec), rtol=1e-4)
+    assert sk.group_names[-1] == ("model.norm" if fam == "qwen3" else "lm_head")
