@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # Size of the data axis (rollouts); -1 = all devices / model.
     c.mesh.model = 1  # Size of the model axis (tensor parallel).
+    c.mesh.fsdp = False  # Also split parameters + AdamW moments over "data" (FSDP; configs/paper_tpu.py) (new).
 
     # --- planted behaviour (SPEC §1) ------------------------------------------------------------
     c.behavior = ml_collections.ConfigDict()
@@ -107,6 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.top_k = -1
     c.grpo.repetition_penalty = -1.0
     c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
+    c.grpo.one_backward = False  # paper loss + in-run sketches: update with the summed per-rollout gradients (no 2nd backward; float-order differences).
     c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
     c.grpo.inner_iterations = 1  # grpo_clip only: mu updates per batch.
@@ -120,6 +122,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sketch.seed = 0  # SPEC §3.1: grad_sample_seed.
     c.sketch.chunk_size = 4  # Examples per vmap(grad) chunk (peak memory ~ chunk x params).
     c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO (new).
+    c.sketch.in_run_tables = False  # In-run sketches read int32 hash tables (4 B/param on device) instead of hashing in the step.
     # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):
     # "" none, "all", "nearest" (to draws.target_step), or "100,1000". [C', R, D] floats on disk.
     c.sketch.rollout_checkpoints = "nearest"

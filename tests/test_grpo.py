@@ -137,7 +137,7 @@ def _batch(seed=0, advantages=None):
     return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
 
 
-def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False):
+def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, one_backward=False):
     cfg = _model_cfg()
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -152,7 +152,7 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=Fa
     step = grpo.make_train_step(graphdef, abstract, tx, SHAPES, loss_name=loss, loss_cfg=grpo_loss.LossConfig(),
                                 grad_clip=1.0, order=sketcher.qwen2_param_order(cfg), sketch_dim=dim, sketch_seed=0,
                                 in_run_rollouts=in_run, chunk_size=chunk, mesh=mesh, param_shardings=p_sh,
-                                opt_shardings=o_sh, use_tables=tables)
+                                opt_shardings=o_sh, use_tables=tables, one_backward=one_backward)
     return cfg, graphdef, params, opt_state, step
 
 
@@ -245,3 +245,26 @@ def test_sharded_step_equals_single_device(loss, tables, data):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # Adam amplifies reduction-order noise in near-zero gradients
     for k in o1:
         np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("data", [1, 3])
+def test_one_backward_step_equals_two_backward_step(data):
+    """grpo.one_backward: the update from the summed per-rollout gradients (no batched backward)
+    equals the default step's up to float summation order; sketches are the same."""
+    batch = _batch(seed=7)
+    mesh = _single_mesh() if data == 1 else sharding.make_mesh(data=data, model=1, devices=jax.devices()[:data])
+    outs = []
+    for one in (False, True):
+        cfg, graphdef, params, opt_state, step = _setup(mesh, one_backward=one, lr=1e-3)
+        params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), None)
+        outs.append((jax.device_get(params), jax.device_get(out)))
+    (p1, o1), (p2, o2) = outs
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for k in o1:
+        np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
+
+
+def test_one_backward_needs_in_run_sketches():
+    with pytest.raises(ValueError, match="one_backward"):
+        _setup(_single_mesh(), in_run=False, one_backward=True)

@@ -109,8 +109,23 @@ def spec_for(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
+def fsdp_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+    """``spec`` with the largest still-replicated axis of ``shape`` that ``"data"`` divides split over
+    ``"data"`` (FSDP / ZeRO-3: parameters and optimizer moments sharded over the data axis, gathered
+    per use by GSPMD). Vectors (biases, norms) and a data axis of 1 are left as they are."""
+    n = mesh.shape[DATA]
+    parts = list(spec) + [None] * (len(shape) - len(spec))
+    if n == 1 or len(shape) < 2 or DATA in parts:
+        return spec
+    free = [i for i, (p, size) in enumerate(zip(parts, shape)) if p is None and size % n == 0]
+    if not free:
+        return spec
+    parts[max(free, key=lambda i: shape[i])] = DATA
+    return P(*parts)
+
+
 def param_shardings(abstract_params: Any, mesh: Mesh,
-                    rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> Any:
+                    rules: Sequence[tuple[str, tuple[str, ...]]] | None = None, fsdp: bool = False) -> Any:
     """``NamedSharding`` for every parameter, in the structure of ``abstract_params``.
 
     Args:
@@ -119,6 +134,8 @@ def param_shardings(abstract_params: Any, mesh: Mesh,
             key paths spell HF keys.
         mesh: from :func:`make_mesh`.
         rules: partition rules (default :data:`PARAM_RULES`, which covers every registered family).
+        fsdp: also split each matrix over ``"data"`` (:func:`fsdp_spec`; config ``mesh.fsdp``), so the
+            parameters and the AdamW moments that follow them take 1/data of the memory per device.
 
     Returns:
         The same pytree with ``NamedSharding`` leaves: pass it to ``jax.device_put``,
@@ -132,7 +149,8 @@ def param_shardings(abstract_params: Any, mesh: Mesh,
         shape = tuple(leaf.shape)
         if len(axes) != len(shape):
             raise ValueError(f"parameter {_path_key(path)!r}: rule axes {axes} vs shape {shape}")
-        return NamedSharding(mesh, spec_for(axes, shape, mesh))
+        spec = spec_for(axes, shape, mesh)
+        return NamedSharding(mesh, fsdp_spec(spec, shape, mesh) if fsdp else spec)
 
     return jax.tree_util.tree_map_with_path(one, abstract_params)
 

@@ -221,7 +221,7 @@ class Program:
 def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
     """Every jitted program of ``config`` at its real shapes, from the run's own constructors."""
     graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abs_params, mesh)
+    param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.get("fsdp", False)))
     params = _with_sh(abs_params, param_sh)
     tx = train_state.make_optimizer(config.optim)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)
@@ -283,28 +283,30 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
     variants = [sk.in_run_rollouts] + ([not sk.in_run_rollouts] if config.compile.both_sketch_variants else [])
     for loss in losses:
         for in_run in variants:
+            one = bool(g.get("one_backward", False)) and in_run and loss == "paper"
             fn = grpo.make_train_step(
                 graphdef, abs_params, tx, shapes, loss_name=loss,
                 loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), grad_clip=config.optim.grad_clip,
                 order=order, sketch_dim=sk.dim, sketch_seed=sk.seed, in_run_rollouts=in_run,
                 chunk_size=sk.chunk_size, mesh=mesh, param_shardings=param_sh, opt_shardings=state_sh.opt_state,
-                inner_iterations=g.inner_iterations if loss == "grpo_clip" else 1)
+                inner_iterations=g.inner_iterations if loss == "grpo_clip" else 1,
+                use_tables=bool(sk.get("in_run_tables", False)), one_backward=one)
             ref = params if loss == "grpo_clip" else None
             iters = g.inner_iterations if loss == "grpo_clip" else 1
             fl = model_flops(cfg, n, t) * (1 + (loss == "grpo_clip")) + model_flops(cfg, n, t, backward=True) * iters
-            if in_run:
+            if in_run and not one:  # one_backward: the per-rollout backward replaces the batched one
                 fl += model_flops(cfg, n, t, backward=True)
             name = f"grpo_step[{loss},in_run={'on' if in_run else 'off'}]"
+            note_one = "; one backward (summed per-rollout gradients)" if one else ""
             progs.append(Program(name, (lambda fn=fn, ref=ref: fn.lower(params, state.opt_state, gbatch, ref)), fl,
                                  f"{n} rollouts x {t} tokens" + (f"; per-rollout sketches in lax.map of "
-                                                                 f"{-(-n // sk.chunk_size)} trips" if in_run else "")))
+                                                                 f"{-(-n // sk.chunk_size)} trips" if in_run else "")
+                                 + note_one))
 
     # --- checkpoint target sketcher, rollout re-sketcher, draws sketcher (targets.ForcedSketcher)
     fs = targets.ForcedSketcher(graphdef, cfg, abs_params, dim=sk.dim, seed=sk.seed, chunk_size=sk.chunk_size,
-                                block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0, use_tables=False)
-    tables = None
-    if tg.use_tables:
-        tables = [_sds(shape, jnp.int32, rep) for shape in fs.sketcher.layout.shapes]
+                                block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0,
+                                use_tables=tg.use_tables, mesh=mesh)
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
     ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
     lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
@@ -315,7 +317,7 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
     for name, length in lengths.items():
         fb = {"input_ids": _sds((b, length), jnp.int32, fsh), "attention_mask": _sds((b, length), jnp.int32, fsh),
               "loss_mask": _sds((b, length), jnp.float32, fsh)}
-        progs.append(Program(name, (lambda fb=fb: fs.sketcher._jitted.lower(params, fb, tables)),
+        progs.append(Program(name, (lambda fb=fb: fs.sketcher.lower(params, fb)),
                              model_flops(cfg, b, length, backward=True),
                              f"{b} sequences x {length}; lax.map of {b // fs.chunk_size} trips"))
     fb_len = lengths["target_sketcher"]

@@ -98,7 +98,8 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
                     grad_clip: float, order: sketcher.ParamOrder | None, sketch_dim: int,
                     sketch_seed: int, in_run_rollouts: bool, chunk_size: int,
                     mesh: jax.sharding.Mesh, param_shardings: Any, opt_shardings: Any,
-                    inner_iterations: int = 1, weighted: bool = False, use_tables: bool = False):
+                    inner_iterations: int = 1, weighted: bool = False, use_tables: bool = False,
+                    one_backward: bool = False):
     """Builds the jitted GRPO train step: one call per GRPO step, the whole batch at once.
 
     ``step(params, opt_state, batch, ref_params) -> (params, opt_state, out)``:
@@ -122,6 +123,11 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     parameter, replicated) are an extra argument of the jitted step instead of being hashed inside
     it; the returned callable then passes the sketcher's device tables itself (``step(params,
     opt_state, batch, ref_params)`` as before) and its ``lower(...)`` takes abstract ones.
+
+    ``one_backward`` (``grpo.one_backward``; one iteration, unweighted, in-run rollout sketches on):
+    the update uses the sum of the per-rollout gradients the in-run sketcher computes anyway
+    (``PerExampleSketcher.sketch_and_sum``) instead of a second, batched backward - the same
+    gradient up to float summation order (not bit-identical, so off by default).
     """
     loss_fn = grpo_loss.get_loss(loss_name)
     prompt_len = shapes.prompt_len
@@ -144,6 +150,8 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
                                                        seed=sketch_seed, chunk_size=chunk_size, param_order=order,
                                                        use_tables=use_tables, mesh=mesh)
     tables_arg = rollout_sketcher is not None and use_tables
+    if one_backward and (rollout_sketcher is None or inner_iterations != 1 or weighted):
+        raise ValueError("one_backward needs in-run rollout sketches, inner_iterations=1 and no weights")
 
     def step(params, opt_state, batch, ref_params, tables=None):
         ids, attn, mask, adv = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["advantages"]
@@ -159,8 +167,13 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 
         out = {}
         start_params = params
+        res = None
+        if one_backward:  # the per-rollout gradients, summed, are the batch gradient
+            res, gsum, terms = rollout_sketcher.sketch_and_sum(params, dict(batch, old_lp=old_lp, ref_lp=ref_lp),
+                                                               tables)
+            summed = (jnp.sum(terms), jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
         for it in range(inner_iterations):
-            loss, grads = jax.value_and_grad(total_loss)(params)
+            loss, grads = summed if one_backward else jax.value_and_grad(total_loss)(params)
             if it == 0:
                 out["loss"], out["grad_norm"] = loss, optax.tree.norm(grads)
                 if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm
@@ -170,7 +183,9 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             params = optax.apply_updates(params, updates)
         if rollout_sketcher is not None:
             rb = dict(batch, old_lp=old_lp, ref_lp=ref_lp)
-            if rollout_sketcher.mesh is None and not tables_arg:
+            if res is not None:
+                pass
+            elif rollout_sketcher.mesh is None and not tables_arg:
                 res = rollout_sketcher(start_params, rb)  # one device: the program as it always was
             else:
                 res = rollout_sketcher.sketch(start_params, rb, tables)

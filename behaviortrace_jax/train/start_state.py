@@ -56,7 +56,7 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
                         family=config.model.get("family"))
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     graphdef, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh)
+    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.get("fsdp", False))
     tx = train_state.make_optimizer(config.optim)
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
