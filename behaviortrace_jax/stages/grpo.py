@@ -96,7 +96,9 @@ class GRPORun:
             grad_clip=config.optim.grad_clip, order=self.order, sketch_dim=config.sketch.dim,
             sketch_seed=config.sketch.seed, in_run_rollouts=config.sketch.in_run_rollouts,
             chunk_size=config.sketch.chunk_size, mesh=self.mesh, param_shardings=start.param_shardings,
-            opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations)
+            opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations,
+            use_tables=config.sketch.get("in_run_tables", False),
+            one_backward=config.grpo.get("one_backward", False))
         self.ref_params = start.params if g.loss == "grpo_clip" else None
         top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k,
                                                              g.repetition_penalty)

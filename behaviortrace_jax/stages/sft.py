@@ -125,7 +125,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
                          compute_dtype=config.model.compute_dtype, family=config.model.get("family"))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh)  # the train state's layout (= the params')
+    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.get("fsdp", False))  # the train state's layout (= the params')
 
     pairs = sft_pairs(config)
     enc = lm_trainer.encode_chat_examples(
