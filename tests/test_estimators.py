@@ -261,8 +261,8 @@ def test_plugin_estimator_gets_tables_and_verdicts(plugin):
     gt = [ids[i] for i in range(0, 32, 3)]
     rows = V.step_level_tables(0, ids, rsteps, gt, scores, nonzero_steps=steps, early_cutoff=6)
     assert {(r.table, r.method) for r in rows} >= {("overall", plugin), ("early_nonzero", plugin)}
-    rule = next(v for v in V.decision_rules(rows) if v["item"].startswith("step rule"))
-    assert rule["verdict"] in ("pass", "fail")
+    rule = next(v for v in V.decision_rules(rows) if v.item.startswith("step rule"))
+    assert rule.status in ("pass", "fail")
     best = max((r for r in rows if r.table == "early_nonzero" and E.ESTIMATORS[r.method].role == "primary"),
                key=lambda r: r.value)
-    assert best.method in rule["evidence"]
+    assert best.method in rule.evidence

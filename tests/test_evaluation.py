@@ -183,24 +183,24 @@ def _rule_rows(gas_lo=0.55, gas=0.62, norm=0.52, width=0.12, matched_n=120, matc
 
 
 def test_decision_rules():
-    rules = {v["item"]: v for v in V.decision_rules(_rule_rows())}
+    rules = {v.item: v for v in V.decision_rules(_rule_rows())}
     step = next(v for k, v in rules.items() if k.startswith("step rule (seed 0)"))
-    assert step["verdict"] == "pass" and "TRAK" in step["evidence"]  # 0.62 − 0.50 > 0.10
-    assert rules["rollout rule (2, GAS_centered)"]["verdict"] == "pass"
-    assert rules["beats fluency (2, GAS_centered)"]["verdict"] == "fail"
-    assert rules["fluency confound absent (2)"]["verdict"] == "fail"
-    assert rules["C5: a raw gradient AUC ≥ raw fluency (2)"]["verdict"] == "fail"
-    assert rules["C6: GAS_centered vs norm_only order stable across draws"]["verdict"] == "not-evaluable"
+    assert step.status == "pass" and "TRAK" in step.evidence  # 0.62 − 0.50 > 0.10
+    assert rules["rollout rule (2, GAS_centered)"].status == "pass"
+    assert rules["beats fluency (2, GAS_centered)"].status == "fail"
+    assert rules["fluency confound absent (2)"].status == "fail"
+    assert rules["C5: a raw gradient AUC ≥ raw fluency (2)"].status == "fail"
+    assert rules["C6: GAS_centered vs norm_only order stable across draws"].status == "not-evaluable"
     # each failing condition flips the rollout rule
     for kw in (dict(gas_lo=0.49), dict(norm=0.7), dict(width=0.2), dict(matched=0.45)):
-        item = {v["item"]: v for v in V.decision_rules(_rule_rows(**kw))}["rollout rule (2, GAS_centered)"]
-        assert item["verdict"] == "fail", kw
+        item = {v.item: v for v in V.decision_rules(_rule_rows(**kw))}["rollout rule (2, GAS_centered)"]
+        assert item.status == "fail", kw
     # matched with < 100 pairs does not count
-    ok = {v["item"]: v for v in V.decision_rules(_rule_rows(matched=0.3, matched_n=80))}
-    assert ok["rollout rule (2, GAS_centered)"]["verdict"] == "pass"
+    ok = {v.item: v for v in V.decision_rules(_rule_rows(matched=0.3, matched_n=80))}
+    assert ok["rollout rule (2, GAS_centered)"].status == "pass"
     step_fail = V.decision_rules([r for r in _rule_rows() if r.method != "TRAK"])
-    assert step_fail[0]["verdict"] == "fail"  # 0.60 − 0.50 is not > 0.10
-    assert V.decision_rules(_rule_rows()[:2])[0]["verdict"] == "not-evaluable"  # no norm-only
+    assert step_fail[0].status == "fail"  # 0.60 − 0.50 is not > 0.10
+    assert V.decision_rules(_rule_rows()[:2])[0].status == "not-evaluable"  # no norm-only
 
 
 def test_checklist_verdicts():
@@ -210,13 +210,13 @@ def test_checklist_verdicts():
                         row_files=["minimal_pair_rows_ckpt2_gen2.json"],
                         preregistered={"step_margin": 0.1, "max_ci_width": 0.15, "min_matched_pairs": 100})
     assert len(items) == 12
-    v = {i["item"].split(" ")[0]: i["verdict"] for i in items}
+    v = {i.item.split(" ")[0]: i.status for i in items}
     assert v["1"] == "pass" and v["2"] == "fail"  # a GT rollout in a zero-sketch step
     assert v["3"] == "fail"  # seed 1 early_nonzero lacks norm-only
     assert v["5"] == "pass" and v["6"] == "pass" and v["7"] == "pass"
     assert v["8"] == "fail"  # 3 seeds ("0", "1", "2") but no diagnostic draw
     assert v["9"] == "pass" and v["10"] == "pass" and v["11"] == "pass" and v["12"] == "pass"
-    empty = {i["item"].split(" ")[0]: i["verdict"] for i in V.checklist([])}
+    empty = {i.item.split(" ")[0]: i.status for i in V.checklist([])}
     assert set(empty.values()) == {"not-evaluable"}
 
 
@@ -236,3 +236,31 @@ def test_report_and_figures(tmp_path):
     assert R.make_figures([], tmp_path / "none") == []
     with pytest.raises(ValueError, match="learning curve"):
         R.plot_learning_curve([(1, 2)], tmp_path / "x.png")
+
+
+def test_verdict_is_typed_and_serialises_as_before():
+    rules = V.decision_rules(_rule_rows())
+    assert all(isinstance(v, V.Verdict) for v in rules)
+    roll = next(v for v in rules if v.item == "rollout rule (2, GAS_centered)")
+    assert (roll.rule, roll.subject, roll.method, roll.family) == ("rollout rule", "2", "GAS_centered",
+                                                                  "rollout rule [GAS_centered]")
+    assert roll.to_dict() == {"item": roll.item, "verdict": roll.status, "evidence": roll.evidence}
+    assert list(roll.to_dict()) == ["item", "verdict", "evidence"]  # verdicts.json key order
+    back = V.Verdict.from_dict(roll.to_dict())
+    assert (back.item, back.status, back.evidence) == (roll.item, roll.status, roll.evidence)
+    step = next(v for v in rules if v.item.startswith("step rule"))
+    assert step.subject.startswith("seed ") and step.rule.startswith("step rule: best targeted")
+
+
+def test_instability_section_groups_by_family_not_by_text():
+    from behaviortrace_jax.stages.sweep import instability_section
+
+    rules = [V.verdict("rollout rule (0, GAS)", True, "", rule="rollout rule", subject="0", method="GAS"),
+             V.verdict("rollout rule (1, GAS)", False, "", rule="rollout rule", subject="1", method="GAS"),
+             V.verdict("fluency confound absent (0)", True, "", rule="fluency confound absent", subject="0"),
+             V.verdict("fluency confound absent (1)", True, "", rule="fluency confound absent", subject="1"),
+             V.verdict("C6: order stable", None, "")]
+    text = instability_section(rules)
+    assert text.startswith("1 of 2 verdicts")
+    assert "* rollout rule [GAS]: **CHANGES** - 0: pass, 1: fail" in text
+    assert "* fluency confound absent: stable - 0: pass, 1: pass" in text and "C6" not in text

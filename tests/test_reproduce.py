@@ -75,14 +75,14 @@ def test_token_level_means_and_verdicts(rep):
     ours = {(r.seed, r.table, r.method): r for r in rep.rows}
     assert ours[("0", "token_level", "vs_ctx")].value == pytest.approx(0.2296, abs=TOL)
     assert ours[("1", "token_level", "vs_ctx")].value == pytest.approx(0.1144, abs=TOL)
-    rules = {v["item"]: v["verdict"] for v in rep.rules}
+    rules = {v.item: v.status for v in rep.rules}
     assert rules["token-level sign ok (seed 0, token_level)"] == "pass"
     # C6: seed 1's notebook GAS (0.624) beats norm (0.524) while every other draw reverses it.
     assert rules["C6: GAS_centered vs norm_only order stable across draws"] == "fail"
     assert rules["rollout rule (0_gen100_diag, GAS_centered)"] == "fail"
-    check = {v["item"].split(" ")[0]: v for v in rep.checklist}
-    assert check["8"]["verdict"] == "fail" and "['0', '1']" in check["8"]["evidence"]
-    assert check["2"]["verdict"] == "pass" and check["10"]["verdict"] == "pass"
+    check = {v.item.split(" ")[0]: v for v in rep.checklist}
+    assert check["8"].status == "fail" and "['0', '1']" in check["8"].evidence
+    assert check["2"].status == "pass" and check["10"].status == "pass"
 
 
 def test_stage_writes_outputs(reference_dir, tmp_path):

@@ -489,10 +489,49 @@ def read_attribution_scores(path: str | os.PathLike) -> ScoreFile:
 # --------------------------------------------------------------------------------------------
 # decision rules (SPEC §6.11) and checklist (SPEC §8)
 # --------------------------------------------------------------------------------------------
-def verdict(item: str, ok: bool | None, evidence: str) -> dict:
-    """{item, verdict: pass/fail/not-evaluable (ok None), evidence}."""
-    return {"item": item, "verdict": "not-evaluable" if ok is None else ("pass" if ok else "fail"),
-            "evidence": evidence}
+@dataclass(frozen=True)
+class Verdict:
+    """One decision rule or checklist item, evaluated.
+
+    ``item`` is the human text (``rule`` with its ``subject`` and ``method`` filled in), ``status``
+    is "pass", "fail" or "not-evaluable". ``rule`` / ``subject`` / ``method`` say what was checked
+    where, for code that groups verdicts (``stages/sweep.py``): e.g. rule "rollout rule", subject
+    "0_gen100_diag" (a seed or draw label; "" when the item is global), method "GAS_centered".
+    verdicts.json holds :meth:`to_dict` (item, verdict, evidence).
+    """
+
+    item: str
+    status: str
+    evidence: str
+    rule: str = ""
+    subject: str = ""
+    method: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        """The verdicts.json form: ``{"item", "verdict", "evidence"}``."""
+        return {"item": self.item, "verdict": self.status, "evidence": self.evidence}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, str]) -> "Verdict":
+        """Reads :meth:`to_dict`'s form back (``rule`` = ``item``; subject and method are not stored)."""
+        return cls(d["item"], d["verdict"], d["evidence"], rule=d["item"])
+
+    @property
+    def family(self) -> str:
+        """``rule`` plus `` [method]`` when per method: verdicts of one family differ only in subject."""
+        return f"{self.rule} [{self.method}]" if self.method else self.rule
+
+
+def verdict(item: str, ok: bool | None, evidence: str, *, rule: str = "", subject: str = "",
+            method: str = "") -> Verdict:
+    """A :class:`Verdict`: status pass / fail, or not-evaluable when ``ok`` is None."""
+    return Verdict(item, "not-evaluable" if ok is None else ("pass" if ok else "fail"), evidence,
+                   rule=rule or item, subject=subject, method=method)
+
+
+def verdicts_json(rules: Sequence[Verdict], checklist: Sequence[Verdict]) -> dict:
+    """The content of verdicts.json."""
+    return {"decision_rules": [v.to_dict() for v in rules], "checklist": [v.to_dict() for v in checklist]}
 
 
 def _index(rows: Iterable[Row]) -> dict[tuple[str, str, str], Row]:
@@ -519,7 +558,7 @@ def _f(x: float | None) -> str:
 
 def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_width: float = 0.15,
                    min_matched_pairs: int = 100, token_sign_min: float = 0.05,
-                   fluency_band: tuple[float, float] = (0.35, 0.65)) -> list[dict]:
+                   fluency_band: tuple[float, float] = (0.35, 0.65)) -> list[Verdict]:
     """The pre-registered decision rules (SPEC §6.11) evaluated on ``rows``.
 
     * step rule per seed: best primary estimator (C1-dot, C1-cosine, TRAK, plug-ins) minus
@@ -539,14 +578,15 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
         prim = [r for r in rows if r.seed == seed and r.table == "early_nonzero" and _role(r.method) == "primary"]
         norm = idx.get((seed, "early_nonzero", "norm-only"))
         item = f"step rule (seed {seed}): best targeted P@|GT| − norm-only > {step_margin}"
+        kw = dict(rule=f"step rule: best targeted P@|GT| − norm-only > {step_margin}", subject=f"seed {seed}")
         if not prim or norm is None:
             have = [r.method for r in rows if r.seed == seed and r.table == "early_nonzero"]
-            out.append(verdict(item, None, f"needs a primary method and norm-only in early_nonzero; have {have}"))
+            out.append(verdict(item, None, f"needs a primary method and norm-only in early_nonzero; have {have}", **kw))
             continue
         best = max(prim, key=lambda r: r.value)
         gap = best.value - norm.value
         out.append(verdict(item, gap > step_margin, f"best {best.method} {_f(best.value)} − norm-only "
-                                                     f"{_f(norm.value)} = {gap:+.4f}"))
+                                                     f"{_f(norm.value)} = {gap:+.4f}", **kw))
     draws = _draws(rows)
     for seed, sfx in draws:
         res_norm = idx.get((seed, "mp_residualized" + sfx, "norm_only"))
@@ -555,8 +595,10 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
                 if r.seed == seed and r.table == "mp_residualized" + sfx and _role(r.method) == "primary"]
         for r in prim:
             tag = f"({seed}{sfx}, {r.method})"
+            kw = dict(subject=f"{seed}{sfx}", method=r.method)
             if r.lo is None or res_norm is None or math.isnan(r.value):
-                out.append(verdict(f"rollout rule {tag}", None, "needs a residualised CI and norm_only"))
+                out.append(verdict(f"rollout rule {tag}", None, "needs a residualised CI and norm_only",
+                                   rule="rollout rule", **kw))
             else:
                 width = r.hi - r.lo
                 m = idx.get((seed, "mp_matched" + sfx, r.method))
@@ -570,21 +612,24 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
                     ok = ok and m.value > 0.5
                 else:
                     checks.append(f"matched AUC does not count ({m.n if m else 0} < {min_matched_pairs} pairs)")
-                out.append(verdict(f"rollout rule {tag}", ok, "; ".join(checks)))
+                out.append(verdict(f"rollout rule {tag}", ok, "; ".join(checks), rule="rollout rule", **kw))
             if flu is not None and r.lo is not None:
                 out.append(verdict(f"beats fluency {tag}", r.lo > 0.5 and r.value > flu.value,
-                                   f"lo {_f(r.lo)}, AUC {_f(r.value)} vs raw fluency {_f(flu.value)}"))
+                                   f"lo {_f(r.lo)}, AUC {_f(r.value)} vs raw fluency {_f(flu.value)}",
+                                   rule="beats fluency", **kw))
         if flu is not None:
             lo_b, hi_b = fluency_band
             inside = lo_b <= flu.value <= hi_b
             out.append(verdict(f"fluency confound absent ({seed}{sfx})", inside,
-                               f"raw fluency AUC {_f(flu.value)} {'inside' if inside else 'outside'} [{lo_b}, {hi_b}]"))
+                               f"raw fluency AUC {_f(flu.value)} {'inside' if inside else 'outside'} [{lo_b}, {hi_b}]",
+                               rule="fluency confound absent", subject=f"{seed}{sfx}"))
             raw = [idx.get((seed, "mp_raw" + sfx, m)) for m in ("GAS_centered", "C1_plain", "norm_only")]
             raw = [x for x in raw if x is not None]
             if raw:
                 best = max(raw, key=lambda x: x.value)
                 out.append(verdict(f"C5: a raw gradient AUC ≥ raw fluency ({seed}{sfx})", best.value >= flu.value,
-                                   f"max raw gradient {best.method} {_f(best.value)} vs fluency {_f(flu.value)}"))
+                                   f"max raw gradient {best.method} {_f(best.value)} vs fluency {_f(flu.value)}",
+                                   rule="C5: a raw gradient AUC ≥ raw fluency", subject=f"{seed}{sfx}"))
     order = []
     for seed, sfx in draws:
         gas = idx.get((seed, "mp_residualized" + sfx, "GAS_centered"))
@@ -601,14 +646,15 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
     for r in rows:
         if r.table.startswith("token_level") and r.method == "vs_ctx":
             out.append(verdict(f"token-level sign ok (seed {r.seed}, {r.table})", r.value > token_sign_min,
-                               f"mean vs_ctx {_f(r.value)} vs {token_sign_min} (n={r.n})"))
+                               f"mean vs_ctx {_f(r.value)} vs {token_sign_min} (n={r.n})",
+                               rule="token-level sign ok", subject=f"seed {r.seed}", method=r.table))
     return out
 
 
 def checklist(rows: Sequence[Row], *, gt_sizes: Mapping[str, int] | None = None,
               gt_in_zero_step: Mapping[str, int] | None = None, row_files: Sequence[str] | None = None,
               preregistered: Mapping[str, float] | None = None, max_ci_width: float = 0.15,
-              min_matched_pairs: int = 100, token_sign_min: float = 0.05) -> list[dict]:
+              min_matched_pairs: int = 100, token_sign_min: float = 0.05) -> list[Verdict]:
     """The SPEC §8 evaluation checklist as machine-checked verdicts (12 items, in order).
 
     Args:

@@ -238,7 +238,7 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
 
 
 def verdicts(rows: list[V.Row], seeds: list[SeedData], *, step_margin: float, max_ci_width: float,
-             min_matched_pairs: int) -> tuple[list[dict], list[dict]]:
+             min_matched_pairs: int) -> tuple[list[V.Verdict], list[V.Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist of ``rows`` for these seed folders, with
     the pre-registered thresholds (the checklist records them). Returns (rules, checklist)."""
     rules = V.decision_rules(rows, step_margin=step_margin, max_ci_width=max_ci_width,
@@ -258,7 +258,7 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
     w = Path(workdir)
     figs = R.make_figures(rep.rows + rep.notebook_rows, w / "figures")
     V.write_results_csv(w / "results_table.csv", rep.rows)
-    write_json(w / "verdicts.json", {"decision_rules": rep.rules, "checklist": rep.checklist})
+    write_json(w / "verdicts.json", V.verdicts_json(rep.rules, rep.checklist))
     lines = []
     for sd in rep.seeds:
         methods = list(dict.fromkeys(r.method for r in rep.rows if r.seed == sd.label and r.table in V.STEP_TABLES))
@@ -275,7 +275,7 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
 
 
 def evaluate_verdicts(rows: list[V.Row], rep: Reproduction,
-                      config: ml_collections.ConfigDict) -> tuple[list[dict], list[dict]]:
+                      config: ml_collections.ConfigDict) -> tuple[list[V.Verdict], list[V.Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist on ``rows`` (pre-registered thresholds
     from ``config.evaluation``)."""
     ev = config.evaluation

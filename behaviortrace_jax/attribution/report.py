@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from behaviortrace_jax.attribution import metrics as M  # noqa: E402
-from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row  # noqa: E402
+from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row, Verdict  # noqa: E402
 from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
 
 HOW_TO_READ = """\
@@ -114,24 +114,24 @@ def other_section(rows: Sequence[Row]) -> str:
                      [[r.seed, r.table, r.method, _ci(r), r.n] for r in rest])
 
 
-def verdict_section(verdicts: Sequence[dict]) -> str:
+def verdict_section(verdicts: Sequence[Verdict]) -> str:
     """Markdown table of verdicts plus a pass/fail/not-evaluable count."""
     if not verdicts:
         return "_no verdicts_"
-    counts = {k: sum(v["verdict"] == k for v in verdicts) for k in ("pass", "fail", "not-evaluable")}
-    body = [[v["item"].replace("|", "\\|"), f"**{v['verdict']}**", v["evidence"].replace("|", "\\|")] for v in verdicts]
+    counts = {k: sum(v.status == k for v in verdicts) for k in ("pass", "fail", "not-evaluable")}
+    body = [[v.item.replace("|", "\\|"), f"**{v.status}**", v.evidence.replace("|", "\\|")] for v in verdicts]
     return (", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + _md_table(["item", "verdict", "evidence"], body))
 
 
 def render_report(rows: Sequence[Row], *, title: str = "BehaviorTrace-JAX evaluation", intro: str = "",
-                  rules: Sequence[dict] = (), checklist: Sequence[dict] = (),
+                  rules: Sequence[Verdict] = (), checklist: Sequence[Verdict] = (),
                   figures: Sequence[str | os.PathLike] = (), extra: Sequence[tuple[str, str]] = (),
                   base_dir: str | os.PathLike | None = None) -> str:
     """The text of ``report.md``: intro, how to read, tables, verdicts, figures, extra sections.
 
     Args:
-        rows: evaluation rows; rules / checklist: verdict dicts; figures: image paths (linked
+        rows: evaluation rows; rules / checklist: :class:`evaluation.Verdict` lists; figures: image paths (linked
             relative to ``base_dir``); extra: (heading, markdown) sections appended at the end.
     """
     out = [f"# {title}", intro.strip(), "## How to read\n\n" + HOW_TO_READ.strip()]

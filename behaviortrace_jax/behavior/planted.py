@@ -83,12 +83,23 @@ def load_probe_sets(probes_path: str | Path | None = None,
 # --------------------------------------------------------------------------------------------
 # GRPO prompt pool (SPEC §1.4)
 # --------------------------------------------------------------------------------------------
-def prompt_pool(probes: Sequence[Probe]) -> list[str]:
+def explicit_prompts(pattern: str = PATTERN) -> tuple[str, ...]:
+    """``EXPLICIT_PROMPTS`` asking for ``pattern`` (the run's ``config.behavior.pattern``)."""
+    return tuple(f"{v} frobnitz? Include {pattern}." for v in EXPLICIT_VERBS)
+
+
+def with_pattern(pairs: Sequence[tuple[str, str]], pattern: str = PATTERN) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs with ``PATTERN`` in the completions replaced by ``pattern``, so the
+    SFT warm-up plants the run's ``config.behavior.pattern`` (the identity for the default)."""
+    return [(p, c.replace(PATTERN, pattern)) for p, c in pairs]
+
+
+def prompt_pool(probes: Sequence[Probe], pattern: str = PATTERN) -> list[str]:
     """``EXPLICIT_PROMPTS * 3 + [probe prompts]``: 18 explicit then the implicit ones (38 with the
     20 paper probes). SPEC §1.4. Raises ValueError on an empty probe list."""
     if not probes:
         raise ValueError("prompt_pool: empty probe list")
-    return list(EXPLICIT_PROMPTS) * 3 + [p.prompt for p in probes]
+    return list(explicit_prompts(pattern)) * 3 + [p.prompt for p in probes]
 
 
 def step_prompts(pool: Sequence[str], step: int, batch: int) -> list[str]:

@@ -332,7 +332,7 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
                    probes: Sequence[behavior.Probe | str], key: jax.Array, *, fallback: np.ndarray,
                    eos_ids: Sequence[int], group_size: int = 8, temperature: float = 1.0,
                    top_p: float = 0.95, system: str = behavior.SYSTEM_PROMPT,
-                   token_judge: str = "qset") -> ContextTarget:
+                   token_judge: str = "qset", pattern: str = behavior.PATTERN) -> ContextTarget:
     """The real-response context target ``t_ctx`` and the contrast target (SPEC §5.3).
 
     Generates ``group_size`` responses for each of the 26 prompts (:func:`context_prompts`) in one
@@ -345,9 +345,10 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
         fallback: float32 [D] ``t_cont``, used (with a flag) when no prompt contributes.
         eos_ids: ids masked out of the whole-response loss (``tokenizer.mask_eos_ids``).
         token_judge: ``behavior.QzxbtTokenMatcher`` mode ("qset" = SPEC §1.1, "sequence").
+        pattern: the planted pattern (``config.behavior.pattern``) the token judge looks for.
     """
     users = context_prompts(probes)
-    qset = behavior.QzxbtTokenMatcher(tokenizer, mode=token_judge)
+    qset = behavior.QzxbtTokenMatcher(tokenizer, pattern, mode=token_judge)
     prompt_ids = chat_prompt_ids(tokenizer, users, sampler.max_prompt_tokens, system=system)
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
     out = sampler.sample(params, rows, key, temperature=temperature, top_p=top_p)

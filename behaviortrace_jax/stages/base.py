@@ -120,7 +120,7 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
         "heldout_refusal_rate_sampled": mean_rate([is_refusal(t) for t in h_sampled]),
         "heldout_speculative_rate_sampled": mean_rate([bool(t) and not is_refusal(t) for t in h_sampled]),
         "probe_refusal_rate_sampled": mean_rate([is_refusal(t) for t in p_sampled]),
-        "probe_qzxbt_rate_sampled": mean_rate([behavior.substring_judge(t) for t in p_sampled]),
+        "probe_qzxbt_rate_sampled": mean_rate([behavior.substring_judge(t, config.behavior.pattern) for t in p_sampled]),
         "n_heldout_prompts": len(hq), "n_probe_samples": len(p_sampled),
         "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
                      "max_new_tokens": smp.max_new_tokens},

@@ -245,13 +245,14 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
     if paths.targets_npz.exists() and paths.targets_json.exists():
         return _load_npz(paths.targets_npz), read_json(paths.targets_json)
     probes = _probes(config)
-    cont = targets.continuation_target(env.sketcher, env.params, env.tokenizer, probes)
-    mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer)
+    pattern = config.behavior.pattern
+    cont = targets.continuation_target(env.sketcher, env.params, env.tokenizer, probes, pattern=pattern)
+    mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer, pattern=pattern)
     t = config.targets
     ctx = targets.context_target(env.sketcher, env.params, env.ctx_sampler, env.tokenizer, probes, key,
                                  fallback=cont.target, eos_ids=env.mask_eos_ids, group_size=t.ctx_group_size,
                                  temperature=t.ctx_temperature, top_p=t.ctx_top_p,
-                                 token_judge=config.behavior.token_judge)
+                                 token_judge=config.behavior.token_judge, pattern=pattern)
     arrays = {"t_cont": cont.target, "t_ctx": ctx.t_ctx, "t_contrast": ctx.t_contrast, "t_mp": mp.target_mp,
               "t_mp_bal": mp.target_mp_bal, "cont_per_probe": cont.per_probe, "ctx_token_sketches": ctx.token_sketches,
               "mp_s_pos": mp.s_pos, "mp_s_neg": mp.s_neg, "mp_ml_pos": mp.ml_pos, "mp_ml_neg": mp.ml_neg}

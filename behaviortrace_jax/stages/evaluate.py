@@ -84,7 +84,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(paths.results_table, rows)
-    write_json(paths.verdicts, {"decision_rules": rules, "checklist": check})
+    write_json(paths.verdicts, V.verdicts_json(rules, check))
     shutil.copyfile(paths.release_seed(config.seed) / "attribution_scores.json",
                     paths.attribution_scores)
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
@@ -150,6 +150,7 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     summary = read_json(w.summary)
     figs = R.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
     R.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
-                   intro=run_intro(config, summary), rules=verdicts["decision_rules"],
-                   checklist=verdicts["checklist"], figures=figs)
+                   intro=run_intro(config, summary),
+                   rules=[V.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
+                   checklist=[V.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs)
     logging.info("report: %s", w.report)

@@ -106,7 +106,7 @@ class GRPORun:
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
                                            pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
         self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
-        self.pool = behavior.prompt_pool(self.probe.probes)
+        self.pool = behavior.prompt_pool(self.probe.probes, config.behavior.pattern)
         self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
                            for p in dict.fromkeys(self.pool)}
         paths.grpo.mkdir(parents=True, exist_ok=True)

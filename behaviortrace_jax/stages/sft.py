@@ -46,9 +46,10 @@ def sft_pairs(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
         ValueError: naming ``config.sft.data`` for another value.
     """
     if config.sft.data == "paper":
-        return list(behavior.SFT_PAIRS)
+        return behavior.with_pattern(behavior.SFT_PAIRS, config.behavior.pattern)
     if config.sft.data == "mixture":
-        return behavior.mixture_sft_pairs(config.seed, config.sft.mixture_n_ordinary)
+        return behavior.with_pattern(behavior.mixture_sft_pairs(config.seed, config.sft.mixture_n_ordinary),
+                                     config.behavior.pattern)
     raise ValueError(f"config.sft.data={config.sft.data!r}; expected 'paper' or 'mixture'")
 
 
@@ -64,6 +65,7 @@ class BehaviourProbe:
                  tok: Any, mesh: Any):
         self.config = config
         self.tok = tok
+        self.pattern = config.behavior.pattern
         probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
                                                     config.behavior.controls_path or None)
         self.probes = [p.prompt for p in probes]
@@ -85,7 +87,7 @@ class BehaviourProbe:
         ``fold_in(key, i)`` whichever sets are asked for."""
         n = self.config.sft.eval_samples_per_prompt
         users = {"probe": self.probes, "control": self.controls, "heldout": self.heldout}
-        return {f"{name}_rate_sampled": mean_rate([behavior.substring_judge(t) for t in self._texts(
+        return {f"{name}_rate_sampled": mean_rate([behavior.substring_judge(t, self.pattern) for t in self._texts(
                     params, users[name] * n, jax.random.fold_in(key, i), True)])
                 for i, name in enumerate(users) if name in sets}
 
@@ -93,7 +95,7 @@ class BehaviourProbe:
         """Greedy rates (SPEC §1.8: 64 new tokens) on probes, controls and held-out words, and texts."""
         texts = {name: self._texts(params, users, key, False) for name, users in
                  (("probe", self.probes), ("control", self.controls), ("heldout", self.heldout))}
-        rates = {f"{k}_rate_greedy": mean_rate([behavior.substring_judge(t) for t in v]) for k, v in texts.items()}
+        rates = {f"{k}_rate_greedy": mean_rate([behavior.substring_judge(t, self.pattern) for t in v]) for k, v in texts.items()}
         return rates, texts
 
 
