@@ -1,6 +1,9 @@
-"""Counterfactual replay (issue 13): a toy problem with a known answer, and the all-ones replay of a
-smoke GRPO run reproducing its own checkpoints bit for bit."""
+"""Counterfactual replay (issue 13): a toy problem with a known answer, the all-ones replay of a
+smoke GRPO run reproducing its own checkpoints bit for bit, and (slow) the counterfactual stage on
+that run: its tables, a rerun from its files, and a kill -9 mid-stage then rerun giving the same table."""
 from __future__ import annotations
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -107,3 +110,99 @@ def test_all_ones_replay_reproduces_the_run_bit_for_bit(smoke_run):
     w0[:16] = 0.0
     cut = rp.run(w0, measure_steps=[config.grpo.steps], recompute_advantages=True)
     assert cut["behavior"][config.grpo.steps]["logp_margin"] != out["behavior"][config.grpo.steps]["logp_margin"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage on the smoke run: its tables, its report section, and a kill -9 resume.
+# ------------------------------------------------------------------------------------------------
+def cf_config():
+    """The smoke config with a counterfactual stage of a few replays (k = |GT|/2 and |GT|, 2 random seeds, M = 3)."""
+    config = tiny.get_config("smoke")
+    cf = config.counterfactual
+    cf.k_fractions, cf.random_seeds, cf.lds_subsets, cf.rates, cf.sampled = "0.5,1.0", 2, 3, False, 2
+    return config
+
+
+CF_FLAGS = ["--config.counterfactual.k_fractions=0.5,1.0", "--config.counterfactual.random_seeds=2",
+            "--config.counterfactual.lds_subsets=3", "--config.counterfactual.rates=False",
+            "--config.counterfactual.sampled=2"]
+
+
+@pytest.fixture(scope="module")
+def sketched_run(smoke_run, tmp_path_factory):
+    """The smoke run with its sketch stage (the continuation targets the estimators score against)."""
+    config, w = smoke_run
+    config = cf_config()
+    config.stages = "sketch"
+    pipeline.run(config, str(w))
+    return w
+
+
+def _copy_run(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("counterfactual", "results_table.csv", "report.md",
+                                                            ".jax_cache"))
+    return dst
+
+
+@pytest.mark.slow  # ~3 min on 2 cores (the sketch stage, ~20 replays and their compiles)
+def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketched_run, tmp_path):
+    from behaviortrace_jax.attribution import evaluation as V
+
+    w = _copy_run(sketched_run, tmp_path / "run")
+    config = cf_config()
+    config.stages = "counterfactual"
+    pipeline.run(config, str(w))
+    rows = V.read_results_csv(w / "results_table.csv")
+    topk = [r for r in rows if r.table == "counterfactual_topk"]
+    methods = {r.method for r in topk}
+    assert {"oracle", "random", "C1-dot", "TracInCP"} <= methods and "random" in methods
+    nk = len({r.n for r in topk})  # k = |GT|/2 and |GT| (one k when |GT| = 1)
+    oracle = {r.n: r for r in topk if r.method == "oracle"}
+    assert all(r.ceiling == oracle[r.n].value for r in topk)  # ratio to oracle = value / ceiling
+    lds_rows = [r for r in rows if r.table == "lds"]
+    assert lds_rows and all(r.n == 3 and r.lo <= r.hi for r in lds_rows)
+    replays = sorted((w / "counterfactual" / "replays").glob("*.json"))
+    assert len(replays) == 1 + nk * (1 + len(methods) - 2 + 2) + 3  # full, k x (oracle, estimators, random), LDS
+    rec = json.loads(replays[0].read_text())
+    step = str(config.contamination.early_step_cutoff)  # measure = "window": the end of the contamination window
+    assert {"sampled_probe_rate", "sampled_control_rate", "logp_margin"} <= set(rec["behavior"][step])
+    assert "Counterfactual replay" in (w / "report.md").read_text()
+    # rerun: every replay is read back, nothing replayed, the same table bytes
+    table = (w / "results_table.csv").read_bytes()
+    mtimes = [p.stat().st_mtime_ns for p in replays]
+    pipeline.run(config, str(w))
+    assert (w / "results_table.csv").read_bytes() == table
+    assert [p.stat().st_mtime_ns for p in replays] == mtimes
+
+
+@pytest.mark.slow
+def test_kill_minus_9_during_the_stage_then_rerun_gives_the_same_table(sketched_run, tmp_path):
+    import os
+    import pathlib
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    ref, w = _copy_run(sketched_run, tmp_path / "ref"), _copy_run(sketched_run, tmp_path / "kill")
+    cmd = [sys.executable, str(repo / "main.py"), "--config=configs/tiny.py:smoke", "--config.stages=counterfactual",
+           *CF_FLAGS]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = dict(cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([*cmd, f"--workdir={ref}"], check=True, **run)
+    proc = subprocess.Popen([*cmd, f"--workdir={w}"], **run)
+    replays = w / "counterfactual" / "replays"
+    deadline = time.time() + 600
+    while time.time() < deadline and len(list(replays.glob("*.json"))) < 3:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    n_killed = len(list(replays.glob("*.json")))
+    assert 3 <= n_killed < len(list((ref / "counterfactual" / "replays").glob("*.json")))
+    subprocess.run([*cmd, f"--workdir={w}"], check=True, **run)
+    assert (w / "results_table.csv").read_bytes() == (ref / "results_table.csv").read_bytes()
+    assert (w / "counterfactual" / "report_section.md").read_bytes() == \
+        (ref / "counterfactual" / "report_section.md").read_bytes()

@@ -23,15 +23,17 @@ index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes
 :class:`BehaviorMeasure` scores a parameter set: the teacher-forced mean log-prob of the pattern
 continuation (``targets.continuation_example``: chat prompt + " QZXBT", SPEC §5.1) over the probe
 prompts minus over the control prompts (continuous, no sampling, low variance), plus the greedy
-probe / control rates of SPEC §1.8 (``behavior.probes.BehaviorProbe``).
+probe / control rates of SPEC §1.8 (``behavior.probes.BehaviorProbe``) and, with ``sampled=n``,
+sampled rates from ``n`` completions per prompt at the GRPO temperature (one fixed key).
 
-Library use::
+Library use (README "Test your estimator's rankings by replay")::
 
-    from behaviortrace_jax.train.replay import replay
-    from configs import tiny
-    w = np.ones(n_rollouts); w[top_k_indices] = 0.0            # remove an estimator's top k
-    out = replay("runs/tiny", w, config=tiny.get_config())    # {"behavior": {step: {...}}, ...}
-    print(out["behavior"][out["target_step"]]["logp_margin"])
+    rp = Replayer(tiny.get_config(), "runs/tiny")             # build once (~10 s), replay many times
+    w = np.ones(rp.num_rollouts); w[my_top_k_indices] = 0.0   # log order: index step * N + i
+    out = rp.run(w, measure_steps=[40])                       # replay 40 steps (default: to the end)
+    print(out["behavior"][40]["logp_margin"])                 # compare with rp.run(None, ...)
+
+or one-shot: ``replay("runs/tiny", w, config=...) -> {step: behaviour dict}``.
 """
 from __future__ import annotations
 
