@@ -235,7 +235,7 @@ def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
     s = make_sampler(config.draws.max_new_tokens)
     n_ctx = _ctx_new_tokens(config)
     ctx = s if n_ctx == config.draws.max_new_tokens else make_sampler(n_ctx)
-    sk = targets.ForcedSketcher.from_config(config, graphdef, cfg, params, pad_id=pad)
+    sk = targets.ForcedSketcher.from_config(config, graphdef, cfg, params, pad_id=pad, mesh=mesh)
     return _Env(cfg, params, tok, s, ctx, sk, eos, tok_lib.mask_eos_ids(tok, config.model.mask_eos))
 
 
