@@ -22,6 +22,11 @@ def get_config(seed: int = 0):
     # One per-example gradient at a time inside each chip's shard_map (2 rollouts per chip): a chunk
     # of c holds c full gradients (2.9 GiB each at 1.54B in bf16).
     c.sketch.chunk_size = 1
+    # Hash tables (int32, 4 B/parameter, replicated: 5.75 GiB at 1.54B) as inputs instead of hashing
+    # inside the jitted programs: TPU code generation of on-the-fly hash fusions grows with the
+    # parameter count (../shared/notes/AOT_FINDINGS.md).
+    c.sketch.in_run_tables = True
+    c.targets.use_tables = True
     c.compile.target = "tpu:v5e:2x4"
     c.compile.model = "qwen2p5_1p5b"
     return c

@@ -1,0 +1,89 @@
+"""GRPO train step on CPU: the default program (batched backward + per-rollout sketches) vs
+``grpo.one_backward`` (the update from the summed per-rollout gradients; issue 12 item 4).
+
+The tiny default's shapes (configs/tiny.py: base preset ``tiny``, B x G rollouts, prompt + completion
+lengths, sketch D and chunk), random weights, one device. The two programs are timed in alternating
+rounds so that load from other processes hits both alike; compile (the first call) is excluded; the
+figure is the median seconds per step.
+
+    python bench/bench_grpo_step.py [--rounds 5 --steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from behaviortrace_jax import runtime  # noqa: E402
+
+_ENV = runtime.reproducible_cpu_env(os.environ)
+_ENV.update(runtime.platform_env(os.environ))
+if _ENV:
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_ENV})
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from behaviortrace_jax.models import qwen2, sharding  # noqa: E402
+from behaviortrace_jax.sketch import sketcher  # noqa: E402
+from behaviortrace_jax.train import grpo_loss, grpo_step, train_state  # noqa: E402
+from configs import tiny  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    c = tiny.get_config()
+    g, sk = c.grpo, c.sketch
+    cfg = qwen2.Qwen2Config.tiny(vocab_size=c.base.vocab_size, num_hidden_layers=c.base.num_layers,
+                                 param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype)
+    mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
+    graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    p_sh = sharding.param_shardings(params, mesh)
+    tx = train_state.make_optimizer(c.optim)
+    o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    shapes = grpo_step.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+    rng = np.random.default_rng(0)
+    n, t = shapes.num_rollouts, g.max_new_tokens
+    prompts = [list(rng.integers(3, cfg.vocab_size, size=40)) for _ in range(n)]
+    comps = rng.integers(3, cfg.vocab_size, size=(n, t)).astype(np.int32)
+    batch = grpo_step.build_batch(prompts, comps, np.full(n, t, np.int32), rng.standard_normal(n).astype(np.float32),
+                                  (0,), shapes, 0)
+    steps, states = {}, {}
+    for one in (False, True):
+        steps[one] = grpo_step.make_train_step(
+            graphdef, abstract, tx, shapes, loss_name="paper", loss_cfg=grpo_loss.LossConfig(), grad_clip=1.0,
+            order=sketcher.qwen2_param_order(cfg), sketch_dim=sk.dim, sketch_seed=sk.seed, in_run_rollouts=True,
+            chunk_size=sk.chunk_size, mesh=mesh, param_shardings=p_sh, opt_shardings=o_sh, one_backward=one)
+        p = jax.device_put(jax.tree.map(np.asarray, params), p_sh)
+        states[one] = (p, tx.init(p))
+    times = {False: [], True: []}
+    for r in range(args.rounds + 1):
+        for one in (False, True):
+            p, o = states[one]
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                p, o, out = steps[one](p, o, batch, None)
+            jax.block_until_ready(out)
+            states[one] = (p, o)
+            if r:  # round 0 compiles
+                times[one].append((time.perf_counter() - t0) / args.steps)
+    two, one = statistics.median(times[False]), statistics.median(times[True])
+    print(f"{n} rollouts x {g.max_prompt_tokens + t} tokens, {sum(x.size for x in jax.tree.leaves(params)):,} params, "
+          f"D {sk.dim}, chunk {sk.chunk_size}")
+    print(f"default (batched backward + per-rollout): {two * 1e3:.1f} ms/step")
+    print(f"one_backward:                             {one * 1e3:.1f} ms/step  ({one / two:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
