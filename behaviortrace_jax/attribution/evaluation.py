@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from behaviortrace_jax.attribution import estimators as E, metrics as M
+from behaviortrace_jax.attribution import estimators, metrics
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl, read_json
 
 CSV_COLUMNS = ("seed", "table", "method", "value", "lo", "hi", "chance", "ceiling", "n")
@@ -189,8 +189,8 @@ def step_populations(rollout_ids: Sequence[str], rollout_steps, gt_ids: Iterable
         k = int(gt[mask].sum())
         if k == 0:
             raise ValueError(f"no ground-truth rollout in the {table!r} population ({int(mask.sum())} rollouts)")
-        out[table] = Population(table, mask, k, M.base_rate(k, int(mask.sum())),
-                                M.precision_ceiling_fractional(steps[mask], gt[mask], k))
+        out[table] = Population(table, mask, k, metrics.base_rate(k, int(mask.sum())),
+                                metrics.precision_ceiling_fractional(steps[mask], gt[mask], k))
     return out
 
 
@@ -256,7 +256,7 @@ def step_level_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids: I
             raise ValueError(f"unknown step table {table!r}; known: {STEP_TABLES}")
         p = pops[table]
         for m, s in scores.items():
-            value = M.precision_at_k_fractional(s[p.mask], gt[p.mask], p.k)
+            value = metrics.precision_at_k_fractional(s[p.mask], gt[p.mask], p.k)
             rows.append(Row(str(seed), table, m, value, chance=p.chance, ceiling=p.ceiling, n=p.n))
     return rows
 
@@ -284,12 +284,12 @@ def which_rollout_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids
     prec, auc = [], []
     for m, s in method_scores.items():
         s = scores_in_log_order(m, s, rollout_ids, index)
-        prec.append(Row(str(seed), "which_rollout", m, M.precision_at_k_fractional(s[p.mask], gt[p.mask], p.k),
+        prec.append(Row(str(seed), "which_rollout", m, metrics.precision_at_k_fractional(s[p.mask], gt[p.mask], p.k),
                         chance=p.chance, ceiling=1.0, n=p.n))
-        gp = M.group_pairs(steps[p.mask], gt[p.mask], s[p.mask])
+        gp = metrics.group_pairs(steps[p.mask], gt[p.mask], s[p.mask])
         lo = hi = None
         if nboot > 0 and gp.n_pairs:
-            lo, hi = M.cluster_bootstrap(gp, rng, nboot)
+            lo, hi = metrics.cluster_bootstrap(gp, rng, nboot)
         auc.append(Row(str(seed), "which_rollout_within_step", m, gp.auc, lo, hi, 0.5, 1.0, gp.n_pairs))
     return prec + auc
 
@@ -318,8 +318,8 @@ def validate_mp_rows(rows: Sequence[Mapping], columns: Iterable[str], source: st
 
 def _rollout_methods(rows: Sequence[Mapping]) -> list[tuple[str, str]]:
     """(method, column) pairs evaluated: the paper's four, then plug-ins present in the rows."""
-    out = [(m, E.ESTIMATORS[m].column) for m in PAPER_RAW]
-    for est in E.estimators("rollout"):
+    out = [(m, estimators.ESTIMATORS[m].column) for m in PAPER_RAW]
+    for est in estimators.estimators("rollout"):
         if est.name not in PAPER_RAW and est.in_tables and est.column in rows[0]:
             out.append((est.name, est.column))
     return out
@@ -352,21 +352,21 @@ def rollout_level_tables(seed_label, rows: Sequence[Mapping], *, nboot: int = 60
     rng = np.random.default_rng(rng_seed)
     label = str(seed_label)
 
-    def row(table: str, method: str, gp: M.GroupPairs) -> Row:
+    def row(table: str, method: str, gp: metrics.GroupPairs) -> Row:
         lo = hi = None
         if gp.n_pairs:
-            lo, hi = M.cluster_bootstrap(gp, rng, nboot)
+            lo, hi = metrics.cluster_bootstrap(gp, rng, nboot)
         return Row(label, table + suffix, method, gp.auc, lo, hi, n=gp.n_pairs)
 
     extras = [m for m, _ in methods if m not in PAPER_RAW]
-    resid = {m: M.residualize_by_fluency(groups, fl, col[m]) for m in PAPER_RESID + tuple(extras)}
-    raw_rows = [row("mp_raw", m, M.group_pairs(groups, pos, col[m])) for m in PAPER_RAW]
-    res_rows = [row("mp_residualized", m, M.group_pairs(groups, pos, resid[m])) for m in PAPER_RESID]
-    raw_rows += [row("mp_raw", m, M.group_pairs(groups, pos, col[m])) for m in extras]
-    res_rows += [row("mp_residualized", m, M.group_pairs(groups, pos, resid[m])) for m in extras]
+    resid = {m: metrics.residualize_by_fluency(groups, fl, col[m]) for m in PAPER_RESID + tuple(extras)}
+    raw_rows = [row("mp_raw", m, metrics.group_pairs(groups, pos, col[m])) for m in PAPER_RAW]
+    res_rows = [row("mp_residualized", m, metrics.group_pairs(groups, pos, resid[m])) for m in PAPER_RESID]
+    raw_rows += [row("mp_raw", m, metrics.group_pairs(groups, pos, col[m])) for m in extras]
+    res_rows += [row("mp_residualized", m, metrics.group_pairs(groups, pos, resid[m])) for m in extras]
     out = raw_rows + res_rows
     if matched:
-        out += [row("mp_matched", m, M.group_pairs(groups, pos, col[m], fluency=fl, matched=True, delta=delta))
+        out += [row("mp_matched", m, metrics.group_pairs(groups, pos, col[m], fluency=fl, matched=True, delta=delta))
                 for m in MATCHED + tuple(extras)]
     return out
 
@@ -539,7 +539,7 @@ def _index(rows: Iterable[Row]) -> dict[tuple[str, str, str], Row]:
 
 
 def _role(method: str) -> str | None:
-    est = E.ESTIMATORS.get(method)
+    est = estimators.ESTIMATORS.get(method)
     return est.role if est else None
 
 
@@ -576,7 +576,7 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
     out = []
     for seed in dict.fromkeys(r.seed for r in rows if r.table == "early_nonzero"):
         prim = [r for r in rows if r.seed == seed and r.table == "early_nonzero" and _role(r.method) == "primary"]
-        norm = idx.get((seed, "early_nonzero", "norm-only"))
+        norm = idx.get((seed, "early_nonzero", estimators.STEP_NORM_CONTROL))
         item = f"step rule (seed {seed}): best targeted P@|GT| − norm-only > {step_margin}"
         kw = dict(rule=f"step rule: best targeted P@|GT| − norm-only > {step_margin}", subject=f"seed {seed}")
         if not prim or norm is None:
@@ -589,7 +589,7 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
                                                      f"{_f(norm.value)} = {gap:+.4f}", **kw))
     draws = _draws(rows)
     for seed, sfx in draws:
-        res_norm = idx.get((seed, "mp_residualized" + sfx, "norm_only"))
+        res_norm = idx.get((seed, "mp_residualized" + sfx, estimators.ROLLOUT_NORM_CONTROL))
         flu = idx.get((seed, "mp_raw" + sfx, "fluency"))
         prim = [r for r in rows
                 if r.seed == seed and r.table == "mp_residualized" + sfx and _role(r.method) == "primary"]
@@ -633,7 +633,7 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
     order = []
     for seed, sfx in draws:
         gas = idx.get((seed, "mp_residualized" + sfx, "GAS_centered"))
-        norm = idx.get((seed, "mp_residualized" + sfx, "norm_only"))
+        norm = idx.get((seed, "mp_residualized" + sfx, estimators.ROLLOUT_NORM_CONTROL))
         if gas is not None and norm is not None:
             order.append((f"{seed}{sfx}", gas.value > norm.value, gas.value, norm.value))
     if len(order) >= 2:
@@ -684,7 +684,7 @@ def checklist(rows: Sequence[Row], *, gt_sizes: Mapping[str, int] | None = None,
 
     with_ctrl, without = [], []
     for seed, table in dict.fromkeys((r.seed, r.table) for r in step_rows + roll_rows if _role(r.method) == "primary"):
-        ctrl = "norm-only" if table in STEP_TABLES else "norm_only"
+        ctrl = estimators.STEP_NORM_CONTROL if table in STEP_TABLES else estimators.ROLLOUT_NORM_CONTROL
         (with_ctrl if (seed, table, ctrl) in has else without).append(f"{seed}/{table}")
     out.append(verdict("3 gradient-magnitude control reported next to every targeted method",
                        not without if (with_ctrl or without) else None,

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.attribution import estimators as E, evaluation as V, report as R
+from behaviortrace_jax.attribution import estimators, evaluation, report
 from behaviortrace_jax.io.files import read_json, write_json
 
 ROLLOUTS_PER_STEP = 16  # SPEC §2.1: 4 prompts x 4 generations per GRPO step.
@@ -54,9 +54,9 @@ class SeedData:
 class Reproduction:
     """Everything the ``reproduce`` job computes (nothing written yet)."""
 
-    rows: list[V.Row]  # computed rows, CSV order
-    notebook_rows: list[V.Row]  # read from rollout_seed01.json
-    populations: dict[tuple[str, str], V.Population]  # (seed, table) -> chance/ceiling/n
+    rows: list[evaluation.Row]  # computed rows, CSV order
+    notebook_rows: list[evaluation.Row]  # read from rollout_seed01.json
+    populations: dict[tuple[str, str], evaluation.Population]  # (seed, table) -> chance/ceiling/n
     rules: list[dict]
     checklist: list[dict]
     seeds: list[SeedData]
@@ -89,8 +89,8 @@ def load_seed(d: Path, per_step: int = ROLLOUTS_PER_STEP) -> SeedData:
     seed = int(d.name[4:])
     if int(header.get("seed", seed)) != seed:
         raise ValueError(f"{hp}: seed {header['seed']} != folder {d.name}")
-    ids, steps = V.paper_rollout_ids(int(header["n_rollouts"]), per_step)
-    gt = [e["rollout_id"] for e in V.read_ground_truth(gp)]
+    ids, steps = evaluation.paper_rollout_ids(int(header["n_rollouts"]), per_step)
+    gt = [e["rollout_id"] for e in evaluation.read_ground_truth(gp)]
     if "gt_size" in header and len(gt) != int(header["gt_size"]):
         raise ValueError(f"{gp}: {len(gt)} events but gt_size = {header['gt_size']} in {hp.name}")
     known = set(ids)
@@ -117,51 +117,51 @@ def read_step_score_tsv(path: Path) -> dict[int, float]:
     return out
 
 
-def _step_rows(sd: SeedData, d: Path, early_cutoff: int) -> tuple[list[V.Row], dict]:
+def _step_rows(sd: SeedData, d: Path, early_cutoff: int) -> tuple[list[evaluation.Row], dict]:
     nonzero = sd.header["nonzero_steps"]
-    pops = V.step_populations(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, nonzero_steps=nonzero,
+    pops = evaluation.step_populations(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, nonzero_steps=nonzero,
                               early_cutoff=early_cutoff)
     kw = dict(nonzero_steps=nonzero, early_cutoff=early_cutoff)
     score_file = d / "attribution_scores.json"
     if score_file.is_file():
-        sf = V.read_attribution_scores(score_file)
+        sf = evaluation.read_attribution_scores(score_file)
         if sf.rollout_ids != sd.rollout_ids:
             raise ValueError(f"{score_file}: rollout ids differ from the header's id layout")
         sd.files.append(score_file.name)
-        return V.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, sf.method_scores, **kw), pops
-    rows: list[V.Row] = []
+        return evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, sf.method_scores, **kw), pops
+    rows: list[evaluation.Row] = []
     # C1-dot from released per-step scores, for tables whose steps they cover.
     for tsv in sorted(d.glob("c1dot_step_scores_*.tsv")):
         step_scores = read_step_score_tsv(tsv)
         sd.files.append(tsv.name)
         covered = [t for t, p in pops.items() if set(np.unique(sd.rollout_steps[p.mask]).tolist()) <= set(step_scores)]
         if covered:
-            scores = E.expand_to_rollouts(list(step_scores.values()), list(step_scores), sd.rollout_steps)
-            rows += V.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"C1-dot": scores},
+            scores = estimators.expand_to_rollouts(list(step_scores.values()), list(step_scores), sd.rollout_steps)
+            rows += evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"C1-dot": scores},
                                         tables=covered, **kw)
     # random: exact shuffle.
-    rows += V.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids,
-                                {"random": E.random_scores(sd.rollout_ids, int(sd.label))}, **kw)
+    rows += evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids,
+                                {"random": estimators.random_scores(sd.rollout_ids, int(sd.label))}, **kw)
     # local-buffer: finite only on the window steps (notebook: current = #steps, window = #steps//10).
     n_steps = int(sd.rollout_steps.max()) + 1
-    window = E.local_buffer_steps(np.arange(n_steps), n_steps, max(1, n_steps // 10))
+    window = estimators.local_buffer_steps(np.arange(n_steps), n_steps, max(1, n_steps // 10))
     in_window = np.isin(sd.rollout_steps, window)
     gt_idx = {r: i for i, r in enumerate(sd.rollout_ids)}
     if not any(in_window[gt_idx[g]] for g in sd.gt_ids):
         # No GT in the window: every finite cosine earns 0 credit, so any finite stand-in is exact.
         lb = np.where(in_window, 0.0, -np.inf)
-        rows += V.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"local-buffer": lb}, **kw)
+        rows += evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"local-buffer": lb}, **kw)
     else:
         logging.warning("seed %s: GT inside the local-buffer window; its rows need the real scores", sd.label)
     return rows, pops
 
 
-def _order_step_rows(rows: list[V.Row]) -> list[V.Row]:
-    order = {e.name: i for i, e in enumerate(E.estimators("step"))}
-    return sorted(rows, key=lambda r: (V.STEP_TABLES.index(r.table), order.get(r.method, len(order))))
+def _order_step_rows(rows: list[evaluation.Row]) -> list[evaluation.Row]:
+    order = {e.name: i for i, e in enumerate(estimators.estimators("step"))}
+    return sorted(rows, key=lambda r: (evaluation.STEP_TABLES.index(r.table), order.get(r.method, len(order))))
 
 
-def token_level_rows(label: str, path: Path) -> list[V.Row]:
+def token_level_rows(label: str, path: Path) -> list[evaluation.Row]:
     """Means of the §7.4 lists -> rows ``token_level`` (temperature 0.9) or ``token_level_temp{T}``."""
     temp = TOKEN_FILE.search(path.name).group(1)
     d = read_json(path)
@@ -171,11 +171,11 @@ def token_level_rows(label: str, path: Path) -> list[V.Row]:
         vals = np.asarray(d.get(key, []), dtype=np.float64)
         if vals.ndim != 1 or vals.size == 0 or np.isnan(vals).any():
             raise ValueError(f"{path}: {key!r} must be a non-empty list of numbers")
-        out.append(V.Row(label, table, key, float(vals.mean()), n=int(vals.size)))
+        out.append(evaluation.Row(label, table, key, float(vals.mean()), n=int(vals.size)))
     return out
 
 
-def notebook_rows(path: Path) -> list[V.Row]:
+def notebook_rows(path: Path) -> list[evaluation.Row]:
     """rollout_seed01.json (§7.5) -> rows tables ``mp_residualized_notebook``,
     ``mp_matched_notebook`` and ``mp_raw_notebook`` (fluency), values [pt, lo, hi]."""
     d = read_json(path)
@@ -189,10 +189,10 @@ def notebook_rows(path: Path) -> list[V.Row]:
                                    ("matched", "mp_matched_notebook", "pairs")):
             for name, method in NOTEBOOK_NAMES.items():
                 pt, lo, hi = block[part][name]
-                out.append(V.Row(seed, table, method, pt, lo, hi, n=block[part].get(n_key)))
+                out.append(evaluation.Row(seed, table, method, pt, lo, hi, n=block[part].get(n_key)))
         pt, lo, hi = block["fluency_raw_auc"]
         n = block["residualized"].get("within_group_pairs")
-        out.append(V.Row(seed, "mp_raw_notebook", "fluency", pt, lo, hi, n=n))
+        out.append(evaluation.Row(seed, "mp_raw_notebook", "fluency", pt, lo, hi, n=n))
     return out
 
 
@@ -205,7 +205,7 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
         ValueError: a missing/ill-formed file, naming it.
     """
     step_rows, mp_rows, tok_rows, seeds = [], [], [], []
-    pops: dict[tuple[str, str], V.Population] = {}
+    pops: dict[tuple[str, str], evaluation.Population] = {}
     for d in seed_dirs(reference_dir):
         sd = load_seed(d, rollouts_per_step)
         seeds.append(sd)
@@ -214,13 +214,13 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
         pops.update({(sd.label, t): x for t, x in p.items()})
         for f in sorted(d.glob("minimal_pair_rows_ckpt*_gen*.json")):
             ckpt, gen = map(int, MP_FILE.search(f.name).groups())
-            head, rows_ = V.read_mp_rows(f)
+            head, rows_ = evaluation.read_mp_rows(f)
             if int(head.get("ckpt_seed", ckpt)) != ckpt or int(head.get("gen_seed", gen)) != gen:
                 raise ValueError(f"{f}: ckpt_seed/gen_seed {head.get('ckpt_seed')}/{head.get('gen_seed')} "
                                  f"disagree with the file name")
             diag = ckpt != gen
             label, suffix = (f"{ckpt}_gen{gen}", "_diag") if diag else (str(ckpt), "")
-            mp_rows.append(V.rollout_level_tables(label, rows_, nboot=nboot, rng_seed=gen, suffix=suffix,
+            mp_rows.append(evaluation.rollout_level_tables(label, rows_, nboot=nboot, rng_seed=gen, suffix=suffix,
                                                   delta=delta, source=str(f)))
             sd.files.append(f.name)
         for f in sorted(d.glob("token_level_cos_temp*.json")):
@@ -237,13 +237,13 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
     return Reproduction(rows, nb, pops, rules, check, seeds)
 
 
-def verdicts(rows: list[V.Row], seeds: list[SeedData], *, step_margin: float, max_ci_width: float,
-             min_matched_pairs: int) -> tuple[list[V.Verdict], list[V.Verdict]]:
+def verdicts(rows: list[evaluation.Row], seeds: list[SeedData], *, step_margin: float, max_ci_width: float,
+             min_matched_pairs: int) -> tuple[list[evaluation.Verdict], list[evaluation.Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist of ``rows`` for these seed folders, with
     the pre-registered thresholds (the checklist records them). Returns (rules, checklist)."""
-    rules = V.decision_rules(rows, step_margin=step_margin, max_ci_width=max_ci_width,
+    rules = evaluation.decision_rules(rows, step_margin=step_margin, max_ci_width=max_ci_width,
                              min_matched_pairs=min_matched_pairs)
-    check = V.checklist(rows, gt_sizes={s.label: len(s.gt_ids) for s in seeds},
+    check = evaluation.checklist(rows, gt_sizes={s.label: len(s.gt_ids) for s in seeds},
                         gt_in_zero_step={s.label: int(s.header["gt_in_zero_step"]) for s in seeds
                                          if "gt_in_zero_step" in s.header},
                         row_files=[f for s in seeds for f in s.files],
@@ -256,12 +256,12 @@ def verdicts(rows: list[V.Row], seeds: list[SeedData], *, step_margin: float, ma
 def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: str | os.PathLike) -> None:
     """Writes results_table.csv, verdicts.json, figures/ and report.md into ``workdir``."""
     w = Path(workdir)
-    figs = R.make_figures(rep.rows + rep.notebook_rows, w / "figures")
-    V.write_results_csv(w / "results_table.csv", rep.rows)
-    write_json(w / "verdicts.json", V.verdicts_json(rep.rules, rep.checklist))
+    figs = report.make_figures(rep.rows + rep.notebook_rows, w / "figures")
+    evaluation.write_results_csv(w / "results_table.csv", rep.rows)
+    write_json(w / "verdicts.json", evaluation.verdicts_json(rep.rules, rep.checklist))
     lines = []
     for sd in rep.seeds:
-        methods = list(dict.fromkeys(r.method for r in rep.rows if r.seed == sd.label and r.table in V.STEP_TABLES))
+        methods = list(dict.fromkeys(r.method for r in rep.rows if r.seed == sd.label and r.table in evaluation.STEP_TABLES))
         lines.append(f"* seed {sd.label}: " + ", ".join(f"`{f}`" for f in sd.files)
                      + f"; step-level methods computable: {', '.join(methods) or 'none'}")
     intro = (f"Re-scored from the paper's released files in `{reference_dir}` (SPEC §6.13).\n\n"
@@ -269,13 +269,13 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
              "Computed rows are in `results_table.csv`. The other step-level methods need per-rollout score "
              "files (`attribution_scores.json`), which a seed folder may add. `*_notebook` rows are read from "
              "`rollout_seed01.json` (run-notebook CIs, not recomputable) and feed the verdicts only.")
-    R.write_report(w / "report.md", rep.rows + rep.notebook_rows,
+    report.write_report(w / "report.md", rep.rows + rep.notebook_rows,
                    title="BehaviorTrace: reproduction of the paper's tables", intro=intro, rules=rep.rules,
                    checklist=rep.checklist, figures=figs)
 
 
-def evaluate_verdicts(rows: list[V.Row], rep: Reproduction,
-                      config: ml_collections.ConfigDict) -> tuple[list[V.Verdict], list[V.Verdict]]:
+def evaluate_verdicts(rows: list[evaluation.Row], rep: Reproduction,
+                      config: ml_collections.ConfigDict) -> tuple[list[evaluation.Verdict], list[evaluation.Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist on ``rows`` (pre-registered thresholds
     from ``config.evaluation``)."""
     ev = config.evaluation

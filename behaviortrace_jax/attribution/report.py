@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from behaviortrace_jax.attribution import metrics as M  # noqa: E402
+from behaviortrace_jax.attribution import metrics  # noqa: E402
 from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row, Verdict  # noqa: E402
 from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
 
@@ -70,12 +70,12 @@ def step_section(rows: Sequence[Row]) -> str:
         ch, ce = sel[0].chance, sel[0].ceiling
         head = f"**seed {seed}, `{table}`** — chance {_f(ch)}, ceiling {_f(ce)}"
         if ch is not None and ce is not None:
-            head += f", headroom {_f(M.headroom(ce, ch))}"
+            head += f", headroom {_f(metrics.headroom(ce, ch))}"
         head += f", n = {sel[0].n}"
         body = []
         for r in sel:
-            lift = _f(M.lift(r.value, ch), 3) if ch else ""
-            pct = _f(M.fraction_of_ceiling(r.value, ce), 3) if ce else ""
+            lift = _f(metrics.lift(r.value, ch), 3) if ch else ""
+            pct = _f(metrics.fraction_of_ceiling(r.value, ce), 3) if ce else ""
             body.append([r.method, _ci(r), _f(r.value - ch) if ch is not None else "", lift, pct, r.n])
         parts.append(head + "\n\n" + _md_table(["method", "value", "Δchance", "lift", "%ceil", "n"], body))
     return "\n\n".join(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -74,3 +75,52 @@ def heldout_prompts(terms: Sequence[str], n: int) -> list[str]:
 
 def mean_rate(flags: Sequence[bool]) -> float:
     return float(np.mean(flags)) if len(flags) else float("nan")
+
+
+class ImplantProbe:
+    """Probe / control / held-out rates of the pattern's substring judge during the SFT warm-up
+    (the TINY_CALIBRATION stop rule and ``sft_summary.json``; SPEC §1.7-§1.8).
+
+    Unlike :class:`BehaviorProbe` (greedy probe and control rates in one batch, for GRPO's learning
+    curve and gate), it also samples (``grpo.temperature`` / ``top_p``, ``sft.eval_samples_per_prompt``
+    per prompt) and adds held-out invented words, to measure leakage of the implant; prompts run in
+    fixed chunks so the sampler compiles once. Kept apart because the recorded runs depend on each
+    one's batching.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, cfg: decoder.DecoderConfig,
+                 tok: Any, mesh: Any):
+        self.config = config
+        self.tok = tok
+        self.pattern = config.behavior.pattern
+        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
+                                                    config.behavior.controls_path or None)
+        self.probes = [p.prompt for p in probes]
+        self.controls = [p.prompt for p in controls]
+        self.heldout = heldout_prompts(corpus.heldout_terms(config.base.seed, config.base.n_heldout),
+                                       len(self.probes))
+        self.sampler = make_sampler(graphdef, cfg, tok, mesh, config.behavior.gate_max_new_tokens,
+                                    config.sft.max_prompt_tokens)
+        self.chunk = len(self.probes) * config.sft.eval_samples_per_prompt
+
+    def _texts(self, params: Any, users: list[str], key: jax.Array, sampled: bool) -> list[str]:
+        kw = dict(temperature=self.config.grpo.temperature, top_p=self.config.grpo.top_p) if sampled else {}
+        return generate_texts(self.sampler, params, self.tok, users, key, chunk=self.chunk, **kw)
+
+    def sampled(self, params: Any, key: jax.Array, sets: tuple[str, ...] = ("probe", "control", "heldout")
+                ) -> dict[str, float]:
+        """QZXBT rates ``{name}_rate_sampled`` over ``eval_samples_per_prompt`` samples of each prompt
+        of the named sets ("probe", "control", "heldout"); set ``i`` of the three uses
+        ``fold_in(key, i)`` whichever sets are asked for."""
+        n = self.config.sft.eval_samples_per_prompt
+        users = {"probe": self.probes, "control": self.controls, "heldout": self.heldout}
+        return {f"{name}_rate_sampled": mean_rate([behavior.substring_judge(t, self.pattern) for t in self._texts(
+                    params, users[name] * n, jax.random.fold_in(key, i), True)])
+                for i, name in enumerate(users) if name in sets}
+
+    def greedy(self, params: Any, key: jax.Array) -> tuple[dict[str, float], dict[str, list[str]]]:
+        """Greedy rates (SPEC §1.8: 64 new tokens) on probes, controls and held-out words, and texts."""
+        texts = {name: self._texts(params, users, key, False) for name, users in
+                 (("probe", self.probes), ("control", self.controls), ("heldout", self.heldout))}
+        rates = {f"{k}_rate_greedy": mean_rate([behavior.substring_judge(t, self.pattern) for t in v]) for k, v in texts.items()}
+        return rates, texts

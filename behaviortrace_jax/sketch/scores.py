@@ -13,7 +13,7 @@ import pathlib
 import ml_collections
 import numpy as np
 
-from behaviortrace_jax.attribution import estimators as E
+from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.layout import RunLayout
 
@@ -53,7 +53,7 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
         sketches = (step_sketches if step_sketches is not None
                     else read_complete(paths.sketches / "step_sketches.zarr").read())
         steps = np.arange(sketches.shape[0])
-    return E.score_step_methods(
+    return estimators.score_step_methods(
         sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
         targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
         window=ev.local_buffer_window, current_step=int(config.grpo.steps))

@@ -28,11 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from behaviortrace_jax.attribution.estimators import ROLLOUT_COS_EPS
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.models import decoder, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
-COS_EPS = 1e-12  # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)).
+# SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)); one constant with the estimators.
+COS_EPS = ROLLOUT_COS_EPS
 
 # SPEC §5.4 minimal pairs: 3 users x 6 templates x 4 neutral fillers = 72 pairs.
 PAIR_USERS = ("What is frobnitz?", "Define frobnitz.", "Tell me about frobnitz.")
@@ -252,7 +254,7 @@ class ForcedSketcher:
             batch = self.pack(part)
             out = self.sketcher(params, batch)
             lp = self._mean_lp(params, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
-            out_sk, out_gn, lp = jax.device_get((out.sketches, out.norms, lp))
+            out_sk, out_gn, lp = sharding.to_host((out.sketches, out.norms, lp))
             k = len(part)
             sk.append(np.asarray(out_sk[:k], np.float32))
             gn.append(np.asarray(out_gn[:k], np.float32))
