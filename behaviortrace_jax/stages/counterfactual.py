@@ -145,10 +145,12 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
     return rows
 
 
-def report_section(rows: list[V.Row], figure: str | None) -> str:
+def report_section(rows: list[V.Row], figure: str | None, step: int | None = None) -> str:
     """Markdown section for report.md."""
     lines = [SECTION_MARK, "## Counterfactual replay (leave-top-k-out, LDS)", "",
-             "Δ = behaviour (pattern log-prob margin, probe - control) of the replay without removal minus with "
+             "Δ = behaviour (pattern log-prob margin, probe - control"
+             + (f", after {step} replayed steps" if step is not None else "")
+             + ") of the replay without removal minus with "
              "the top-k window rollouts removed; positive = the behaviour decreased. Replay is off-policy after the "
              "first removal (logged rollouts).", "",
              "| seed | method | k | Δ | Δ / oracle Δ | random mean |", "|---|---|---|---|---|---|"]
@@ -247,7 +249,7 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     keep = [r for r in old if not (r.table in TABLES and r.seed == str(int(config.seed)))]
     V.write_results_csv(table, keep + rows)
     fig = plot(rows, w / "figures" / "counterfactual_topk.png")
-    section = report_section(rows, "figures/counterfactual_topk.png" if fig else None)
+    section = report_section(rows, "figures/counterfactual_topk.png" if fig else None, step=at)
     atomic_write_text(w / "counterfactual" / "report_section.md", section)
     report = w / "report.md"
     text = report.read_text() if report.exists() else ""
