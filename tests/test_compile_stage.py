@@ -82,3 +82,25 @@ def test_platform_env_and_compile_cpu_devices(monkeypatch):
     with c.unlocked():
         c.stages = "compile"
     assert runtime.compile_cpu_devices(c) == 4
+
+
+def test_hbm_exhausted_at_compile_is_a_row_that_does_not_fit():
+    """XLA:TPU refuses a program over the chip's HBM inside compile(); the stage reports it as a
+    row with fits=False and the temp bytes XLA asked for, instead of dying."""
+
+    class Lowered:
+        def compile(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for "
+                               "HLO temporaries (17.87G) exceeds available HBM (15.75G).")
+
+    pr = compile_stage.Program("grpo_step[paper,in_run=on]", lambda: Lowered(), 8e12, "x")
+    row = compile_stage.compile_program(pr, compile_stage.CHIPS["v5e"], 16 * compile_stage.GiB, 8)
+    assert row["fits"] is False and abs(row["temp_bytes"] / compile_stage.GiB - 17.87) < 0.01
+    assert abs(row["memory_bytes"] / compile_stage.GiB - 15.75) < 0.01 and "RESOURCE_EXHAUSTED" in row["note"]
+    md = compile_stage.report_markdown({"target": "tpu:v5e:2x4", "chip": "v5e", "n_devices": 8, "mesh": {},
+                                        "model": "m", "host_peak_rss_bytes": 1e9, "stage_s": 1.0,
+                                        "programs": [row], "grpo_step_flop_ratio": None})
+    assert "| grpo_step[paper,in_run=on] |" in md and "False" in md
+    with pytest.raises(ValueError):
+        compile_stage.compile_program(compile_stage.Program("p", lambda: (_ for _ in ()).throw(ValueError("x")), 0.0),
+                                      None, None, 1)
