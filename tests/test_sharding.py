@@ -111,3 +111,29 @@ def test_sharded_forward_backward_equal_single_device(single_device, data, model
     for (path, g), (_, r) in zip(jax.tree_util.tree_leaves_with_path(grads),
                                  jax.tree_util.tree_leaves_with_path(ref_grads)):
         np.testing.assert_allclose(g, r, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_fsdp_splits_the_largest_free_axis_over_data():
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from behaviortrace_jax.models import sharding as sh
+
+    devs = jax.devices()
+    if len(devs) < 8:
+        import pytest
+        pytest.skip("needs the 8 fake CPU devices of tests/conftest.py")
+    mesh = sh.make_mesh(4, 2, devices=devs[:8])
+    params = {"model": {"embed_tokens": {"weight": jax.ShapeDtypeStruct((64, 16), np.float32)},
+                        "layers": {0: {"mlp": {"down_proj": {"weight": jax.ShapeDtypeStruct((16, 48), np.float32)}},
+                                       "input_layernorm": {"weight": jax.ShapeDtypeStruct((16,), np.float32)}}}}}
+    plain = sh.param_shardings(params, mesh)
+    fsdp = sh.param_shardings(params, mesh, fsdp=True)
+    assert plain["model"]["embed_tokens"]["weight"].spec == P("model", None)
+    assert fsdp["model"]["embed_tokens"]["weight"].spec == P("model", "data")
+    assert fsdp["model"]["layers"][0]["mlp"]["down_proj"]["weight"].spec == P("data", "model")
+    assert fsdp["model"]["layers"][0]["input_layernorm"]["weight"].spec == plain["model"]["layers"][0]["input_layernorm"]["weight"].spec
+    one = sh.make_mesh(1, 1, devices=devs[:1])
+    assert (sh.param_shardings(params, one, fsdp=True)["model"]["embed_tokens"]["weight"].spec
+            == sh.param_shardings(params, one)["model"]["embed_tokens"]["weight"].spec)
