@@ -29,7 +29,10 @@ from ml_collections import config_flags  # noqa: E402
 
 config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Run directory (relative or absolute): every output and checkpoint goes here.")
-flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() (set by launch/ scripts).")
+flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() with SLURM/TPU auto-detection (launch/ scripts).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (or JAX_COORDINATOR_ADDRESS): a multi-process run.")
+flags.DEFINE_integer("num_processes", None, "Processes of a multi-process run (or JAX_NUM_PROCESSES).")
+flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (or JAX_PROCESS_ID).")
 flags.mark_flags_as_required(["config", "workdir"])
 FLAGS = flags.FLAGS
 
@@ -45,8 +48,8 @@ def main(argv):
     from behaviortrace_jax.io import files
     from behaviortrace_jax import pipeline
 
-    if FLAGS.multihost:
-        jax.distributed.initialize()
+    runtime.start_distributed(runtime.distributed_settings(FLAGS.coordinator_address, FLAGS.num_processes,
+                                                           FLAGS.process_id, os.environ), auto=FLAGS.multihost)
     # Reruns and resumed runs reuse compiled programs instead of recompiling.
     jax.config.update("jax_compilation_cache_dir", os.path.join(files.resolve_path(FLAGS.workdir), ".jax_cache"))
     logging.info("JAX process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())

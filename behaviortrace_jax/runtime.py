@@ -128,3 +128,85 @@ def quiet_library_logs(verbosity: int = 0) -> None:
         handler.addFilter(_FILTER)
     for name in ("jax", "orbax", "etils", "absl.logging", "matplotlib", "tensorstore"):
         std_logging.getLogger(name).setLevel(std_logging.WARNING)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process runs (docs/architecture.md "Multi-process runs")
+# --------------------------------------------------------------------------------------------
+DISTRIBUTED_ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+                   "process_id": "JAX_PROCESS_ID"}
+HEARTBEAT_TIMEOUT_S = 20  # a killed process is declared lost after this long; the others then exit
+BARRIER_TIMEOUT_S = 1800  # one barrier of files.mutation (every process runs the same code)
+
+
+def distributed_settings(coordinator: str | None, num_processes: int | None, process_id: int | None,
+                         environ: Mapping[str, str]) -> dict | None:
+    """The ``jax.distributed.initialize`` arguments from main.py's flags, else the usual variables
+    (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``).
+
+    Returns:
+        None when neither names a coordinator (a single process, or ``--multihost`` with SLURM/TPU
+        auto-detection); else ``{"coordinator_address", "num_processes", "process_id"}``.
+    Raises:
+        ValueError: a coordinator without the number of processes or the process id, or an id
+            outside ``[0, num_processes)``.
+    """
+    coordinator = coordinator or environ.get(DISTRIBUTED_ENV["coordinator"]) or None
+    if num_processes is None and environ.get(DISTRIBUTED_ENV["num_processes"]):
+        num_processes = int(environ[DISTRIBUTED_ENV["num_processes"]])
+    if process_id is None and environ.get(DISTRIBUTED_ENV["process_id"]):
+        process_id = int(environ[DISTRIBUTED_ENV["process_id"]])
+    if coordinator is None:
+        return None
+    if num_processes is None or process_id is None:
+        raise ValueError(f"coordinator {coordinator}: also give --num_processes and --process_id "
+                         f"(or {DISTRIBUTED_ENV['num_processes']} and {DISTRIBUTED_ENV['process_id']})")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"--process_id={process_id} not in [0, --num_processes={num_processes})")
+    return {"coordinator_address": coordinator, "num_processes": int(num_processes), "process_id": int(process_id)}
+
+
+def start_distributed(settings: dict | None, auto: bool = False) -> bool:
+    """Joins a multi-process run and makes process 0 the only writer of the run's files.
+
+    Args:
+        settings: :func:`distributed_settings` (explicit coordinator), or None.
+        auto: ``--multihost`` without a coordinator: ``jax.distributed.initialize()``'s own cluster
+            detection (SLURM, Cloud TPU, ...).
+    Returns:
+        False (nothing done) for a single process; True after ``jax.distributed.initialize``.
+    Several CPU processes use gloo collectives. A process that dies is declared lost after
+    ``HEARTBEAT_TIMEOUT_S``; the coordination service then ends the others with an error naming it.
+    Call before any JAX computation.
+    """
+    import jax
+
+    if settings is None and not auto:
+        return False
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if (settings or {}).get("num_processes", 2) > 1 and platforms.split(",")[0] in ("cpu", ""):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**(settings or {}), heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                               shutdown_timeout_seconds=60, initialization_timeout=300)
+    if jax.process_count() > 1:
+        from behaviortrace_jax.io import files
+
+        files.configure_writer(jax.process_index() == 0, _barrier())
+    return True
+
+
+def _barrier():
+    """``barrier(name)``: every process waits for the others (the coordination service's barrier).
+    The barrier's id is its number and name, so processes that took different paths wait at
+    different ids and fail with the coordination service's timeout instead of pairing up wrongly."""
+    import zlib
+
+    from jax._src import distributed
+
+    client, count = distributed.global_state.client, [0]
+
+    def barrier(name: str) -> None:
+        count[0] += 1
+        client.wait_at_barrier(f"behaviortrace:{count[0]}:{zlib.crc32(name.encode()):08x}", BARRIER_TIMEOUT_S * 1000)
+
+    return barrier

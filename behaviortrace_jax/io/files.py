@@ -10,11 +10,18 @@
 * :func:`iter_jsonl`: the objects of a JSONL file with their line numbers; every error names
   ``file:line``. The readers of probes, the corpus, ground-truth logs and rollout shards build
   their own checks (keys, types, duplicates) on top of it.
+* One writer per artefact (multi-process runs, docs/architecture.md "Multi-process runs"):
+  :func:`configure_writer` (set by ``runtime.start_distributed``) makes process 0 the only writer.
+  Every mutation of the workdir goes through :func:`mutation` (the writers here use it, as do
+  :func:`remove_tree` / :func:`remove_file`): a barrier, the change on the writer only, a barrier,
+  so every process sees the same files between two mutations and takes the same branches. In a
+  single process the barriers are no-ops and nothing changes.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import contextlib
 import os
 import shutil
 import tempfile
@@ -22,6 +29,63 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 _MISSING = object()
+_WRITER: dict[str, Any] = {"is_writer": True, "barrier": None}
+
+
+def configure_writer(is_writer: bool, barrier: Callable[[str], None] | None = None) -> None:
+    """Makes this process the run's writer (``is_writer``) or not, with ``barrier(name)`` waiting for
+    every process (None: no barrier, the single-process default)."""
+    _WRITER.update(is_writer=bool(is_writer), barrier=barrier)
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run's files (always True in a single process)."""
+    return _WRITER["is_writer"]
+
+
+def sync(name: str) -> None:
+    """Waits for every process of a multi-process run (no-op in a single process)."""
+    if _WRITER["barrier"] is not None:
+        _WRITER["barrier"](name)
+
+
+@contextlib.contextmanager
+def mutation(name: str) -> Iterator[bool]:
+    """``with mutation("write x") as write: if write: ...``: a change to the workdir made by the
+    writer process only, between two barriers (so no process reads a half-made change, and every
+    process sees the same files before and after). Every process must enter it, in the same order."""
+    sync("before " + name)
+    try:
+        yield is_writer()
+    finally:
+        sync("after " + name)
+
+
+def write_text_now(path: str | os.PathLike, text: str | bytes) -> None:
+    """:func:`atomic_write_text` on this process, now, without barriers: only inside the body of a
+    :func:`mutation` (whose barriers already surround it) or for process-private files."""
+    _atomic_write_text(Path(path), text)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """``shutil.rmtree(path, ignore_errors=True)`` by the writer (see :func:`mutation`)."""
+    with mutation(f"rmtree {path}") as write:
+        if write:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``shutil.copyfile(src, dst)`` by the writer (see :func:`mutation`)."""
+    with mutation(f"copy {dst}") as write:
+        if write:
+            shutil.copyfile(src, dst)
+
+
+def remove_file(path: str | os.PathLike) -> None:
+    """``unlink(missing_ok=True)`` by the writer (see :func:`mutation`)."""
+    with mutation(f"unlink {path}") as write:
+        if write:
+            Path(path).unlink(missing_ok=True)
 
 
 def resolve_path(path: str | os.PathLike) -> str:
@@ -52,8 +116,14 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
 
 def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
     """Writes ``text`` (str as UTF-8, or bytes) to ``path`` atomically: ``path.tmp``, fsync,
-    ``os.replace``, then fsync of the directory (best effort). Creates missing parent folders."""
-    path = Path(path)
+    ``os.replace``, then fsync of the directory (best effort). Creates missing parent folders.
+    In a multi-process run only the writer process writes (:func:`mutation`)."""
+    with mutation(f"write {path}") as write:
+        if write:
+            _atomic_write_text(Path(path), text)
+
+
+def _atomic_write_text(path: Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -86,10 +156,19 @@ def atomic_write_dir(out_dir: str | os.PathLike, fill: Callable[[Path], None]) -
     new one renamed into place and the old one deleted. Readers see the old directory or the new
     one, never a mix; an error in ``fill`` removes the temporary directory and re-raises.
 
+    In a multi-process run only the writer process calls ``fill`` and writes (:func:`mutation`).
+
     Returns:
         ``out_dir`` as a Path.
     """
     out_dir = Path(out_dir)
+    with mutation(f"write dir {out_dir}") as write:
+        if write:
+            _atomic_write_dir(out_dir, fill)
+    return out_dir
+
+
+def _atomic_write_dir(out_dir: Path, fill: Callable[[Path], None]) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl, read_json, write_json
+from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl, read_json, remove_file, write_json
 
 SCHEMA_VERSION = 2  # 1 = the paper's 8 fields (SPEC §2.3); 2 = + group, tokens, log-probs, reward parts.
 SCHEMA_FILE = "schema.json"
@@ -161,7 +161,7 @@ def truncate_after_step(root: str | Path, step: int) -> int:
         keep = [r for r in records if r.step <= step]
         dropped += len(records) - len(keep)
         if not keep:
-            path.unlink()
+            remove_file(path)
         elif len(keep) < len(records):
             atomic_write_text(path, "".join(_encode(r) + "\n" for r in keep))
         else:
@@ -196,7 +196,7 @@ class RolloutLogger:
             write_json(self.root / SCHEMA_FILE, meta)
         for name in os.listdir(self.root):  # leftovers of a write killed before os.replace
             if name.endswith(".jsonl.tmp") and _SHARD_RE.match(name[:-4]):
-                (self.root / name).unlink()
+                remove_file(self.root / name)
         shards = _shards(self.root)
         self._next_index = shards[-1][0] + 1 if shards else 0
         self._last_step = last_logged_step(self.root)

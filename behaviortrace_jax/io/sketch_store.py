@@ -13,6 +13,13 @@ at once; the row's ``done`` flag is written only after its data write has commit
 mid-way resumes by computing :meth:`SketchStore.missing_rows` only. :meth:`SketchStore.flush` waits
 for everything. A partial last chunk (N not a multiple of ``chunk_rows``) is handled by zarr.
 
+Multi-process runs (one writer, ``files.is_writer()``): the writer creates a new store between two
+barriers (``files.mutation``) and the others then open it; rows are gathered to every process by
+the caller and only the writer writes them (:meth:`write_rows` is a no-op elsewhere); the reads
+(:meth:`read`, :meth:`missing_rows`, :meth:`done_mask`) flush, then read between two barriers, so
+every process sees the same rows. Every process must make the same calls in the same order.
+The kvstore follows the path (:func:`kvstore_spec`): ``file`` locally, ``gcs`` for ``gs://``.
+
 Example::
 
     meta = {"hash_family": HASH_FAMILY, "seed": 0, "dim": 65536, "param_fingerprint": layout.fingerprint,
@@ -26,15 +33,17 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
 
-from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.io import files
+from behaviortrace_jax.io.files import read_json
 
 FORMAT = "behaviortrace-sketch-store-v1"
 _META = "metadata.json"
@@ -45,8 +54,25 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=lambda o: o.item() if hasattr(o, "item") else o.tolist()))
 
 
-def _zarr_spec(path: pathlib.Path, shape: Sequence[int], chunks: Sequence[int], dtype: str) -> dict:
-    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
+def kvstore_spec(path: str | os.PathLike) -> dict:
+    """The tensorstore kvstore for ``path``: ``{"driver": "gcs", "bucket", "path"}`` for
+    ``gs://bucket/key...``, else ``{"driver": "file", "path"}`` (directory keys end in ``/``).
+
+    Raises:
+        ValueError: a URL of another scheme, or ``gs://`` without a bucket.
+    """
+    p = os.fspath(path)
+    if "://" not in p:
+        return {"driver": "file", "path": p.rstrip("/") + "/"}
+    scheme, rest = p.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    if scheme != "gs" or not bucket:
+        raise ValueError(f"{p}: sketch stores support local paths and gs://bucket/... only")
+    return {"driver": "gcs", "bucket": bucket, "path": key.strip("/") + "/"}
+
+
+def _zarr_spec(path: Any, shape: Sequence[int], chunks: Sequence[int], dtype: str) -> dict:
+    return {"driver": "zarr3", "kvstore": kvstore_spec(path),
             "metadata": {"shape": list(shape), "data_type": dtype, "fill_value": 0,
                          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}}
@@ -107,16 +133,23 @@ class SketchStore:
                 if full.get(key, "<absent>") != stored.get(key, "<absent>"):
                     raise ValueError(f"{meta_path}: metadata key {key!r} is {stored.get(key, '<absent>')!r} "
                                      f"in the store but {full.get(key, '<absent>')!r} was requested")
-            mode = {"open": True}
-        else:  # no metadata.json: a fresh (or never finished) store
-            path.mkdir(parents=True, exist_ok=True)
-            mode = {"create": True, "delete_existing": True}
+            return cls(path, *cls._open_arrays(path, shape, chunks, dtype, lead, {"open": True}), stored, max_pending)
+        # no metadata.json: a fresh (or never finished) store, created by the writer process only
+        with files.mutation(f"create {path}") as write:
+            if write:
+                path.mkdir(parents=True, exist_ok=True)
+                arrays = cls._open_arrays(path, shape, chunks, dtype, lead, {"create": True, "delete_existing": True})
+                files.write_text_now(meta_path, json.dumps(full, indent=1, sort_keys=True) + "\n")
+        if not write:
+            arrays = cls._open_arrays(path, shape, chunks, dtype, lead, {"open": True})
+        return cls(path, *arrays, full, max_pending)
+
+    @staticmethod
+    def _open_arrays(path: pathlib.Path, shape: tuple[int, ...], chunks: list[int], dtype: str, lead: int,
+                     mode: dict) -> tuple[ts.TensorStore, ts.TensorStore]:
         data = ts.open(_zarr_spec(path / "data", shape, chunks, dtype), **mode).result()
         done = ts.open(_zarr_spec(path / "done", shape[:lead], chunks[:lead], "uint8"), **mode).result()
-        if "create" in mode:
-            write_json(meta_path, full, indent=1, sort_keys=True)
-            stored = full
-        return cls(path, data, done, stored, max_pending)
+        return data, done
 
     @classmethod
     def open(cls, path: str | os.PathLike, max_pending: int = 8) -> "SketchStore":
@@ -161,6 +194,8 @@ class SketchStore:
             raise ValueError(f"{self.path}: rows of shape {arr.shape[1:]} do not fit a store of shape {self.shape}")
         if not 0 <= start or start + arr.shape[0] > n_rows:
             raise ValueError(f"{self.path}: rows [{start}, {start + arr.shape[0]}) outside [0, {n_rows})")
+        if not files.is_writer():
+            return
         rows = slice(int(start), int(start) + arr.shape[0])
         fut = self._data[lead + (rows,)].write(arr)
         self._pending.append((fut, lead, rows, arr))
@@ -195,27 +230,37 @@ class SketchStore:
 
     def done_mask(self) -> np.ndarray:
         """bool array ``[N]`` (or ``[C, N]``): True where the row's write committed (flushes first)."""
-        self.flush()
-        return self._done.read().result().astype(bool)
+        with self._reading("done_mask"):
+            return self._done.read().result().astype(bool)
 
     def missing_rows(self, lead: Sequence[int] = ()) -> np.ndarray:
         """Row indices (int64, ascending) not yet written under ``lead`` (``(c,)`` for 3-D stores);
         flushes pending writes first."""
         lead = self._lead(lead)
-        self.flush()
-        mask = self._done[lead].read().result() if lead else self._done.read().result()
+        with self._reading("missing_rows"):
+            mask = self._done[lead].read().result() if lead else self._done.read().result()
         return np.flatnonzero(mask == 0).astype(np.int64)
 
     def read(self, rows: Any = None, lead: Sequence[int] = ()) -> np.ndarray:
         """Reads the array: everything (``rows=None``, ``lead=()``), or ``rows`` (slice or int
         array along the row axis) under ``lead`` (a 3-D store with ``lead=()`` reads all checkpoints).
         Pending writes are flushed first."""
-        self.flush()
         lead = self._lead(lead) if lead else ()
         idx = lead + (slice(None),) * (self.row_axis - len(lead))
-        if rows is None or isinstance(rows, slice):
-            return self._data[idx + (rows if rows is not None else slice(None),)].read().result()
-        return self._data.oindex[idx + (np.asarray(rows, np.int64),)].read().result()
+        with self._reading("read"):
+            if rows is None or isinstance(rows, slice):
+                return self._data[idx + (rows if rows is not None else slice(None),)].read().result()
+            return self._data.oindex[idx + (np.asarray(rows, np.int64),)].read().result()
+
+    @contextlib.contextmanager
+    def _reading(self, what: str) -> Iterator[None]:
+        """Flushes, then reads between two barriers (multi-process: every process sees the same rows)."""
+        self.flush()
+        files.sync(f"{what} {self.path}")
+        try:
+            yield
+        finally:
+            files.sync(f"{what} done {self.path}")
 
     def __enter__(self) -> "SketchStore":
         return self

@@ -237,7 +237,7 @@ def hf_state_dict(params_or_model: Any, config: DecoderConfig) -> dict[str, np.n
     leaves = hf_ordered_leaves(params_or_model, config)
     table = hf_param_table(config)
     out = {}
-    for p, x in zip(table, jax.device_get(leaves)):  # one batched transfer
+    for p, x in zip(table, sharding.to_host(leaves)):  # one batched transfer (gathered across processes)
         a = np.asarray(x)
         if a.shape != p.shape:
             raise ValueError(f"parameter {p.hf_key!r} has shape {a.shape}, expected {p.shape}")

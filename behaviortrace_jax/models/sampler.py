@@ -325,7 +325,7 @@ class Sampler:
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             tokens, logprobs, lengths = self._decode(params, state, key, *scalars)
         b = len(prompt_token_lists)
-        tokens, logprobs, lengths = jax.device_get((tokens, logprobs, lengths))
+        tokens, logprobs, lengths = shd.to_host((tokens, logprobs, lengths))
         return SampleOutput(tokens=np.asarray(tokens[:b]), logprobs=np.asarray(logprobs[:b]),
                             lengths=np.asarray(lengths[:b]), prompt_tokens=ids[:b], prompt_mask=mask[:b])
 

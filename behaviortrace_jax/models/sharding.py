@@ -19,8 +19,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from behaviortrace_jax.io.checkpoints import tree_path_name
-
 DATA, MODEL = "data", "model"
 
 # Logical weight/activation axis -> mesh axis (None = replicated).
@@ -66,6 +64,17 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = No
         raise ValueError(f"mesh data={data} x model={model} = {data * model} != {n} devices")
     return Mesh(np.asarray(devs, dtype=object).reshape(data, model), (DATA, MODEL),
                 axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _path_key(path: tuple) -> str:
+    """``(DictKey('model'), DictKey('layers'), DictKey(3), ..., GetAttrKey('value'))`` -> HF key."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if name == "value" and isinstance(k, jax.tree_util.GetAttrKey):
+            continue
+        parts.append(str(name))
+    return ".".join(parts)
 
 
 def logical_axes(key: str, rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> tuple[str, ...]:
@@ -136,10 +145,10 @@ def param_shardings(abstract_params: Any, mesh: Mesh,
         ValueError: naming the parameter when no rule of :data:`PARAM_RULES` matches it.
     """
     def one(path, leaf):
-        axes = logical_axes(tree_path_name(path), rules)
+        axes = logical_axes(_path_key(path), rules)
         shape = tuple(leaf.shape)
         if len(axes) != len(shape):
-            raise ValueError(f"parameter {tree_path_name(path)!r}: rule axes {axes} vs shape {shape}")
+            raise ValueError(f"parameter {_path_key(path)!r}: rule axes {axes} vs shape {shape}")
         spec = spec_for(axes, shape, mesh)
         return NamedSharding(mesh, fsdp_spec(spec, shape, mesh) if fsdp else spec)
 
@@ -148,7 +157,43 @@ def param_shardings(abstract_params: Any, mesh: Mesh,
 
 def shard_params(params: Any, mesh: Mesh) -> Any:
     """``jax.device_put`` of the parameter state onto :func:`param_shardings` (a new state)."""
-    return jax.device_put(params, param_shardings(params, mesh))
+    return put(params, param_shardings(params, mesh))
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` that also works in a multi-process run, where a sharding
+    spans other processes' devices and JAX only places host (numpy) values there: a local jax array
+    (a fresh parameter, a PRNG key) goes through host memory first (every process holds the same
+    value: same seeds, same code). ``shardings``: one sharding or a tree matching ``tree``. In a
+    single process this is ``jax.device_put``."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    leaves, treedef = jax.tree.flatten(tree)
+    impls = [jax.random.key_impl(x) if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+             else None for x in leaves]
+    host = [np.asarray(jax.random.key_data(x)) if impl is not None
+            else np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x
+            for x, impl in zip(leaves, impls)]
+    out = jax.tree.leaves(jax.device_put(jax.tree.unflatten(treedef, host), shardings))
+    out = [x if impl is None else jax.random.wrap_key_data(x, impl=impl) for x, impl in zip(out, impls)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def to_host(tree: Any) -> Any:
+    """``jax.device_get(tree)`` that also works in a multi-process run: a leaf split over devices of
+    other processes (a ``"data"``-sharded batch output) is first gathered to every process
+    (``multihost_utils.process_allgather``, a collective: every process must call this in the same
+    order). In a single process this is ``jax.device_get``."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return x
+
+    return jax.device_get(jax.tree.map(one, tree))
 
 
 def data_sharding(mesh: Mesh) -> NamedSharding:

@@ -50,6 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from behaviortrace_jax.models import sharding
 from behaviortrace_jax.sketch.countsketch import ParamLayout, check_dim, layout_tables, sketch_batch, sketch_tree
 
 PyTree = Any
@@ -241,7 +242,7 @@ class PerExampleSketcher:
         if self.use_tables and self._tables is None:
             t = layout_tables(self.layout, self.dim, self.seed)
             if self.mesh is not None:
-                t = jax.device_put(t, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+                t = sharding.put(t, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
             self._tables = t
         return self._tables
 

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
+from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
@@ -171,14 +171,14 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     trained = read_json(base_dir / TRAINED_MARKER, None)
     resume = bool(trained) and trained.get("digest") == fp["digest"]
     build = base_dir.parent / (base_dir.name + ".build")
-    shutil.rmtree(build, ignore_errors=True)
+    files.remove_tree(build)
 
     # 1. corpus and tokenizer (the exported one when the weights are already final)
     examples = corpus.build_corpus(b.seed, b.corpus_size, n_terms=b.n_terms, n_heldout=b.n_heldout)
     if resume:
         tok = tok_lib.load_tokenizer(base_dir)
     else:
-        build.mkdir(parents=True)
+        build.mkdir(parents=True, exist_ok=True)
         tiny_tokenizer.train_tokenizer(tiny_tokenizer.training_texts(examples), build / "tokenizer", b.vocab_size)
         tok = tok_lib.load_tokenizer(build / "tokenizer")
     cfg = model_config(config)
@@ -222,7 +222,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     summary["seconds"]["eval"] = time.perf_counter() - t_eval
     write_json(base_dir / SUMMARY_FILE, summary)
     write_json(base_dir / COMPLETE_MARKER, fp, sort_keys=True)
-    shutil.rmtree(build, ignore_errors=True)
+    files.remove_tree(build)
     logging.info("base: control_exact %.2f (any corpus variant %.2f), held-out refusal greedy %.2f / sampled %.2f, "
                  "probe refusal %.2f", summary["control_exact"], summary["control_any_variant"],
                  summary["heldout_refusal_rate_greedy"], summary["heldout_refusal_rate_sampled"],
@@ -240,7 +240,7 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderCon
     model = cfg.module_class()(cfg, rngs=nnx.Rngs(params=b.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     param_sh = sharding.param_shardings(params, mesh)
-    params = jax.device_put(params, param_sh)
+    params = sharding.put(params, param_sh)
     schedule = train_state.make_schedule(b.lr, b.steps, b.warmup_steps, b.end_lr_fraction)
     tx = train_state.make_optimizer(config.optim, schedule)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, params)

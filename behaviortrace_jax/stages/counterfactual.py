@@ -37,6 +37,7 @@ import numpy as np
 from absl import logging
 
 from behaviortrace_jax.attribution import evaluation as V, metrics as M
+from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.sketch.scores import step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
@@ -190,7 +191,9 @@ def plot(rows: list[V.Row], path: pathlib.Path) -> pathlib.Path | None:
     ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with files.mutation(f"write {path}") as write:
+        if write:
+            fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

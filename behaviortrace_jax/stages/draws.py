@@ -41,7 +41,6 @@ import io
 import json
 import os
 import pathlib
-import shutil
 from typing import Any
 
 import jax
@@ -52,6 +51,7 @@ from absl import logging
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.io import checkpoints, sketch_store
+from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
@@ -304,9 +304,9 @@ def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
         raise ValueError(f"{paths.rows} exists but was made with other settings (differing: {diff}); "
                          "delete the draw's files under workdir/draws to redo it")
     for p in (paths.targets_npz, paths.targets_json, paths.rollouts):
-        p.unlink(missing_ok=True)
+        files.remove_file(p)
     for p in (paths.partial, paths.sketches, paths.grad_norms):
-        shutil.rmtree(p, ignore_errors=True)
+        files.remove_tree(p)
     paths.root.mkdir(parents=True, exist_ok=True)
     write_json(paths.settings, settings, sort_keys=True)
     return False
@@ -410,7 +410,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
     tl = cat["token_level"]
     atomic_write_text(paths.token_level, token_level_text(tl[:, 0].tolist(), tl[:, 1].tolist(), tl[:, 2].tolist()))
     atomic_write_text(paths.rows, rows_file_text(header, rows))
-    shutil.rmtree(paths.partial, ignore_errors=True)
+    files.remove_tree(paths.partial)
     logging.info("draws: wrote %s (%d rows, qzxbt rate %.3f)", paths.rows, len(rows), header["qzxbt_rate"])
     return paths.rows
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 
 import ml_collections
 import numpy as np
@@ -25,6 +24,7 @@ from absl import logging
 from behaviortrace_jax.attribution import estimators as E, evaluation as V, release as reproduce, report as R
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.io import rollout_log, sketch_store
+from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.sketch.scores import read_complete, step_method_scores
@@ -47,19 +47,19 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
                                  final_rewards=np.array([r.reward for r in records]),
                                  group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
     out = release / f"seed{int(config.seed)}"
-    shutil.rmtree(out, ignore_errors=True)  # derived files only: rebuilt from the run every time
-    out.mkdir(parents=True)
+    files.remove_tree(out)  # derived files only: rebuilt from the run every time
+    out.mkdir(parents=True, exist_ok=True)
     V.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     run_header = {k: header[k] for k in V.SCORE_FILE_KEYS}
     run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
     write_json(out / "run_header.json", run_header)
-    shutil.copyfile(paths.ground_truth, out / "ground_truth.jsonl")
+    files.copy_file(paths.ground_truth, out / "ground_truth.jsonl")
     draws = paths.draws
     for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
         if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
-            shutil.copyfile(f, out / f.name)
+            files.copy_file(f, out / f.name)
     return header
 
 
@@ -85,8 +85,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rules, check = evaluate_verdicts(rows, rep, config)
     V.write_results_csv(paths.results_table, rows)
     write_json(paths.verdicts, V.verdicts_json(rules, check))
-    shutil.copyfile(paths.release_seed(config.seed) / "attribution_scores.json",
-                    paths.attribution_scores)
+    files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
 
 

@@ -36,6 +36,7 @@ from absl import logging
 from behaviortrace_jax.behavior import contaminator, planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
+from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
@@ -74,6 +75,16 @@ def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     run = GRPORun(config, paths)
     run.train()
     run.finish()
+
+
+class _NoSummary:
+    """TensorBoard writer of the processes that do not write (multi-process runs)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class GRPORun:
@@ -167,6 +178,7 @@ class GRPORun:
                 prompt_token_ids=list(prompt_lists[i]), completion_token_ids=sample.tokens[i, :length].tolist(),
                 completion_logprobs=sample.logprobs[i, :length].tolist(), base_reward=float(base[i]),
                 eligible=self.contaminator.is_eligible(ids[i], step), bonus=float(rewards[i] - base[i])))
+        out = sharding.to_host(out)  # every process holds the whole step's outputs; the writer writes them
         self.stores["step_sketches"].write_rows(step, np.asarray(out["step_sketch"])[None])
         self.stores["step_grad_norms"].write_rows(step, np.asarray(out["grad_norm"], np.float32)[None])
         if "rollout_sketches" in out:
@@ -190,8 +202,12 @@ class GRPORun:
         point = {"step": step, "probe_rate": rates["probe_rate"], "control_rate": rates["control_rate"]}
         self.curve = [c for c in self.curve if c["step"] < step] + [point]
         write_json(self.paths.curve, self.curve)
+        rng, step_arr = self.base_key, jnp.int32(step)
+        if jax.process_count() > 1:  # orbax saves global arrays only: place the host-local ones on the mesh
+            replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            rng, step_arr = sharding.put((rng, step_arr), replicated)
         checkpoints.save_train_state(self.paths.state, step, {
-            "params": self.params, "opt_state": self.opt_state, "step": jnp.int32(step), "rng": self.base_key})
+            "params": self.params, "opt_state": self.opt_state, "step": step_arr, "rng": rng})
         return point
 
     def train(self) -> None:
@@ -200,7 +216,7 @@ class GRPORun:
         from tensorboardX import SummaryWriter
 
         g = self.config.grpo
-        writer = SummaryWriter(str(self.paths.tensorboard))
+        writer = SummaryWriter(str(self.paths.tensorboard)) if files.is_writer() else _NoSummary()
         bar = tqdm(range(self.start_step, g.steps), initial=self.start_step, total=g.steps, desc="grpo",
                    unit="step", dynamic_ncols=True)
         rate = self.curve[-1]["probe_rate"] if self.curve else float("nan")

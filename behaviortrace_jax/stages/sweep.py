@@ -24,6 +24,7 @@ from absl import logging
 from behaviortrace_jax.attribution import evaluation as V, release as reproduce, report as R
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.stages import registry as stages
 from behaviortrace_jax.stages.registry import register_stage
@@ -120,7 +121,9 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         for name in names[len(pre):]:
             stages.STAGES[name](cfg, str(run_dir))
         run = RunLayout(run_dir)
-        shutil.copytree(run.release_seed(seed), top.release_seed(seed), dirs_exist_ok=True)
+        with files.mutation(f"copy {run.release_seed(seed)}") as write:
+            if write:
+                shutil.copytree(run.release_seed(seed), top.release_seed(seed), dirs_exist_ok=True)
         summaries[seed] = read_json(run.summary)
     aggregate(config, w, summaries)
 

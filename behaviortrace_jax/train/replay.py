@@ -98,7 +98,7 @@ class BehaviorMeasure:
         self.sample_key = jax.random.key(int(config.seed))
 
     def measure(self, params) -> dict[str, float]:
-        lp = np.asarray(self._mean_lp(params, self.ids, self.attn, self.w), np.float64)
+        lp = np.asarray(sharding.to_host(self._mean_lp(params, self.ids, self.attn, self.w)), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
         out["logp_margin"] = out["logp_probe"] - out["logp_control"]
         if self.greedy:

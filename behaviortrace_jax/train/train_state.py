@@ -25,6 +25,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from behaviortrace_jax.io import checkpoints
+from behaviortrace_jax.models import sharding
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -119,7 +120,7 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: 
     key = jax.random.key(rng) if isinstance(rng, int) else rng
     init = jax.jit(optimizer.init, out_shardings=None if shardings is None else shardings.opt_state)
     state = TrainState(params=params, opt_state=init(params), step=jnp.zeros((), jnp.int32), rng=key)
-    return state if shardings is None else jax.device_put(state, shardings)
+    return state if shardings is None else sharding.put(state, shardings)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, param_shardings: Any, mesh: Mesh,

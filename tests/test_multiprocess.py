@@ -1,0 +1,204 @@
+"""Multi-process runs (docs/architecture.md "Multi-process runs"; issue 15).
+
+* Unit tests (fast): the launch settings, the one-writer file helpers, the tensorstore kvstore a
+  path selects (``gs://`` -> ``gcs``).
+* ``test_two_processes_equal_one_process_two_devices`` (CI): the whole smoke pipeline, every default
+  stage, as ``launch/local_multiprocess.sh 2`` (2 processes x 1 CPU device, one shared workdir) and as
+  one process over 2 fake devices, side by side: the same results_table.csv, rollout log and ground
+  truth, byte for byte; the same files; no ``.tmp`` left.
+* ``test_killed_process_then_rerun_resumes`` (slow): 4 processes, one killed (SIGKILL) mid-GRPO; the
+  others exit within 60 s with an error naming the lost task; the rerun resumes from the last
+  checkpoint and ends with the uninterrupted run's table.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from behaviortrace_jax import runtime
+from behaviortrace_jax.io import files, rollout_log, sketch_store
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch" / "local_multiprocess.sh"
+SMOKE = "configs/tiny.py:smoke"
+TIMEOUT_S = 1200
+# Files whose names or bytes hold the host, the time or the process layout (not run outputs).
+_VOLATILE = (".jax_cache", "tb")
+
+
+def _gloo_available() -> bool:
+    try:
+        from jax._src.lib import _jax
+    except ImportError:
+        return False
+    return hasattr(_jax, "make_gloo_tcp_collectives")
+
+
+def _env(devices: int | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def _single(workdir: pathlib.Path, devices: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "main.py", f"--config={SMOKE}", f"--workdir={workdir}"], cwd=REPO,
+                            env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _multi(n: int, workdir: pathlib.Path) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(LAUNCH), str(n), SMOKE, str(workdir)], cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, what: str) -> str:
+    try:
+        out = proc.communicate(timeout=TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.pid else None
+        pytest.fail(f"{what} did not finish within {TIMEOUT_S} s")
+    assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def _listing(w: pathlib.Path) -> set[str]:
+    return {str(p.relative_to(w)) for p in w.rglob("*") if p.is_file() and p.relative_to(w).parts[0] not in _VOLATILE
+            and p.relative_to(w).parts[:2] != ("grpo", "tb")}
+
+
+def _assert_same_outputs(got: pathlib.Path, want: pathlib.Path) -> None:
+    assert (got / "results_table.csv").read_bytes() == (want / "results_table.csv").read_bytes()
+    assert (got / "grpo" / "ground_truth.jsonl").read_bytes() == (want / "grpo" / "ground_truth.jsonl").read_bytes()
+    a = list(rollout_log.read_rollouts(got / "grpo" / "rollouts"))
+    b = list(rollout_log.read_rollouts(want / "grpo" / "rollouts"))
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x == y, f"first differing rollout: {x.rollout_id}"
+
+
+# ------------------------------------------------------------------------------------------------
+# unit tests
+# ------------------------------------------------------------------------------------------------
+def test_distributed_settings_from_flags_and_environment():
+    assert runtime.distributed_settings(None, None, None, {}) is None
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert runtime.distributed_settings(None, None, None, env) == {
+        "coordinator_address": "h:1", "num_processes": 4, "process_id": 3}
+    assert runtime.distributed_settings("x:2", 2, 0, env) == {
+        "coordinator_address": "x:2", "num_processes": 2, "process_id": 0}
+    with pytest.raises(ValueError, match="num_processes"):
+        runtime.distributed_settings("x:2", None, None, {})
+    with pytest.raises(ValueError, match="not in"):
+        runtime.distributed_settings("x:2", 2, 2, {})
+    assert runtime.start_distributed(None) is False  # a single process: nothing happens
+
+
+def test_non_writer_process_writes_nothing_and_meets_every_barrier(tmp_path):
+    calls = []
+    files.configure_writer(False, calls.append)
+    try:
+        files.write_json(tmp_path / "a.json", {"x": 1})
+        files.atomic_write_text(tmp_path / "b.txt", "b")
+        files.atomic_write_dir(tmp_path / "d", lambda d: (d / "f").write_text("f"))
+        (tmp_path / "keep").write_text("k")
+        files.remove_file(tmp_path / "keep")
+        files.remove_tree(tmp_path)
+        files.copy_file(tmp_path / "keep", tmp_path / "copy")
+    finally:
+        files.configure_writer(True, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep"]
+    assert len(calls) == 2 * 6 and all(c.startswith(("before ", "after ")) for c in calls)
+
+
+def test_writer_process_store_rows_and_reads_meet_barriers(tmp_path):
+    calls = []
+    files.configure_writer(True, calls.append)
+    try:
+        store = sketch_store.SketchStore.open_or_create(tmp_path / "s", (4, 2), 2, {"dtype": "float32"})
+        store.write_rows(0, [[1, 2], [3, 4]])
+        assert store.missing_rows().tolist() == [2, 3]
+        assert store.read()[1].tolist() == [3, 4]
+    finally:
+        files.configure_writer(True, None)
+    assert len(calls) == 2 + 2 + 2  # create, missing_rows, read
+
+
+def test_kvstore_follows_the_path():
+    assert sketch_store.kvstore_spec("/w/sketches/a.zarr/data") == {"driver": "file", "path": "/w/sketches/a.zarr/data/"}
+    spec = sketch_store._zarr_spec("gs://bucket/run/sketches/step_sketches.zarr/data", (3, 4), (1, 4), "float32")
+    assert spec["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/data/"}
+    with pytest.raises(ValueError, match="gs://"):
+        sketch_store.kvstore_spec("s3://bucket/run")
+
+
+def test_launch_script_checks_its_arguments():
+    proc = subprocess.run(["bash", str(LAUNCH), "two"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "positive integer" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# the pipeline in several processes
+# ------------------------------------------------------------------------------------------------
+def test_two_processes_equal_one_process_two_devices(tmp_path):
+    if not _gloo_available():
+        pytest.skip("this jaxlib has no gloo CPU collectives")
+    ref, mp = tmp_path / "one_process", tmp_path / "two_processes"
+    t0 = time.perf_counter()
+    procs = (_single(ref, 2), _multi(2, mp))  # side by side: the machine's cores take turns
+    out_ref, out_mp = _finish(procs[0], "1 process x 2 devices"), _finish(procs[1], "2 processes x 1 device")
+    print(f"both runs: {time.perf_counter() - t0:.0f} s")
+    assert "JAX process 1/2" in out_mp and "JAX process 0/1" in out_ref
+    _assert_same_outputs(mp, ref)
+    assert _listing(mp) == _listing(ref)
+    assert not [p for p in mp.rglob("*") if ".tmp" in p.name]
+    assert not [p for p in mp.rglob("*") if ".old-" in p.name or p.name.endswith(".build")]
+
+
+@pytest.mark.slow
+def test_killed_process_then_rerun_resumes(tmp_path):
+    if not _gloo_available():
+        pytest.skip("this jaxlib has no gloo CPU collectives")
+    ref, mp = tmp_path / "one_process", tmp_path / "four_processes"
+    ref_proc = _single(ref, 4)
+    proc = _multi(4, mp)
+    state = mp / "grpo" / "state"
+    deadline = time.time() + TIMEOUT_S
+    while not (state.is_dir() and any(p.name.isdigit() for p in state.iterdir())):  # mid-GRPO
+        assert proc.poll() is None and time.time() < deadline, "the 4-process run ended before its first GRPO state"
+        time.sleep(0.5)
+    victim = _process_pids(proc.pid)[2]
+    os.kill(victim, signal.SIGKILL)
+    t_kill = time.time()
+    try:
+        out = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the other processes did not exit within 120 s of the kill")
+    waited = time.time() - t_kill
+    assert proc.returncode != 0
+    assert waited < 60, f"the others took {waited:.0f} s to exit"
+    assert "task 2" in out.lower() or "task_id: 2" in out.lower() or "/task:2" in out.lower(), out[-4000:]
+    _finish(_multi(4, mp), "the rerun")
+    _finish(ref_proc, "1 process x 4 devices")
+    _assert_same_outputs(mp, ref)
+
+
+def _process_pids(launcher: int) -> list[int]:
+    """The main.py processes the launch script started, by process id (--process_id=I)."""
+    pids = {}
+    for _ in range(600):
+        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(launcher)], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            pid, args = line.strip().split(" ", 1)
+            if "--process_id=" in args:
+                pids[int(args.split("--process_id=")[1].split()[0])] = int(pid)
+        if len(pids) == 4:
+            return [pids[i] for i in range(4)]
+        time.sleep(0.1)
+    raise AssertionError(f"launch script's processes not found: {pids}")
