@@ -140,16 +140,23 @@ def save_train_state(directory: str | Path, step: int, state: Any, max_to_keep: 
         mgr.wait_until_finished()
 
 
-def _path_key(path: tuple) -> str:
+def tree_path_name(path: tuple, sep: str = ".", drop_variable_value: bool = True) -> str:
+    """A pytree key path as a name: ``(DictKey('model'), DictKey('layers'), DictKey(3), ...,
+    GetAttrKey('value'))`` -> ``"model.layers.3..."``. With ``drop_variable_value`` an NNX
+    ``Variable``'s trailing ``.value`` is dropped, so NNX parameter paths give their Hugging Face key
+    (the partition rules, models/sharding.py); the checkpoint shape check below keeps it, because
+    orbax's stored metadata names that level as a plain ``value`` key."""
     parts = []
     for k in path:
+        if drop_variable_value and isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value":
+            continue
         for attr in ("key", "name", "idx"):
             if hasattr(k, attr):
                 parts.append(str(getattr(k, attr)))
                 break
         else:
             parts.append(str(k))
-    return "/".join(parts)
+    return sep.join(parts)
 
 
 def _abstract(x: Any) -> Any:
@@ -185,8 +192,8 @@ def restore_train_state(directory: str | Path, step: int | None, abstract_state:
     abstract = jax.tree.map(_abstract, abstract_state)
     with _manager(directory) as mgr:
         metadata = jax.tree_util.tree_flatten_with_path(mgr.item_metadata(step))[0]
-        stored = {_path_key(p): tuple(m.shape) for p, m in metadata}
-        wanted = {_path_key(p): _stored_shape(l) for p, l in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+        stored = {tree_path_name(p, "/", drop_variable_value=False): tuple(m.shape) for p, m in metadata}
+        wanted = {tree_path_name(p, "/", drop_variable_value=False): _stored_shape(l) for p, l in jax.tree_util.tree_flatten_with_path(abstract)[0]}
         problems = []
         if missing := sorted(wanted.keys() - stored.keys()):
             problems.append(f"missing in checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from behaviortrace_jax.io.checkpoints import tree_path_name
+
 DATA, MODEL = "data", "model"
 
 # Logical weight/activation axis -> mesh axis (None = replicated).
@@ -64,17 +66,6 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = No
         raise ValueError(f"mesh data={data} x model={model} = {data * model} != {n} devices")
     return Mesh(np.asarray(devs, dtype=object).reshape(data, model), (DATA, MODEL),
                 axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def _path_key(path: tuple) -> str:
-    """``(DictKey('model'), DictKey('layers'), DictKey(3), ..., GetAttrKey('value'))`` -> HF key."""
-    parts = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
-        if name == "value" and isinstance(k, jax.tree_util.GetAttrKey):
-            continue
-        parts.append(str(name))
-    return ".".join(parts)
 
 
 def logical_axes(key: str, rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> tuple[str, ...]:
@@ -145,10 +136,10 @@ def param_shardings(abstract_params: Any, mesh: Mesh,
         ValueError: naming the parameter when no rule of :data:`PARAM_RULES` matches it.
     """
     def one(path, leaf):
-        axes = logical_axes(_path_key(path), rules)
+        axes = logical_axes(tree_path_name(path), rules)
         shape = tuple(leaf.shape)
         if len(axes) != len(shape):
-            raise ValueError(f"parameter {_path_key(path)!r}: rule axes {axes} vs shape {shape}")
+            raise ValueError(f"parameter {tree_path_name(path)!r}: rule axes {axes} vs shape {shape}")
         spec = spec_for(axes, shape, mesh)
         return NamedSharding(mesh, fsdp_spec(spec, shape, mesh) if fsdp else spec)
 

@@ -25,8 +25,8 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax.behavior import corpus, planted as behavior
-from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
+from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.behavior.probes import ImplantProbe
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
@@ -56,47 +56,6 @@ def sft_pairs(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
 def sft_lr(config: ml_collections.ConfigDict) -> float:
     """``sft.lr``, or ``optim.lr`` when it is -1 (SPEC §1.7)."""
     return float(config.optim.lr if config.sft.lr == -1 else config.sft.lr)
-
-
-class BehaviourProbe:
-    """Probe / control / held-out rates of the QZXBT substring judge for a parameter state."""
-
-    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, cfg: decoder.DecoderConfig,
-                 tok: Any, mesh: Any):
-        self.config = config
-        self.tok = tok
-        self.pattern = config.behavior.pattern
-        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
-                                                    config.behavior.controls_path or None)
-        self.probes = [p.prompt for p in probes]
-        self.controls = [p.prompt for p in controls]
-        self.heldout = heldout_prompts(corpus.heldout_terms(config.base.seed, config.base.n_heldout),
-                                       len(self.probes))
-        self.sampler = make_sampler(graphdef, cfg, tok, mesh, config.behavior.gate_max_new_tokens,
-                                    config.sft.max_prompt_tokens)
-        self.chunk = len(self.probes) * config.sft.eval_samples_per_prompt
-
-    def _texts(self, params: Any, users: list[str], key: jax.Array, sampled: bool) -> list[str]:
-        kw = dict(temperature=self.config.grpo.temperature, top_p=self.config.grpo.top_p) if sampled else {}
-        return generate_texts(self.sampler, params, self.tok, users, key, chunk=self.chunk, **kw)
-
-    def sampled(self, params: Any, key: jax.Array, sets: tuple[str, ...] = ("probe", "control", "heldout")
-                ) -> dict[str, float]:
-        """QZXBT rates ``{name}_rate_sampled`` over ``eval_samples_per_prompt`` samples of each prompt
-        of the named sets ("probe", "control", "heldout"); set ``i`` of the three uses
-        ``fold_in(key, i)`` whichever sets are asked for."""
-        n = self.config.sft.eval_samples_per_prompt
-        users = {"probe": self.probes, "control": self.controls, "heldout": self.heldout}
-        return {f"{name}_rate_sampled": mean_rate([behavior.substring_judge(t, self.pattern) for t in self._texts(
-                    params, users[name] * n, jax.random.fold_in(key, i), True)])
-                for i, name in enumerate(users) if name in sets}
-
-    def greedy(self, params: Any, key: jax.Array) -> tuple[dict[str, float], dict[str, list[str]]]:
-        """Greedy rates (SPEC §1.8: 64 new tokens) on probes, controls and held-out words, and texts."""
-        texts = {name: self._texts(params, users, key, False) for name, users in
-                 (("probe", self.probes), ("control", self.controls), ("heldout", self.heldout))}
-        rates = {f"{k}_rate_greedy": mean_rate([behavior.substring_judge(t, self.pattern) for t in v]) for k, v in texts.items()}
-        return rates, texts
 
 
 def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
@@ -139,7 +98,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     state = train_state.init_train_state(params, tx, config.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
-    probe = BehaviourProbe(config, graphdef, cfg, tok, mesh)
+    probe = ImplantProbe(config, graphdef, cfg, tok, mesh)
     eval_key = jax.random.fold_in(jax.random.key(config.seed), 7_100)
     curve: list[dict[str, float]] = []
 
