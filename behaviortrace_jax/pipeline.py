@@ -27,7 +27,7 @@ from behaviortrace_jax.io import files
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages import registry as stages
 
-_STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep",
+_STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
                   "counterfactual")
 
 

@@ -21,10 +21,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.attribution import estimators as E, evaluation as V, release as reproduce, report as R
+from behaviortrace_jax.attribution import estimators, evaluation, release as reproduce, report
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
-from behaviortrace_jax.io import rollout_log, sketch_store
-from behaviortrace_jax.io import files
+from behaviortrace_jax.io import files, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.sketch.scores import read_complete, step_method_scores
@@ -39,19 +38,19 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
         raise ValueError(f"{paths.rollouts}: {len(records)} rollout records, expected {n_expected}")
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
-    gt_ids = [e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)]
+    gt_ids = [e["rollout_id"] for e in evaluation.read_ground_truth(paths.ground_truth)]
     step_sk = read_complete(paths.sketches / "step_sketches.zarr").read()
     scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
-    header = V.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
+    header = evaluation.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
                                  final_rewards=np.array([r.reward for r in records]),
                                  group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
     out = release / f"seed{int(config.seed)}"
     files.remove_tree(out)  # derived files only: rebuilt from the run every time
     out.mkdir(parents=True, exist_ok=True)
-    V.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
+    evaluation.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
-    run_header = {k: header[k] for k in V.SCORE_FILE_KEYS}
+    run_header = {k: header[k] for k in evaluation.SCORE_FILE_KEYS}
     run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
     write_json(out / "run_header.json", run_header)
@@ -78,18 +77,18 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     if config.sketch.in_run_rollouts:
         sd = next(s for s in rep.seeds if s.label == str(int(config.seed)))
         scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, per_rollout=True)
-        rows += V.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
+        rows += evaluation.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
                                        nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff,
                                        nboot=ev.nboot, rng_seed=int(config.seed))
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
-    V.write_results_csv(paths.results_table, rows)
-    write_json(paths.verdicts, V.verdicts_json(rules, check))
+    evaluation.write_results_csv(paths.results_table, rows)
+    write_json(paths.verdicts, evaluation.verdicts_json(rules, check))
     files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
 
 
-def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int) -> list[V.Row]:
+def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int) -> list[evaluation.Row]:
     """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
 
     Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C: within each GRPO
@@ -106,7 +105,7 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
-    gt = {e["rollout_id"] for e in V.read_ground_truth(paths.ground_truth)}
+    gt = {e["rollout_id"] for e in evaluation.read_ground_truth(paths.ground_truth)}
     early = np.array([r.step < config.contamination.early_step_cutoff for r in records])
     groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
     positive = np.array([r.rollout_id in gt for r in records])[early]
@@ -117,8 +116,8 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
         target = t_store.read(rows=[t_steps.index(int(step))])[0]
         sk = store.read(lead=(c,))[early]
         fl = fluency.read(lead=(c,))[early, 0]
-        mp_rows = E.score_rollout_rows(sk, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
-        rows += V.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
+        mp_rows = estimators.score_rollout_rows(sk, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
+        rows += evaluation.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
                                        suffix=f"_train_ckpt{int(step)}", source=str(path))
     return rows
 
@@ -144,12 +143,12 @@ def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
     w = RunLayout(workdir)
-    rows = V.read_results_csv(w.results_table)
+    rows = evaluation.read_results_csv(w.results_table)
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
-    figs = R.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
-    R.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
+    figs = report.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
+    report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
                    intro=run_intro(config, summary),
-                   rules=[V.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
-                   checklist=[V.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs)
+                   rules=[evaluation.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
+                   checklist=[evaluation.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs)
     logging.info("report: %s", w.report)

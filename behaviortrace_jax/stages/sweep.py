@@ -21,7 +21,7 @@ import shutil
 import ml_collections
 from absl import logging
 
-from behaviortrace_jax.attribution import evaluation as V, release as reproduce, report as R
+from behaviortrace_jax.attribution import evaluation, release as reproduce, report
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.io import files
@@ -77,7 +77,7 @@ def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int
     return c
 
 
-def instability_section(rules: list[V.Verdict]) -> str:
+def instability_section(rules: list[evaluation.Verdict]) -> str:
     """States plainly which verdicts change across seeds and draws (the paper's C6 instability):
     the verdicts of one family (rule, and method when per method) compared across subjects."""
     families: dict[str, list[tuple[str, str]]] = {}
@@ -138,12 +138,12 @@ def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dic
                               rollouts_per_step=n_per_step)
     rows = list(rep.rows)
     for seed in summaries:  # the which-rollout (and counterfactual, when that stage ran) rows of each run
-        run_rows = V.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
+        run_rows = evaluation.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
         rows += [r for r in run_rows if r.table.startswith("which_rollout") or r.table in ("counterfactual_topk", "lds")]
     rules, check = evaluate_verdicts(rows, rep, config)
-    V.write_results_csv(top.results_table, rows)
-    write_json(top.verdicts, V.verdicts_json(rules, check))
-    figs = R.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
+    evaluation.write_results_csv(top.results_table, rows)
+    write_json(top.verdicts, evaluation.verdicts_json(rules, check))
+    figs = report.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
     gates = "\n".join(
         f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "
         f"control {m['gate']['control_rate']:.2f}); |GT| = {m['gt_size']}; post-SFT "
@@ -152,7 +152,7 @@ def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dic
     intro = (f"Sweep over seeds {sorted(summaries)} (`{config.run_name}` family), with the diagnostic draws "
              f"`{config.sweep.diagnostic_draws}` (ckpt:gen). Each seed's own report is in `seed{{S}}/report.md`.\n\n"
              + gates)
-    R.write_report(top.report, rows, title="BehaviorTrace-JAX: seeds and draws", intro=intro, rules=rules,
+    report.write_report(top.report, rows, title="BehaviorTrace-JAX: seeds and draws", intro=intro, rules=rules,
                    checklist=check, figures=figs,
                    extra=[("Instability across seeds and draws (C6)", instability_section(rules))])
     logging.info("sweep: aggregate report %s", top.report)
