@@ -68,8 +68,16 @@ def _finish(proc: subprocess.Popen, what: str) -> str:
 
 
 def _listing(w: pathlib.Path) -> set[str]:
-    return {str(p.relative_to(w)) for p in w.rglob("*") if p.is_file() and p.relative_to(w).parts[0] not in _VOLATILE
-            and p.relative_to(w).parts[:2] != ("grpo", "tb")}
+    """The run's files, relative to ``w``. Inside an orbax train state (``*/state/STEP/ITEM/``) only
+    the step and item directories count: orbax lays out its files per process (``ocdbt.process_I/``,
+    ``array_metadatas/process_I``, content-hashed names), as orbax does multi-host."""
+    out = set()
+    for p in w.rglob("*"):
+        parts = p.relative_to(w).parts
+        if not p.is_file() or parts[0] in _VOLATILE or parts[:2] == ("grpo", "tb"):
+            continue
+        out.add("/".join(parts[:4]) if len(parts) > 4 and parts[1] == "state" else "/".join(parts))
+    return out
 
 
 def _assert_same_outputs(got: pathlib.Path, want: pathlib.Path) -> None:
@@ -135,6 +143,36 @@ def test_kvstore_follows_the_path():
     assert spec["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/data/"}
     with pytest.raises(ValueError, match="gs://"):
         sketch_store.kvstore_spec("s3://bucket/run")
+
+
+def test_gs_workdir_keeps_its_scheme_and_selects_the_gcs_kvstore():
+    from behaviortrace_jax.io.layout import RunLayout
+
+    paths = RunLayout("gs://bucket/run")
+    assert str(paths.workdir) == "gs://bucket/run"
+    assert str(paths.rollouts) == "gs://bucket/run/grpo/rollouts"
+    assert str(paths.registry) == "gs://bucket/run/grpo/registry.json"
+    assert str(paths.results_table) == "gs://bucket/run/results_table.csv"
+    assert str(paths.release_seed(3)) == "gs://bucket/run/release/seed3"
+    store = paths.sketches / "step_sketches.zarr"
+    assert str(store) == "gs://bucket/run/sketches/step_sketches.zarr"
+    data = sketch_store._zarr_spec(store / "data", (3, 4), (1, 4), "float32")
+    done = sketch_store._zarr_spec(store / "done", (3,), (1,), "uint8")
+    assert data["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/data/"}
+    assert done["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/done/"}
+    # a local workdir stays a plain pathlib.Path (single-process behaviour unchanged)
+    assert type(RunLayout("/w").rollouts) is type(pathlib.Path("/w"))
+
+
+def test_file_writers_accept_the_layout_path_type(tmp_path):
+    from behaviortrace_jax.io.layout import as_path
+
+    p = as_path(str(tmp_path / "x" / "a.json"))
+    files.write_json(p, {"a": 1})
+    assert files.read_json(p) == {"a": 1}
+    files.atomic_write_dir(as_path(str(tmp_path / "d")), lambda d: (d / "f").write_text("f"))
+    assert (tmp_path / "d" / "f").read_text() == "f"
+    assert not [q for q in tmp_path.rglob("*") if ".tmp" in q.name]
 
 
 def test_launch_script_checks_its_arguments():

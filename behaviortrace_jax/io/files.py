@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from behaviortrace_jax.io.layout import as_path
+
 _MISSING = object()
 _WRITER: dict[str, Any] = {"is_writer": True, "barrier": None}
 
@@ -64,28 +66,36 @@ def mutation(name: str) -> Iterator[bool]:
 def write_text_now(path: str | os.PathLike, text: str | bytes) -> None:
     """:func:`atomic_write_text` on this process, now, without barriers: only inside the body of a
     :func:`mutation` (whose barriers already surround it) or for process-private files."""
-    _atomic_write_text(Path(path), text)
+    _atomic_write_text(as_path(path), text)
 
 
 def remove_tree(path: str | os.PathLike) -> None:
     """``shutil.rmtree(path, ignore_errors=True)`` by the writer (see :func:`mutation`)."""
     with mutation(f"rmtree {path}") as write:
         if write:
-            shutil.rmtree(path, ignore_errors=True)
+            p = as_path(path)
+            if isinstance(p, Path):
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists():
+                p.rmtree()
 
 
 def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """``shutil.copyfile(src, dst)`` by the writer (see :func:`mutation`)."""
     with mutation(f"copy {dst}") as write:
         if write:
-            shutil.copyfile(src, dst)
+            src, dst = as_path(src), as_path(dst)
+            if isinstance(src, Path) and isinstance(dst, Path):
+                shutil.copyfile(src, dst)
+            else:
+                dst.write_bytes(src.read_bytes())
 
 
 def remove_file(path: str | os.PathLike) -> None:
     """``unlink(missing_ok=True)`` by the writer (see :func:`mutation`)."""
     with mutation(f"unlink {path}") as write:
         if write:
-            Path(path).unlink(missing_ok=True)
+            as_path(path).unlink(missing_ok=True)
 
 
 def resolve_path(path: str | os.PathLike) -> str:
@@ -120,10 +130,14 @@ def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
     In a multi-process run only the writer process writes (:func:`mutation`)."""
     with mutation(f"write {path}") as write:
         if write:
-            _atomic_write_text(Path(path), text)
+            _atomic_write_text(as_path(path), text)
 
 
 def _atomic_write_text(path: Path, text: str | bytes) -> None:
+    if not isinstance(path, Path):  # a URL (gs://): one object write is atomic, no .tmp + rename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -161,11 +175,24 @@ def atomic_write_dir(out_dir: str | os.PathLike, fill: Callable[[Path], None]) -
     Returns:
         ``out_dir`` as a Path.
     """
-    out_dir = Path(out_dir)
+    out_dir = as_path(out_dir)
     with mutation(f"write dir {out_dir}") as write:
         if write:
-            _atomic_write_dir(out_dir, fill)
+            (_atomic_write_dir if isinstance(out_dir, Path) else _upload_dir)(out_dir, fill)
     return out_dir
+
+
+def _upload_dir(out_dir: Any, fill: Callable[[Path], None]) -> None:
+    """A URL (gs://) directory: ``fill`` writes into a local temporary directory, whose files are
+    then copied up (an existing ``out_dir`` is removed first). Object stores have no directory
+    rename, so a reader may see a partial directory while this runs; a rerun rewrites it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        fill(Path(tmp))
+        if out_dir.exists():
+            out_dir.rmtree()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for f in sorted(Path(tmp).iterdir()):
+            (out_dir / f.name).write_bytes(f.read_bytes())
 
 
 def _atomic_write_dir(out_dir: Path, fill: Callable[[Path], None]) -> None:
@@ -212,7 +239,7 @@ def read_json(path: str | os.PathLike, default: Any = _MISSING) -> Any:
         FileNotFoundError: no file and no ``default``.
         ValueError: naming ``path`` when the file is not valid JSON.
     """
-    path = Path(path)
+    path = as_path(path)
     if not path.exists() and default is not _MISSING:
         return default
     try:
@@ -229,7 +256,7 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
         ValueError: ``"{path}:{line}: invalid JSON (...)"`` or ``"... expected a JSON object, got
             list"`` for a line that is not one JSON object.
     """
-    with open(path, encoding="utf-8") as f:
+    with as_path(path).open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

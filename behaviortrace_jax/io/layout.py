@@ -13,6 +13,20 @@ import pathlib
 import ml_collections
 
 
+def as_path(path: str | os.PathLike) -> pathlib.Path:
+    """The one path type of the run's files: ``pathlib.Path`` for a local path, ``etils.epath.Path``
+    for a URL (``gs://bucket/...``), which keeps its scheme (``pathlib`` would turn ``gs://`` into
+    ``gs:/``). Both support ``/``, ``.name``, ``.parent``, ``read_text``/``write_text``, ``exists``."""
+    if isinstance(path, pathlib.Path):
+        return path
+    s = os.fspath(path)
+    if "://" in s:
+        from etils import epath
+
+        return epath.Path(s)
+    return pathlib.Path(s)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunLayout:
     """The paths of one run under ``workdir`` (SPEC §2.5 layout, plus orbax state and our outputs).
@@ -31,11 +45,11 @@ class RunLayout:
     workdir: pathlib.Path
 
     def __init__(self, workdir: str | os.PathLike):
-        object.__setattr__(self, "workdir", pathlib.Path(workdir))
+        object.__setattr__(self, "workdir", as_path(workdir))
 
     def model_dir(self, config: ml_collections.ConfigDict) -> pathlib.Path:
         """The policy's starting HF checkpoint: ``config.model.hf_dir`` or, if empty, ``workdir/base``."""
-        return pathlib.Path(config.model.hf_dir) if config.model.hf_dir else self.base
+        return as_path(config.model.hf_dir) if config.model.hf_dir else self.base
 
     base = property(lambda self: self.workdir / "base")
     # sft/

@@ -44,6 +44,7 @@ import tensorstore as ts
 
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json
+from behaviortrace_jax.io.layout import as_path
 
 FORMAT = "behaviortrace-sketch-store-v1"
 _META = "metadata.json"
@@ -113,7 +114,7 @@ class SketchStore:
             ValueError: bad shape/chunk_rows; an existing store whose shape, chunk_rows, dtype or any
                 metadata key differs (the message names the key and both values).
         """
-        path = pathlib.Path(path)
+        path = as_path(path)
         shape = tuple(int(s) for s in shape)
         if not 1 <= len(shape) <= 3 or min(shape) < 1:
             raise ValueError(f"{path}: shape must have 1-3 positive dims, got {shape}")
@@ -158,7 +159,7 @@ class SketchStore:
         Raises:
             FileNotFoundError: naming ``path`` when it holds no completed ``metadata.json``.
         """
-        meta_path = pathlib.Path(path) / _META
+        meta_path = as_path(path) / _META
         if not meta_path.is_file():
             raise FileNotFoundError(f"{path}: not a sketch store (no {_META})")
         stored = read_json(meta_path)

@@ -433,11 +433,13 @@ def abstract_model(config: DecoderConfig, remat: bool = False) -> DecoderForCaus
 def resolve_sharding(shardings: Any, path: tuple) -> jax.sharding.Sharding:
     """The sharding of the parameter at NNX ``path``.
 
-    ``shardings`` is None (first device), one ``Sharding`` for all, a callable ``path -> Sharding``,
-    or a dict / ``nnx.State`` keyed by NNX path (leaves ``Sharding`` or ``Variable(Sharding)``).
+    ``shardings`` is None (this process's first device: in a multi-process run every process gets
+    its own copy, as an unsharded stage computes the same thing in each), one ``Sharding`` for all, a
+    callable ``path -> Sharding``, or a dict / ``nnx.State`` keyed by NNX path (leaves ``Sharding`` or
+    ``Variable(Sharding)``).
     """
     if shardings is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(shardings, jax.sharding.Sharding):
         return shardings
     if callable(shardings):
