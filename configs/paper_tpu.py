@@ -1,5 +1,7 @@
-"""Paper scale on a TPU slice (issue 12 item 3): configs/paper.py plus the memory layout the `compile`
-stage proved to fit 16 GiB per chip on v5e:2x4 (docs/benchmarks.md, "Compile stage").
+"""Paper scale on a TPU slice (issue 12 item 3): configs/paper.py plus a layout for v5e:2x4 (FSDP,
+shard_map sketches, chunk 1, hash tables). NOT yet proven to fit: at 28 layers the compile stage
+measured 17.87 GiB of temporaries per chip for the GRPO step with in-run sketches, over v5e's 16
+(docs/benchmarks.md, "Compile stage"); run the compile stage before booking a slice.
 
     # check on any CPU machine with the tpu extra (nothing is allocated):
     python main.py --config=configs/paper_tpu.py --config.stages=compile --workdir=W
