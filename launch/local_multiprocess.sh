@@ -21,7 +21,13 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 export XLA_FLAGS=$(echo "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g')
 PORT=${COORDINATOR_PORT:-$(python3 -c "import socket; s=socket.socket(); s.bind(('localhost', 0)); print(s.getsockname()[1])")}
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; }
+# SIGTERM first; jax.distributed catches it (a preemption notice), so SIGKILL whatever is left after 5 s
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  sleep 5
+  for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  exit 143
+}
 trap cleanup INT TERM
 for ((i = 0; i < N; i++)); do
   python3 main.py --config="$CONFIG" --workdir="$WORKDIR" --coordinator_address="localhost:$PORT" \

@@ -18,7 +18,9 @@ import signal
 import subprocess
 import sys
 import time
+import dataclasses
 
+import numpy as np
 import pytest
 
 from behaviortrace_jax import runtime
@@ -80,14 +82,33 @@ def _listing(w: pathlib.Path) -> set[str]:
     return out
 
 
-def _assert_same_outputs(got: pathlib.Path, want: pathlib.Path) -> None:
+def _assert_same_outputs(got: pathlib.Path, want: pathlib.Path, bitwise: bool = True) -> None:
+    """The same results_table.csv and ground truth, byte for byte, and the same rollout log:
+    bitwise, or (``bitwise=False``, issue 15 item 3) the same up to the first differing completion
+    token, with the log-probs before it equal to float32 rounding. At 4 processes the gradient
+    all-reduce over "data" (gloo's ring between processes vs XLA's in-process sum) adds the 4
+    replicas' gradients in another order, so the trained weights differ in their last bits and the
+    logged log-probs by ~1e-7 relative (docs/architecture.md "Multi-process runs")."""
     assert (got / "results_table.csv").read_bytes() == (want / "results_table.csv").read_bytes()
     assert (got / "grpo" / "ground_truth.jsonl").read_bytes() == (want / "grpo" / "ground_truth.jsonl").read_bytes()
     a = list(rollout_log.read_rollouts(got / "grpo" / "rollouts"))
     b = list(rollout_log.read_rollouts(want / "grpo" / "rollouts"))
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
-        assert x == y, f"first differing rollout: {x.rollout_id}"
+        if bitwise:
+            assert x == y, f"first differing rollout: {x.rollout_id}"
+            continue
+        ta, tb = x.completion_token_ids, y.completion_token_ids
+        first = next((i for i, (u, v) in enumerate(zip(ta, tb)) if u != v), None)
+        if first is None and len(ta) != len(tb):
+            first = min(len(ta), len(tb))
+        np.testing.assert_allclose(x.completion_logprobs[:first], y.completion_logprobs[:first], rtol=1e-5,
+                                   atol=1e-5, err_msg=f"rollout {x.rollout_id}: log-probs before token {first}")
+        if first is not None:
+            print(f"rollout logs agree up to rollout {x.rollout_id}, completion token {first}")
+            return
+        assert dataclasses.replace(x, completion_logprobs=[]) == dataclasses.replace(y, completion_logprobs=[]), \
+            f"first differing rollout: {x.rollout_id}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,33 +226,36 @@ def test_killed_process_then_rerun_resumes(tmp_path):
     ref, mp = tmp_path / "one_process", tmp_path / "four_processes"
     ref_proc = _single(ref, 4)
     proc = _multi(4, mp)
+    victim = _process_pids(proc.pid)[2]
     state = mp / "grpo" / "state"
     deadline = time.time() + TIMEOUT_S
     while not (state.is_dir() and any(p.name.isdigit() for p in state.iterdir())):  # mid-GRPO
         assert proc.poll() is None and time.time() < deadline, "the 4-process run ended before its first GRPO state"
-        time.sleep(0.5)
-    victim = _process_pids(proc.pid)[2]
+        time.sleep(0.05)
     os.kill(victim, signal.SIGKILL)
     t_kill = time.time()
+    assert not (mp / "grpo" / "summary.json").exists(), "killed only after the GRPO stage had ended"
     try:
         out = proc.communicate(timeout=120)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("the other processes did not exit within 120 s of the kill")
     waited = time.time() - t_kill
+    print(f"the other processes exited {waited:.0f} s after the kill")
     assert proc.returncode != 0
     assert waited < 60, f"the others took {waited:.0f} s to exit"
     assert "task 2" in out.lower() or "task_id: 2" in out.lower() or "/task:2" in out.lower(), out[-4000:]
     _finish(_multi(4, mp), "the rerun")
     _finish(ref_proc, "1 process x 4 devices")
-    _assert_same_outputs(mp, ref)
+    _assert_same_outputs(mp, ref, bitwise=False)
 
 
 def _process_pids(launcher: int) -> list[int]:
     """The main.py processes the launch script started, by process id (--process_id=I)."""
     pids = {}
     for _ in range(600):
-        out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(launcher)], capture_output=True, text=True).stdout
+        out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(launcher)],  # -ww: whole command
+                             capture_output=True, text=True).stdout
         for line in out.splitlines():
             pid, args = line.strip().split(" ", 1)
             if "--process_id=" in args:
