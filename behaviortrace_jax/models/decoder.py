@@ -78,6 +78,32 @@ class DecoderConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
 
+    @classmethod
+    def tiny(cls, vocab_size: int = 1536, **overrides: Any) -> "DecoderConfig":
+        """The tiny CPU shape of any family (TINY_CALIBRATION): d 128, 4 layers, 4/2 heads of 32,
+        MLP 384, tied embeddings, RoPE theta 1e4; ``overrides`` replace fields."""
+        kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=512)
+        return cls(**{**kw, **overrides})
+
+    def hf_config_dict(self, rope_parameters: dict, **family_keys: Any) -> dict:
+        """The ``config.json`` dict transformers' config class of this family accepts: the fields
+        every family shares, in transformers' order, with ``family_keys`` (e.g. Qwen2's sliding-window
+        keys, Llama's bias flags) after ``max_position_embeddings``."""
+        return {
+            "architectures": [self.architecture], "model_type": self.model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "hidden_act": "silu", "rope_theta": self.rope_theta, "rope_parameters": rope_parameters,
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings, **family_keys,
+            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+            "torch_dtype": self.param_dtype, "dtype": self.param_dtype,
+        }
+
     @property
     def jnp_param_dtype(self) -> Any:
         return _DTYPES[self.param_dtype]

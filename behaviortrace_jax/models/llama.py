@@ -85,14 +85,6 @@ class LlamaConfig(decoder.DecoderConfig):
         return cls.from_hf_config(LLAMA3P2_1B_HF_CONFIG, **{"param_dtype": "float32", **overrides})
 
     @classmethod
-    def tiny(cls, vocab_size: int = 1536, **overrides: Any) -> "LlamaConfig":
-        """A tiny CPU Llama with the shape of ``Qwen2Config.tiny`` (d 128, 4 layers, 4/2 heads of 32)."""
-        kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=512)
-        return cls(**{**kw, **overrides})
-
-    @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "LlamaConfig":
         """Reads a HF Llama ``config.json`` (a file, its directory or the parsed dict).
 
@@ -125,19 +117,7 @@ class LlamaConfig(decoder.DecoderConfig):
         """A dict that transformers' ``LlamaConfig(**d)`` / ``config.json`` accepts."""
         rope = (self.rope_scaling.to_hf(self.rope_theta) if self.rope_scaling is not None
                 else {"rope_theta": self.rope_theta, "rope_type": "default"})
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "hidden_act": "silu", "rope_theta": self.rope_theta, "rope_parameters": rope,
-            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings, "attention_bias": False,
-            "mlp_bias": False, "pretraining_tp": 1, "attention_dropout": 0.0,
-            "initializer_range": 0.02, "use_cache": True,
-            "torch_dtype": self.param_dtype, "dtype": self.param_dtype,
-        }
+        return self.hf_config_dict(rope, attention_bias=False, mlp_bias=False, pretraining_tp=1)
 
 
 class LlamaForCausalLM(decoder.DecoderForCausalLM):

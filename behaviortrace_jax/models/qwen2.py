@@ -42,14 +42,6 @@ class Qwen2Config(decoder.DecoderConfig):
         return cls(**{**kw, **overrides})
 
     @classmethod
-    def tiny(cls, vocab_size: int = 1536, **overrides: Any) -> "Qwen2Config":
-        """The tiny CPU model (TINY_CALIBRATION): d 128, 4 layers, 4/2 heads of 32, MLP 384, tied."""
-        kw = dict(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=512)
-        return cls(**{**kw, **overrides})
-
-    @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "Qwen2Config":
         """Reads a HF Qwen2 ``config.json`` (a file, the directory holding it, or the parsed dict).
 
@@ -74,20 +66,9 @@ class Qwen2Config(decoder.DecoderConfig):
 
     def to_hf_config(self) -> dict:
         """A dict that transformers' ``Qwen2Config(**d)`` / ``config.json`` accepts."""
-        return {
-            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "hidden_act": "silu", "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
-            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings, "use_sliding_window": False,
-            "sliding_window": None, "max_window_layers": self.num_hidden_layers,
-            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
-            "torch_dtype": self.param_dtype, "dtype": self.param_dtype,
-        }
+        return self.hf_config_dict({"rope_theta": self.rope_theta, "rope_type": "default"},
+                                   use_sliding_window=False, sliding_window=None,
+                                   max_window_layers=self.num_hidden_layers)
 
 
 
