@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     jax.distributed.initialize(coordinator_address=f"localhost:{a.port}", num_processes=a.num_processes,
                                process_id=a.process_id, initialization_timeout=120)
     import test_grpo  # the tiny model, batch and step set-up shared with the single-process tests
+    from behaviortrace_jax.io.checkpoints import tree_path_name
     from behaviortrace_jax.models import sharding
 
     mesh = sharding.make_mesh(data=-1, model=a.model)  # all processes' devices
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(gathered["out"])[0]:
         flat["out." + path[0].key] = np.asarray(leaf)
     for path, leaf in jax.tree_util.tree_flatten_with_path(gathered["param"])[0]:
-        flat["param." + sharding._path_key(path)] = np.asarray(leaf)
+        flat["param." + tree_path_name(path)] = np.asarray(leaf)
     if a.process_id == 0:
         tmp = a.out + ".tmp"
         with open(tmp, "wb") as f:

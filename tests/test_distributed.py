@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from behaviortrace_jax.io.checkpoints import tree_path_name
 from behaviortrace_jax.models import sharding
 
 import test_grpo
@@ -69,7 +70,7 @@ def test_two_process_step_equals_single_process(tmp_path):
     for k, v in want.items():
         np.testing.assert_allclose(got["out." + k], np.asarray(v), rtol=1e-4, atol=1e-6, err_msg=k)
     leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]
-    assert {"param." + sharding._path_key(p) for p, _ in leaves} == {k for k in got if k.startswith("param.")}
+    assert {"param." + tree_path_name(p) for p, _ in leaves} == {k for k in got if k.startswith("param.")}
     for path, leaf in leaves:
-        key = sharding._path_key(path)
+        key = tree_path_name(path)
         np.testing.assert_allclose(got["param." + key], leaf, rtol=1e-4, atol=1e-5, err_msg=key)
