@@ -40,6 +40,30 @@ def _dtype_name(d: Any) -> str:
     return name
 
 
+
+def hf_layer_rows(*, qkv_bias: bool, qk_norm: bool) -> tuple[tuple[str, Any], ...]:
+    """The HF weight rows of one decoder layer, ``(name, shape of cfg)``, in transformers'
+    ``parameters()`` order (the order of the per-example sketches): q/k/v/o projections (each of
+    q/k/v followed by its bias when ``qkv_bias``, Qwen2), the per-head q/k RMSNorms after o_proj when
+    ``qk_norm`` (Qwen3), the MLP and the two layer norms (Llama has neither switch)."""
+    q = lambda c: c.num_attention_heads * c.head_dim  # noqa: E731
+    kv = lambda c: c.num_key_value_heads * c.head_dim  # noqa: E731
+    rows: list[tuple[str, Any]] = []
+    for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        rows.append((f"self_attn.{name}.weight", lambda c, out=out: (out(c), c.hidden_size)))
+        if qkv_bias:
+            rows.append((f"self_attn.{name}.bias", lambda c, out=out: (out(c),)))
+    rows.append(("self_attn.o_proj.weight", lambda c: (c.hidden_size, q(c))))
+    if qk_norm:
+        rows += [("self_attn.q_norm.weight", lambda c: (c.head_dim,)),
+                 ("self_attn.k_norm.weight", lambda c: (c.head_dim,))]
+    rows += [("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+             ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
+             ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
+             ("input_layernorm.weight", lambda c: (c.hidden_size,)),
+             ("post_attention_layernorm.weight", lambda c: (c.hidden_size,))]
+    return tuple(rows)
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Architecture of a decoder-only causal LM (the fields of HF ``config.json`` that matter).

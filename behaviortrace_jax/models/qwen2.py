@@ -77,17 +77,4 @@ class Qwen2ForCausalLM(decoder.DecoderForCausalLM):
 
 
 # HF weight rows of one decoder layer, in ``Qwen2ForCausalLM.parameters()`` order: (name, shape of cfg).
-HF_LAYER_ROWS: tuple[tuple[str, Any], ...] = (
-    ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.q_proj.bias", lambda c: (c.num_attention_heads * c.head_dim,)),
-    ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.k_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,)),
-    ("self_attn.v_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.v_proj.bias", lambda c: (c.num_key_value_heads * c.head_dim,)),
-    ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim)),
-    ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    ("input_layernorm.weight", lambda c: (c.hidden_size,)),
-    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
-)
+HF_LAYER_ROWS: tuple[tuple[str, Any], ...] = decoder.hf_layer_rows(qkv_bias=True, qk_norm=False)

@@ -76,16 +76,4 @@ class Qwen3ForCausalLM(decoder.DecoderForCausalLM):
 
 
 # HF weight rows of one decoder layer, in ``Qwen3ForCausalLM.parameters()`` order.
-HF_LAYER_ROWS: tuple[tuple[str, Any], ...] = (
-    ("self_attn.q_proj.weight", lambda c: (c.num_attention_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.k_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.v_proj.weight", lambda c: (c.num_key_value_heads * c.head_dim, c.hidden_size)),
-    ("self_attn.o_proj.weight", lambda c: (c.hidden_size, c.num_attention_heads * c.head_dim)),
-    ("self_attn.q_norm.weight", lambda c: (c.head_dim,)),
-    ("self_attn.k_norm.weight", lambda c: (c.head_dim,)),
-    ("mlp.gate_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    ("mlp.up_proj.weight", lambda c: (c.intermediate_size, c.hidden_size)),
-    ("mlp.down_proj.weight", lambda c: (c.hidden_size, c.intermediate_size)),
-    ("input_layernorm.weight", lambda c: (c.hidden_size,)),
-    ("post_attention_layernorm.weight", lambda c: (c.hidden_size,)),
-)
+HF_LAYER_ROWS: tuple[tuple[str, Any], ...] = decoder.hf_layer_rows(qkv_bias=False, qk_norm=True)
