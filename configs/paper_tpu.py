@@ -29,6 +29,11 @@ def get_config(seed: int = 0):
     # parameter count (../shared/notes/AOT_FINDINGS.md).
     c.sketch.in_run_tables = True
     c.targets.use_tables = True
+    # One backward per GRPO step (issue 12 items 3-4): the update is the sum of the per-rollout
+    # gradients the in-run sketcher computes anyway, and the step sketch is the clip factor times the
+    # sum of the rollout sketches (CountSketch is linear) - no batched backward, no second full-gradient
+    # copy. Same update up to float summation order (tests/test_grpo.py), hence off in configs/paper.py.
+    c.grpo.one_backward = True
     c.compile.target = "tpu:v5e:2x4"
     c.compile.model = "qwen2p5_1p5b"
     return c

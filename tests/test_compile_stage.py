@@ -104,3 +104,21 @@ def test_hbm_exhausted_at_compile_is_a_row_that_does_not_fit():
     with pytest.raises(ValueError):
         compile_stage.compile_program(compile_stage.Program("p", lambda: (_ for _ in ()).throw(ValueError("x")), 0.0),
                                       None, None, 1)
+
+
+def test_configured_flop_ratio_follows_the_grpo_path():
+    """The report's GRPO step FLOP ratio is that of the configured path (issue 12 item 4, <= 1.15):
+    ~1.75 with a batched backward plus per-rollout backwards, ~1.0 with one backward (paper_tpu),
+    exactly 1 without in-run sketches; computed analytically, nothing compiled."""
+    from configs import paper, paper_tpu
+
+    c = paper_tpu.get_config()
+    cfg = compile_stage.model_config(c)
+    assert cfg.num_hidden_layers == 28 and cfg.hidden_size == 1536
+    one = compile_stage.configured_flop_ratio(c, cfg)
+    assert c.grpo.one_backward and 1.0 < one["ratio"] <= 1.15 and "one backward" in one["path"]
+    two = compile_stage.configured_flop_ratio(paper.get_config(), cfg)
+    assert 1.7 < two["ratio"] < 1.8 and two["flops_without_in_run"] == one["flops_without_in_run"]
+    with c.unlocked():
+        c.sketch.in_run_rollouts = False
+    assert compile_stage.configured_flop_ratio(c, cfg)["ratio"] == 1.0

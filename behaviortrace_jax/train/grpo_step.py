@@ -127,7 +127,10 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     ``one_backward`` (``grpo.one_backward``; one iteration, unweighted, in-run rollout sketches on):
     the update uses the sum of the per-rollout gradients the in-run sketcher computes anyway
     (``PerExampleSketcher.sketch_and_sum``) instead of a second, batched backward - the same
-    gradient up to float summation order (not bit-identical, so off by default).
+    gradient up to float summation order (not bit-identical, so off by default). The step sketch is
+    then ``scale * sum_i rollout_sketches[i]`` (CountSketch is linear, so this is the sketch of the
+    clipped summed gradient up to float32 summation order; SPEC §3.2, §10.6), not a second
+    CountSketch of a full gradient copy.
     """
     loss_fn = grpo_loss.get_loss(loss_name)
     prompt_len = shapes.prompt_len
@@ -178,7 +181,10 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
                 out["loss"], out["grad_norm"] = loss, optax.tree.norm(grads)
                 if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm
                     scale = grad_clip / jnp.maximum(out["grad_norm"], grad_clip)
-                    out["step_sketch"] = sketcher.sketch_vector(grads, order, sketch_dim, sketch_seed) * scale
+                    if one_backward:  # CountSketch is linear: sketch(scale * sum_i g_i) = scale * sum_i sketch(g_i)
+                        out["step_sketch"] = jnp.sum(res.sketches, axis=0) * scale
+                    else:
+                        out["step_sketch"] = sketcher.sketch_vector(grads, order, sketch_dim, sketch_seed) * scale
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         if rollout_sketcher is not None:
