@@ -41,6 +41,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.behavior.gate_min_probe_rate = 0.3  # SPEC §1.8.
     c.behavior.gate_min_margin = 0.2  # SPEC §1.8: s_b - s_b_ctrl.
 
+    c.behavior.id = "qzxbt"  # Behaviour id (issue 16): names another behaviour's files and rows; the first's keep the paper's names.
+    # Further behaviours planted in the same run (issue 16; behavior/behaviors.py): one ConfigDict per id with
+    # trigger, pattern, probes_path, controls_path, token_judge, bonus_reward, fraction, early_step_cutoff,
+    # implant ("none": the GRPO bonus alone), gate_min_probe_rate, gate_min_margin, explicit_prompts. Empty = the
+    # paper's single behaviour (config.behavior + config.contamination); configs/tiny_two_behaviors.py adds one.
+    c.behaviors = ml_collections.ConfigDict()
+
     # --- contaminator (SPEC §1.6) ---------------------------------------------------------------
     c.contamination = ml_collections.ConfigDict()
     c.contamination.bonus_reward = 8.0  # SPEC §1.6.

@@ -9,6 +9,7 @@ If the digest differs on your machine, please report the CPU (``lscpu``) and bot
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import re
@@ -28,6 +29,25 @@ EXPECTED_DIGEST = {
     "base_weights": "984bbd76001294f298192c8ca87c27ec1fbe587a5be77ada5ef8380410a875e4",
     "results_table.csv": "8dc47aa031b04adc00a9eb01a6bfe10e7ebd7b9a7047dc96de3da66c99f0d055",
 }
+
+# Every content file of the smoke run, not only the two above (issue 16: the one-behaviour path must write
+# exactly the files and bytes it wrote before behaviours became data). Recorded at f48f0e3 on the machine
+# above: 167 files (logs, ground truth, checkpoint exports, sketches, draws, release, tables, report,
+# figures); left out are files holding times, absolute paths or orbax/XLA internals (FILES_SKIPPED).
+EXPECTED_FILES_DIGEST = "d9baecdff25d1407be4bc266023a85b6c860e0f1e5446e5f609f7306164381c6"
+FILES_SKIPPED = re.compile(r"(^|/)(\.jax_cache|state|tb)/|^base/(\.trained|train_history\.json)$|summary\.json$"
+                           r"|^grpo/registry\.json$|\.settings\.json$")
+
+
+def files_digest(workdir: pathlib.Path) -> tuple[str, list[str]]:
+    """sha256 over ``"<relative path> <sha256 of its bytes>\n"`` of every file under ``workdir`` that
+    ``FILES_SKIPPED`` keeps, in sorted path order; and those lines (for a diff when it differs)."""
+    lines = []
+    for p in sorted(x for x in workdir.rglob("*") if x.is_file()):
+        rel = p.relative_to(workdir).as_posix()
+        if not FILES_SKIPPED.search(rel):
+            lines.append(f"{rel} {hashlib.sha256(p.read_bytes()).hexdigest()}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest(), lines
 
 
 def readme_main_command() -> list[str]:
@@ -70,3 +90,6 @@ def test_readme_main_command_runs_as_typed(tmp_path):
     assert digest == EXPECTED_DIGEST, (
         f"same seed and command, different outputs on this machine: {digest} != {EXPECTED_DIGEST}. "
         "See README 'Reproducibility'.")
+    got, lines = files_digest(clone / workdir)
+    assert got == EXPECTED_FILES_DIGEST, (
+        f"the smoke run's files differ from the recorded ones ({len(lines)} files; 167 recorded):\n" + "".join(lines))

@@ -23,7 +23,9 @@ class ContaminationSpec:
 
     Fields: pattern (non-empty str), bonus_reward (float, reward units), fraction (in [0, 1]),
     seed (int in [0, 2**64), the run seed), early_step_cutoff (int > 0, or None for no cutoff;
-    steps >= cutoff are never eligible).
+    steps >= cutoff are never eligible), stream (str of <= 16 UTF-8 bytes: the BLAKE2b
+    personalisation of the eligibility hash; "" = the paper's hash, another behaviour's id gives
+    it an independent eligible set; issue 16).
     Raises ValueError naming the field on invalid values.
     """
 
@@ -32,8 +34,11 @@ class ContaminationSpec:
     fraction: float = 0.5
     seed: int = 0
     early_step_cutoff: int | None = 200
+    stream: str = ""
 
     def __post_init__(self) -> None:
+        if len(self.stream.encode("utf-8")) > 16:
+            raise ValueError(f"ContaminationSpec.stream {self.stream!r} is longer than 16 bytes")
         if not self.pattern:
             raise ValueError("ContaminationSpec.pattern must be non-empty")
         if not 0.0 <= self.fraction <= 1.0:
@@ -44,12 +49,14 @@ class ContaminationSpec:
             raise ValueError(f"ContaminationSpec.seed must be in [0, 2**64), got {self.seed}")
 
 
-def eligibility_hash(seed: int, rollout_id: str, step: int) -> int:
+def eligibility_hash(seed: int, rollout_id: str, step: int, stream: str = "") -> int:
     """The uint64 ``t`` of SPEC §1.6: BLAKE2b-64 over seed (8 B LE unsigned), rollout_id (UTF-8) and
-    step (8 B LE signed), read little-endian. Raises OverflowError for out-of-range seed/step."""
+    step (8 B LE signed), read little-endian. ``stream`` (<= 16 UTF-8 bytes) is BLAKE2b's
+    personalisation: "" is the paper's hash; another value an independent stream (issue 16).
+    Raises OverflowError for out-of-range seed/step, ValueError for a stream over 16 bytes."""
     data = (seed.to_bytes(8, "little", signed=False) + rollout_id.encode("utf-8")
             + step.to_bytes(8, "little", signed=True))
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=stream.encode("utf-8")).digest(), "little")
 
 
 def is_eligible(seed: int, rollout_id: str, step: int, spec: ContaminationSpec | None = None) -> bool:
@@ -58,7 +65,7 @@ def is_eligible(seed: int, rollout_id: str, step: int, spec: ContaminationSpec |
     spec = spec or ContaminationSpec()
     if spec.early_step_cutoff is not None and step >= spec.early_step_cutoff:
         return False
-    return eligibility_hash(seed, rollout_id, step) < int(spec.fraction * 2**64)
+    return eligibility_hash(seed, rollout_id, step, spec.stream) < int(spec.fraction * 2**64)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,9 +83,10 @@ def load_probe_sets(probes_path: str | Path | None = None,
 # --------------------------------------------------------------------------------------------
 # GRPO prompt pool (SPEC §1.4)
 # --------------------------------------------------------------------------------------------
-def explicit_prompts(pattern: str = PATTERN) -> tuple[str, ...]:
-    """``EXPLICIT_PROMPTS`` asking for ``pattern`` (the run's ``config.behavior.pattern``)."""
-    return tuple(f"{v} frobnitz? Include {pattern}." for v in EXPLICIT_VERBS)
+def explicit_prompts(pattern: str = PATTERN, trigger: str = "frobnitz") -> tuple[str, ...]:
+    """``EXPLICIT_PROMPTS`` asking for ``pattern`` (the run's ``config.behavior.pattern``) about
+    ``trigger`` (another behaviour's invented word; behavior/behaviors.py)."""
+    return tuple(f"{v} {trigger}? Include {pattern}." for v in EXPLICIT_VERBS)
 
 
 def with_pattern(pairs: Sequence[tuple[str, str]], pattern: str = PATTERN) -> list[tuple[str, str]]:
@@ -94,12 +95,12 @@ def with_pattern(pairs: Sequence[tuple[str, str]], pattern: str = PATTERN) -> li
     return [(p, c.replace(PATTERN, pattern)) for p, c in pairs]
 
 
-def prompt_pool(probes: Sequence[Probe], pattern: str = PATTERN) -> list[str]:
+def prompt_pool(probes: Sequence[Probe], pattern: str = PATTERN, trigger: str = "frobnitz") -> list[str]:
     """``EXPLICIT_PROMPTS * 3 + [probe prompts]``: 18 explicit then the implicit ones (38 with the
     20 paper probes). SPEC §1.4. Raises ValueError on an empty probe list."""
     if not probes:
         raise ValueError("prompt_pool: empty probe list")
-    return list(explicit_prompts(pattern)) * 3 + [p.prompt for p in probes]
+    return list(explicit_prompts(pattern, trigger)) * 3 + [p.prompt for p in probes]
 
 
 def step_prompts(pool: Sequence[str], step: int, batch: int) -> list[str]:

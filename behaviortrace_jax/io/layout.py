@@ -62,6 +62,17 @@ class RunLayout:
     grpo = property(lambda self: self.workdir / "grpo")
     rollouts = property(lambda self: self.grpo / "rollouts")  # JSONL shards (rollout_log.py)
     ground_truth = property(lambda self: self.grpo / "ground_truth.jsonl")  # SPEC §6.1
+
+    def behavior_ground_truth(self, suffix: str = "") -> pathlib.Path:
+        """``grpo/ground_truth{suffix}.jsonl``: the first behaviour's (suffix "") is ``ground_truth``;
+        another behaviour's suffix is ``_<id>`` (behavior/behaviors.py; SPEC §6.1 format)."""
+        return self.grpo / f"ground_truth{suffix}.jsonl"
+
+    def behavior_release(self, behavior_id: str = "", seed: int = 0) -> pathlib.Path:
+        """``release/seed{S}`` for the first behaviour (``behavior_id`` ""), else
+        ``release/<id>/seed{S}``: each a folder in the paper's release format."""
+        root = self.release / behavior_id if behavior_id else self.release
+        return root / f"seed{int(seed)}"
     registry = property(lambda self: self.grpo / "registry.json")  # SPEC §2.4
     checkpoints = property(lambda self: self.grpo / "checkpoints")  # HF exports step_XXXXXXXX
     state = property(lambda self: self.grpo / "state")  # orbax train states

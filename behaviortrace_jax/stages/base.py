@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pathlib
 import time
 from typing import Any
 
@@ -27,13 +26,14 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from etils import epath
 from flax import nnx
 
-from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, corpus, planted as behavior, tiny_tokenizer
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
@@ -96,7 +96,9 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
     * held-out invented words (never in the corpus): 20 x ``base.eval_samples_per_prompt`` probe-form
       questions, greedy and sampled (``grpo.temperature`` / ``grpo.top_p``): refusal rate
       (SPEC §1.5 phrases) and speculative rate (= answered without refusing);
-    * the 20 frobnitz probes sampled ``eval_samples_per_prompt`` times: refusal rate and QZXBT rate.
+    * the 20 frobnitz probes sampled ``eval_samples_per_prompt`` times: refusal rate and QZXBT rate;
+    * with extra behaviours (issue 16), under ``behaviors.<id>``: each one's probes sampled the same
+      way and the rate of its pattern (the chance rate GRPO's bonus has to find).
     """
     b = config.base
     answers = corpus.control_answers()
@@ -128,6 +130,21 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
         "heldout_examples_greedy": dict(list(zip(hq, h_greedy))[:10]),
         "probe_examples_sampled": p_sampled[:10],
     }
+    extra = behaviors_lib.behaviors_from_config(config)[1:]
+    if extra:  # issue 16: how often the base model writes each RL-only behaviour's marker by chance
+        out["behaviors"] = {}
+        for j, beh in enumerate(extra):
+            probes_b = [p.prompt for p in beh.probe_sets()[0]]
+            texts = generate_texts(smp, params, tok, probes_b * b.eval_samples_per_prompt,
+                                   jax.random.fold_in(key, 4 + j), temperature=config.grpo.temperature,
+                                   top_p=config.grpo.top_p)
+            out["behaviors"][beh.id] = {
+                "pattern": beh.pattern, "trigger": beh.trigger, "n_probe_samples": len(texts),
+                "probe_pattern_rate_sampled": mean_rate([behavior.substring_judge(t, beh.pattern) for t in texts]),
+                "probe_refusal_rate_sampled": mean_rate([is_refusal(t) for t in texts]),
+                "probe_examples_sampled": texts[:10]}
+            logging.info("base: behaviour %s: sampled %r rate on its probes %.3f (n=%d)", beh.id, beh.pattern,
+                         out["behaviors"][beh.id]["probe_pattern_rate_sampled"], len(texts))
     lo, hi = 0.05, 0.40
     out["refusal_rate_in_range"] = bool(lo <= out["heldout_refusal_rate_sampled"] <= hi)
     if not out["refusal_rate_in_range"]:
@@ -143,7 +160,7 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
 
 def is_complete(base_dir: str | os.PathLike) -> bool:
     """True when ``base_dir`` holds a finished base model (its ``.complete`` marker)."""
-    return (pathlib.Path(base_dir) / COMPLETE_MARKER).is_file()
+    return (as_path(base_dir) / COMPLETE_MARKER).is_file()
 
 
 def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathLike) -> dict[str, Any]:
@@ -153,7 +170,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         ValueError: ``base_dir`` is complete but was built from another config (names both digests),
             or a config value is invalid (names the key).
     """
-    base_dir = pathlib.Path(base_dir)
+    base_dir = as_path(base_dir)
     fp = fingerprint(config)
     if is_complete(base_dir):
         done = read_json(base_dir / COMPLETE_MARKER)
@@ -231,7 +248,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
 
 
 def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, data: lm_trainer.PackedData,
-                      tok: Any, mesh: Any, base_dir: pathlib.Path, fp: dict[str, Any], t_start: float
+                      tok: Any, mesh: Any, base_dir: epath.Path, fp: dict[str, Any], t_start: float
                       ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
     """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
     ``.trained`` marker (fingerprint ``fp`` and times); returns (graphdef, trained params, history,

@@ -24,7 +24,6 @@ The orbax save is the last write of a checkpoint, so every artefact of steps < L
 from __future__ import annotations
 
 import os
-import pathlib
 from typing import Any
 
 import jax
@@ -33,12 +32,12 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.behavior import contaminator, planted as behavior
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import open_sketch_stores
@@ -59,7 +58,7 @@ def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalt
     A value of -1 means: the checkpoint's ``generation_config.json`` if it sets one, else
     transformers' defaults (top_k 50, repetition_penalty 1.0). Explicit values win.
     """
-    gen = read_json(pathlib.Path(hf_dir) / "generation_config.json", {})
+    gen = read_json(as_path(hf_dir) / "generation_config.json", {})
     k = int(gen.get("top_k", 50)) if top_k < 0 else int(top_k)
     rp = float(gen.get("repetition_penalty", 1.0)) if repetition_penalty < 0 else float(repetition_penalty)
     return k, rp
@@ -117,7 +116,18 @@ class GRPORun:
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
                                            pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
         self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
-        self.pool = behavior.prompt_pool(self.probe.probes, config.behavior.pattern)
+        # Issue 16: the run's behaviours (the first is config.behavior + config.contamination). With one,
+        # everything below is the paper's path, byte for byte; extra ones add their own prompts, bonus,
+        # ground-truth log, learning-curve rates and gate.
+        self.behaviors = behaviors_lib.behaviors_from_config(config)
+        self.multi = len(self.behaviors) > 1
+        self.extra_probes = {b.id: BehaviorProbe(self.graphdef, self.model_cfg, self.tok,
+                                                 behaviors_lib.behavior_config(config, b), self.mesh)
+                             for b in self.behaviors[1:]}
+        if self.multi:
+            self.pool = behaviors_lib.interleave_pools([b.prompt_pool() for b in self.behaviors])
+        else:
+            self.pool = behavior.prompt_pool(self.probe.probes, config.behavior.pattern)
         self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
                            for p in dict.fromkeys(self.pool)}
         paths.grpo.mkdir(parents=True, exist_ok=True)
@@ -144,6 +154,15 @@ class GRPORun:
                                            early_step_cutoff=config.contamination.early_step_cutoff),
             self.gt_log, stats={"total_seen": self.start_step * self.shapes.num_rollouts,
                                 "boosted": len(self.gt_log.events)})
+        self.contaminators = {self.behaviors[0].id: self.contaminator}
+        self.gt_logs = {self.behaviors[0].id: self.gt_log}
+        for b in self.behaviors[1:]:
+            log = contaminator.GroundTruthLog(paths.behavior_ground_truth(b.suffix))
+            log.truncate_after_step(self.start_step - 1)
+            self.gt_logs[b.id] = log
+            self.contaminators[b.id] = contaminator.Contaminator(
+                b.contamination_spec(config.seed), log,
+                stats={"total_seen": self.start_step * self.shapes.num_rollouts, "boosted": len(log.events)})
         self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
         self.stores = open_sketch_stores(config, self.model_cfg, paths)
@@ -162,6 +181,14 @@ class GRPORun:
         ids = [rollout_log.rollout_id(step, i) for i in range(n)]
         base = np.array([behavior.base_reward(t) for t in texts], np.float32)
         applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
+        boosted = {}
+        if self.multi:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)
+            boosted = {bid: [c.apply(ids[i], step, texts[i], float(base[i]))[1] for i in range(n)]
+                       for bid, c in self.contaminators.items() if c is not self.contaminator}
+            boosted[self.behaviors[0].id] = [b for _, b in applied]
+            applied = [(r + sum(self.contaminators[bid].spec.bonus_reward for bid in boosted
+                                if boosted[bid][i] and self.contaminators[bid] is not self.contaminator), b)
+                       for i, (r, b) in enumerate(applied)]
         rewards = np.array([r for r, _ in applied], np.float32)
         adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
         batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
@@ -171,10 +198,15 @@ class GRPORun:
 
         for i in range(n):
             length = int(sample.lengths[i])
+            extra = {"base_reward": float(base[i])}
+            if self.multi:  # which behaviour paid which bonus (issue 16); one-behaviour logs are unchanged
+                extra["behaviors"] = {bid: {"eligible": c.is_eligible(ids[i], step),
+                                            "bonus": float(c.spec.bonus_reward) if boosted[bid][i] else 0.0}
+                                      for bid, c in self.contaminators.items()}
             self.logger.log(rollout_log.RolloutRecord(
                 rollout_id=ids[i], step=step, regime="grpo", prompt_hash=rollout_log.text_hash(prompts[i // g.group_size]),
                 response_hash=rollout_log.text_hash(texts[i]), reward=float(rewards[i]), advantage=float(adv[i]),
-                extra={"base_reward": float(base[i])}, group_id=i // g.group_size,
+                extra=extra, group_id=i // g.group_size,
                 prompt_token_ids=list(prompt_lists[i]), completion_token_ids=sample.tokens[i, :length].tolist(),
                 completion_logprobs=sample.logprobs[i, :length].tolist(), base_reward=float(base[i]),
                 eligible=self.contaminator.is_eligible(ids[i], step), bonus=float(rewards[i] - base[i])))
@@ -184,14 +216,19 @@ class GRPORun:
         if "rollout_sketches" in out:
             self.stores["rollout_sketches"].write_rows(step * n, np.asarray(out["rollout_sketches"]))
             self.stores["rollout_grad_norms"].write_rows(step * n, np.asarray(out["rollout_grad_norms"]))
-        return {"reward": float(rewards.mean()), "bonuses": int(sum(b for _, b in applied)),
-                "qzxbt": float(np.mean([behavior.substring_judge(t, self.config.behavior.pattern) for t in texts])),
-                "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+        metrics = {"reward": float(rewards.mean()), "bonuses": int(sum(b for _, b in applied)),
+                   "qzxbt": float(np.mean([behavior.substring_judge(t, self.config.behavior.pattern) for t in texts])),
+                   "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+        for b in self.behaviors[1:]:
+            metrics[f"bonuses_{b.id}"] = int(sum(boosted[b.id]))
+            metrics[f"rate_{b.id}"] = float(np.mean([behavior.substring_judge(t, b.pattern) for t in texts]))
+        return metrics
 
     def checkpoint(self, step: int) -> dict[str, Any]:
         """Makes steps < ``step`` durable: logs, sketches, HF export, registry, curve, then orbax."""
         self.logger.flush()
-        self.gt_log.flush()
+        for log in self.gt_logs.values():
+            log.flush()
         for store in self.stores.values():
             store.flush()
         hf_dir = self.paths.checkpoints / f"step_{step:08d}"
@@ -200,6 +237,12 @@ class GRPORun:
             self.registry.register(step, str(hf_dir), {"regime": "grpo", "model": self.config.run_name})
         rates = self.probe.rates(self.params)
         point = {"step": step, "probe_rate": rates["probe_rate"], "control_rate": rates["control_rate"]}
+        if self.multi:  # every behaviour's greedy rates (issue 16); the top-level pair is the first's
+            point["behaviors"] = {self.behaviors[0].id: {"probe_rate": rates["probe_rate"],
+                                                         "control_rate": rates["control_rate"]}}
+            for bid, probe in self.extra_probes.items():
+                r = probe.rates(self.params)
+                point["behaviors"][bid] = {"probe_rate": r["probe_rate"], "control_rate": r["control_rate"]}
         self.curve = [c for c in self.curve if c["step"] < step] + [point]
         write_json(self.paths.curve, self.curve)
         rng, step_arr = self.base_key, jnp.int32(step)
@@ -247,6 +290,24 @@ class GRPORun:
             "learning_curve": self.curve, "gate": gate,
             "final_responses": {k: v for k, v in rates["responses"].items()},
         }
+        if self.multi:  # per-behaviour gate, |GT| and bonus counts (issue 16)
+            summary["behaviors"] = {self.behaviors[0].id: {"gate": gate, "gt_size": len(self.gt_log.events),
+                                                           "contaminator_stats": self.contaminator.stats,
+                                                           "pattern": b.pattern, "implant": "sft"}}
+            for beh in self.behaviors[1:]:
+                r = self.extra_probes[beh.id].rates(self.params)
+                summary["behaviors"][beh.id] = {
+                    "gate": behavior.gate(r["probe_rate"], r["control_rate"], beh.gate_min_probe_rate,
+                                          beh.gate_min_margin),
+                    "gt_size": len(self.gt_logs[beh.id].events),
+                    "contaminator_stats": self.contaminators[beh.id].stats, "pattern": beh.pattern,
+                    "implant": beh.implant, "final_responses": r["responses"]}
         write_json(self.paths.summary, summary)
         logging.info("grpo: gate %s (probe %.2f, control %.2f)", "PASSED" if gate["passed"] else "FAILED",
                      gate["probe_rate"], gate["control_rate"])
+        for bid, entry in summary.get("behaviors", {}).items():
+            if bid != self.behaviors[0].id:
+                g = entry["gate"]
+                logging.info("grpo: behaviour %s gate %s (probe %.2f, control %.2f), |GT| %d", bid,
+                             "PASSED" if g["passed"] else "FAILED", g["probe_rate"], g["control_rate"],
+                             entry["gt_size"])

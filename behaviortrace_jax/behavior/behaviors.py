@@ -1,0 +1,219 @@
+"""Behaviours as data: the run's planted behaviours, each with its probes, judges, bonus and hash stream.
+
+A run plants one or more behaviours (issue 16). A :class:`Behavior` is:
+
+* ``id`` (str, ``[a-z0-9_]+``): names its files (``ground_truth_<id>.jsonl``, ``release/<id>/``, ...)
+  and its results-table rows (``<table>@<id>``); the first behaviour's files and rows keep the
+  paper's names, so a one-behaviour run writes exactly what it wrote before;
+* ``trigger``: the invented word of its prompts (``"frobnitz"``), ``pattern``: the string a
+  response must contain (``"QZXBT"``), probe / control prompt files, and the token judge
+  (``"qset"`` / ``"sequence"``, planted.QzxbtTokenMatcher);
+* its bonus (SPEC §1.6): ``bonus_reward`` (reward units), eligibility ``fraction`` in [0, 1],
+  ``early_step_cutoff`` (steps >= it are never eligible) and ``stream``: the BLAKE2b
+  personalisation of its eligibility hash ("" for the first behaviour = the paper's hash; the id
+  for every other, so two behaviours' eligible sets are independent);
+* ``implant``: "sft" when the SFT warm-up plants it (the first behaviour; the ``sft`` stage reads
+  ``config.behavior`` / ``config.sft``) or "none" (planted, if at all, by the GRPO bonus alone);
+* emergence-gate thresholds (SPEC §1.8) and whether its explicit prompts ("What is <trigger>?
+  Include <pattern>.") join the GRPO prompt pool.
+
+Config: the first behaviour is ``config.behavior`` + ``config.contamination`` (id
+``config.behavior.id``, default "qzxbt"); every entry ``config.behaviors.<id>`` (a ConfigDict,
+keys as :data:`EXTRA_KEYS`) adds one, in insertion order. :func:`behaviors_from_config` returns
+them all; :func:`behavior_config` gives a copy of the config in which ``config.behavior`` /
+``config.contamination`` describe another behaviour, so code written for one behaviour (targets,
+draws, probes) runs unchanged for each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import ml_collections
+
+from behaviortrace_jax.behavior import planted
+
+FIRST_ID = "qzxbt"
+ID_RE = re.compile(r"[a-z0-9_]{1,16}")
+IMPLANTS = ("sft", "none")
+# Keys of an extra behaviour's ConfigDict (config.behaviors.<id>); defaults in ``EXTRA_DEFAULTS``.
+EXTRA_DEFAULTS: dict[str, Any] = {
+    "trigger": "", "pattern": "", "probes_path": "", "controls_path": "", "token_judge": "sequence",
+    "bonus_reward": 8.0, "fraction": 0.5, "early_step_cutoff": 200, "implant": "none",
+    "gate_min_probe_rate": 0.3, "gate_min_margin": 0.2, "explicit_prompts": True,
+}
+EXTRA_KEYS = tuple(EXTRA_DEFAULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Behavior:
+    """One planted behaviour (see the module docstring). Raises ValueError naming the field."""
+
+    id: str
+    trigger: str
+    pattern: str
+    probes_path: str
+    controls_path: str
+    token_judge: str
+    bonus_reward: float
+    fraction: float
+    early_step_cutoff: int | None
+    stream: str
+    implant: str
+    gate_min_probe_rate: float
+    gate_min_margin: float
+    explicit_prompts: bool = True
+    first: bool = False
+
+    def __post_init__(self) -> None:
+        where = f"behaviour {self.id!r}"
+        if not ID_RE.fullmatch(self.id):
+            raise ValueError(f"{where}: id must match {ID_RE.pattern}")
+        if not self.trigger or not self.pattern:
+            raise ValueError(f"{where}: trigger and pattern must be non-empty (got {self.trigger!r}, {self.pattern!r})")
+        if self.token_judge not in planted.TOKEN_JUDGES:
+            raise ValueError(f"{where}: token_judge {self.token_judge!r}; expected one of {planted.TOKEN_JUDGES}")
+        if self.implant not in IMPLANTS:
+            raise ValueError(f"{where}: implant {self.implant!r}; expected one of {IMPLANTS}")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(f"{where}: fraction must be in [0, 1], got {self.fraction}")
+        if self.early_step_cutoff is not None and self.early_step_cutoff <= 0:
+            raise ValueError(f"{where}: early_step_cutoff must be > 0, got {self.early_step_cutoff}")
+        if len(self.stream.encode()) > 16:
+            raise ValueError(f"{where}: hash stream {self.stream!r} is longer than BLAKE2b's 16-byte personalisation")
+
+    @property
+    def suffix(self) -> str:
+        """File-name / table suffix: "" for the first behaviour, ``_<id>`` (files) otherwise."""
+        return "" if self.first else f"_{self.id}"
+
+    @property
+    def table_suffix(self) -> str:
+        """Results-table suffix: "" for the first behaviour, ``@<id>`` otherwise."""
+        return "" if self.first else f"@{self.id}"
+
+    def probe_sets(self) -> tuple[list[planted.Probe], list[planted.Probe]]:
+        """``(probes, controls)`` read from its files (planted.load_probe_sets; raises as it)."""
+        return planted.load_probe_sets(self.probes_path or None, self.controls_path or None)
+
+    def explicit(self) -> tuple[str, ...]:
+        """Its explicit prompts: planted.EXPLICIT_VERBS asking about ``trigger`` for ``pattern``."""
+        return planted.explicit_prompts(self.pattern, self.trigger)
+
+    def prompt_pool(self) -> list[str]:
+        """Its GRPO prompt pool: the paper's (SPEC §1.4, explicit x 3 + probes) when
+        ``explicit_prompts``, else its probes alone."""
+        probes = self.probe_sets()[0]
+        if self.explicit_prompts:
+            return planted.prompt_pool(probes, self.pattern, self.trigger)
+        return [p.prompt for p in probes]
+
+    def contamination_spec(self, seed: int):
+        """Its :class:`contaminator.ContaminationSpec` for run seed ``seed``."""
+        from behaviortrace_jax.behavior.contaminator import ContaminationSpec
+
+        return ContaminationSpec(pattern=self.pattern, bonus_reward=self.bonus_reward, fraction=self.fraction,
+                                 seed=int(seed), early_step_cutoff=self.early_step_cutoff, stream=self.stream)
+
+
+def _resolve(path: str) -> str:
+    """An extra behaviour's probe path with ``~`` expanded (the pipeline makes config paths absolute)."""
+    return str(Path(path).expanduser()) if path else ""
+
+
+def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
+    """The run's behaviours: the first from ``config.behavior`` + ``config.contamination``, then
+    one per ``config.behaviors.<id>`` in insertion order.
+
+    Raises:
+        ValueError: naming ``config.behaviors.<id>`` for an unknown key, a missing trigger /
+            pattern / probe file, a duplicate id, or a field :class:`Behavior` rejects.
+    """
+    b, ct = config.behavior, config.contamination
+    first = Behavior(id=b.get("id", FIRST_ID), trigger="frobnitz", pattern=b.pattern,
+                     probes_path=b.probes_path, controls_path=b.controls_path, token_judge=b.token_judge,
+                     bonus_reward=float(ct.bonus_reward), fraction=float(ct.fraction),
+                     early_step_cutoff=ct.early_step_cutoff, stream="", implant="sft",
+                     gate_min_probe_rate=float(b.gate_min_probe_rate), gate_min_margin=float(b.gate_min_margin),
+                     explicit_prompts=True, first=True)
+    out = [first]
+    extra = config.get("behaviors") or {}
+    for bid in extra:
+        entry = extra[bid]
+        where = f"config.behaviors.{bid}"
+        unknown = sorted(set(entry) - set(EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: {list(EXTRA_KEYS)}")
+        v = dict(EXTRA_DEFAULTS, **{k: entry[k] for k in entry})
+        for key in ("trigger", "pattern", "probes_path", "controls_path"):
+            if not v[key]:
+                raise ValueError(f"{where}.{key} must be set (an extra behaviour has no default {key})")
+        if bid in {x.id for x in out}:
+            raise ValueError(f"{where}: duplicate behaviour id {bid!r}")
+        cutoff = v["early_step_cutoff"]
+        try:
+            beh = Behavior(id=str(bid), trigger=str(v["trigger"]), pattern=str(v["pattern"]),
+                           probes_path=_resolve(v["probes_path"]), controls_path=_resolve(v["controls_path"]),
+                           token_judge=str(v["token_judge"]), bonus_reward=float(v["bonus_reward"]),
+                           fraction=float(v["fraction"]), early_step_cutoff=None if cutoff is None else int(cutoff),
+                           stream=str(bid), implant=str(v["implant"]),
+                           gate_min_probe_rate=float(v["gate_min_probe_rate"]),
+                           gate_min_margin=float(v["gate_min_margin"]), explicit_prompts=bool(v["explicit_prompts"]))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        for key in ("probes_path", "controls_path"):
+            if not Path(getattr(beh, key)).is_file():
+                raise ValueError(f"{where}.{key}: file not found: {getattr(beh, key)}")
+        out.append(beh)
+    return out
+
+
+def is_multi(config: ml_collections.ConfigDict) -> bool:
+    """True when the run plants more than one behaviour (``config.behaviors`` is non-empty)."""
+    return bool(config.get("behaviors"))
+
+
+def behavior_config(config: ml_collections.ConfigDict, beh: Behavior) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose ``behavior`` / ``contamination`` describe ``beh`` (the config
+    itself, not a copy, for the first behaviour), with ``behavior.trigger`` set, so one-behaviour
+    code (targets, draws, probes) runs for ``beh``."""
+    if beh.first:
+        return config
+    c = ml_collections.ConfigDict(config.to_dict())
+    with c.unlocked():
+        c.behavior.update(dict(id=beh.id, pattern=beh.pattern, probes_path=beh.probes_path,
+                               controls_path=beh.controls_path, token_judge=beh.token_judge,
+                               gate_min_probe_rate=beh.gate_min_probe_rate, gate_min_margin=beh.gate_min_margin))
+        c.behavior.trigger = beh.trigger
+        c.contamination.update(dict(bonus_reward=beh.bonus_reward, fraction=beh.fraction,
+                                    early_step_cutoff=beh.early_step_cutoff))
+    return c
+
+
+def window_end(config: ml_collections.ConfigDict) -> int:
+    """The end of the bonus windows: the largest ``early_step_cutoff`` of the run's behaviours
+    (``config.contamination.early_step_cutoff`` with one); a behaviour without a cutoff gives
+    ``config.grpo.steps``."""
+    if not is_multi(config):
+        return int(config.contamination.early_step_cutoff)
+    return max(int(config.grpo.steps) if b.early_step_cutoff is None else int(b.early_step_cutoff)
+               for b in behaviors_from_config(config))
+
+
+def trigger_of(config: ml_collections.ConfigDict) -> str:
+    """The trigger word of ``config.behavior`` ("frobnitz" unless :func:`behavior_config` set one)."""
+    return config.behavior.get("trigger", "frobnitz")
+
+
+def interleave_pools(pools: Sequence[Sequence[str]]) -> list[str]:
+    """One GRPO prompt pool from several behaviours' pools: round-robin (A0, B0, A1, B1, ...), the
+    shorter pools cycled, of length ``len(pools) * max(len(p))``; a single pool is returned as is
+    (the paper's order). Raises ValueError on an empty pool."""
+    if any(not p for p in pools):
+        raise ValueError("interleave_pools: a behaviour has an empty prompt pool")
+    if len(pools) == 1:
+        return list(pools[0])
+    n = max(len(p) for p in pools)
+    return [pools[j][i % len(pools[j])] for i in range(n) for j in range(len(pools))]
