@@ -286,3 +286,34 @@ def evaluate_verdicts(rows: list[evaluation.Row], rep: Reproduction,
 def learning_curve(summary: dict) -> list[tuple[float, float, float]]:
     """(step, probe rate, control rate) points of a GRPO ``summary.json`` (empty without a curve)."""
     return [(c["step"], c["probe_rate"], c["control_rate"]) for c in summary.get("learning_curve", [])]
+
+
+def behavior_dirs(reference_dir: str | os.PathLike) -> list[tuple[str, os.PathLike]]:
+    """Other behaviours' release folders under ``reference_dir`` (issue 16): every sub-folder
+    ``<id>/`` that holds ``seedN/`` folders, as ``(id, folder)`` sorted by id. Each is a release in
+    the paper's format on its own (``reproduce(folder)``); the paper's own release has none."""
+    from behaviortrace_jax.io.layout import as_path
+
+    ref = as_path(reference_dir)
+    out = []
+    for p in sorted(ref.iterdir(), key=lambda q: q.name) if ref.is_dir() else []:
+        if p.is_dir() and not re.fullmatch(r"seed\d+", p.name) and any(
+                q.is_dir() and re.fullmatch(r"seed\d+", q.name) for q in p.iterdir()):
+            out.append((p.name, p))
+    return out
+
+
+def reproduce_behaviors(reference_dir: str | os.PathLike, **kwargs) -> list[evaluation.Row]:
+    """The rows of every other behaviour's release folder (:func:`behavior_dirs`), computed by
+    :func:`reproduce` with ``kwargs`` and with table names suffixed ``@<id>``; [] when there are none.
+    A behaviour whose ``run_header.json`` names its bonus window (``behavior.early_step_cutoff``, as
+    the evaluate stage writes) is read with that ``early_cutoff``."""
+    rows = []
+    for bid, d in behavior_dirs(reference_dir):
+        kw = dict(kwargs)
+        cutoff = read_json(seed_dirs(d)[0] / "run_header.json", {}).get("behavior", {}).get("early_step_cutoff")
+        if cutoff:
+            kw["early_cutoff"] = int(cutoff)
+        rows += [evaluation.Row(r.seed, f"{r.table}@{bid}", r.method, r.value, r.lo, r.hi, r.chance, r.ceiling, r.n)
+                 for r in reproduce(d, **kw).rows]
+    return rows

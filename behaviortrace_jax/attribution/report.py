@@ -284,3 +284,104 @@ def make_figures(rows: Sequence[Row], outdir: str | os.PathLike,
             plot_c6_instability(rows, outdir / "fig_c6_instability.png"),
             plot_learning_curve(learning_curve or [], outdir / "fig_learning_curve.png")]
     return [p for p in made if p is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# several behaviours and specificity (issue 16)
+# --------------------------------------------------------------------------------------------
+def first_behavior_rows(rows: Sequence[Row]) -> list[Row]:
+    """The rows of the run's first behaviour: tables without ``@<id>`` and not specificity rows."""
+    return [r for r in rows if "@" not in r.table]
+
+
+def behavior_rows(rows: Sequence[Row], behavior_id: str) -> list[Row]:
+    """Another behaviour's rows (``<table>@<id>``) with the suffix removed, so the one-behaviour
+    sections render them."""
+    sfx = f"@{behavior_id}"
+    return [Row(r.seed, r.table[:-len(sfx)], r.method, r.value, r.lo, r.hi, r.chance, r.ceiling, r.n)
+            for r in rows if r.table.endswith(sfx) and not r.table.startswith("spec_")]
+
+
+def specificity_section(rows: Sequence[Row]) -> str:
+    """Markdown: one table per (seed, level, A-B) of Δ = P_A(t_A) - P_A(t_B) with CI next to P_A(t_A),
+    P_A(t_B) and chance (attribution/specificity.py)."""
+    delta = [r for r in rows if r.table.startswith("spec_delta_")]
+    prec = {(r.seed, r.table, r.method): r for r in rows if r.table.startswith("spec_p_")}
+    parts = []
+    for seed, table in dict.fromkeys((r.seed, r.table) for r in delta):
+        level, pair = table[len("spec_delta_"):].split("@", 1)
+        a, b = pair.split("-", 1)
+        body = []
+        for r in (x for x in delta if x.seed == seed and x.table == table):
+            own = prec.get((seed, f"spec_p_{level}@{a}|t={a}", r.method))
+            other = prec.get((seed, f"spec_p_{level}@{a}|t={b}", r.method))
+            body.append([r.method, _ci(r), _f(own.value) if own else "", _f(other.value) if other else "",
+                         _f(own.chance) if own else ""])
+        parts.append(f"**seed {seed}, {level} level, behaviour `{a}` vs `{b}`** (n = {delta[0].n if delta else ''})\n\n"
+                     + _md_table(["method", f"Δ = P_{a}(t_{a}) − P_{a}(t_{b}) [95% CI]", f"P_{a}(t_{a})",
+                                  f"P_{a}(t_{b})", "chance of P"], body))
+    return "\n\n".join(parts)
+
+
+def behavior_sections(rows: Sequence[Row], behavior_ids: Sequence[str], summary: dict,
+                      verdicts: dict) -> list[tuple[str, str]]:
+    """``(heading, markdown)`` sections of a multi-behaviour run for :func:`render_report`'s
+    ``extra``: per-behaviour gate and |GT|, every other behaviour's tables, the specificity tables
+    and their verdicts."""
+    gates = summary.get("behaviors", {})
+    lines = ["| behaviour | pattern | implant | \\|GT\\| | greedy probe rate | control rate | gate |", "|---|---|---|---|---|---|---|"]
+    for bid in behavior_ids:
+        g = gates.get(bid, {})
+        gate = g.get("gate", {})
+        lines.append(f"| `{bid}` | `{g.get('pattern', '')}` | {g.get('implant', '')} | {g.get('gt_size', '')} | "
+                     f"{_f(gate.get('probe_rate'), 2)} | {_f(gate.get('control_rate'), 2)} | "
+                     f"{'PASSED' if gate.get('passed') else 'FAILED' if gate else ''} |")
+    out = [("Behaviours", "The run plants several behaviours (issue 16); the tables above are the first "
+                          f"behaviour's (`{behavior_ids[0]}`).\n\n" + "\n".join(lines))]
+    for bid in behavior_ids[1:]:
+        sel = behavior_rows(rows, bid)
+        body = "\n\n".join(x for x in (step_section(sel), rollout_section(sel), other_section(sel)) if x)
+        v = verdicts.get("behaviors", {}).get(bid, {})
+        rules = [Verdict.from_dict(d) for d in v.get("decision_rules", [])]
+        if rules:
+            body += "\n\n**Decision rules (SPEC §6.11) on this behaviour**\n\n" + verdict_section(rules)
+        out.append((f"Behaviour `{bid}`", body or "_no rows (no ground truth)_"))
+    spec = specificity_section(rows)
+    if spec:
+        sv = [Verdict.from_dict(d) for d in verdicts.get("specificity", [])]
+        out.append(("Specificity", "Δ_{A|B} = P@|GT_A| with A's target − P@|GT_A| with B's target, on A's "
+                    "early_nonzero population; chance of Δ is 0, and the target-free norm-only control has Δ = 0 "
+                    "by construction. CI: 95 % bootstrap over steps. A method is *specific beyond its magnitude "
+                    "control* when the CI lies above 0 and P_A(t_A) beats norm-only's P@|GT_A|.\n\n" + spec
+                    + ("\n\n" + verdict_section(sv) if sv else "")))
+    return out
+
+
+def plot_specificity(rows: Sequence[Row], path: str | os.PathLike) -> epath.Path | None:
+    """Bars of Δ = P_A(t_A) − P_A(t_B) with 95 % CIs per method, one panel per (level, A-B) and a
+    group per seed; None without specificity rows."""
+    delta = [r for r in rows if r.table.startswith("spec_delta_")]
+    if not delta:
+        return None
+    tables = list(dict.fromkeys(r.table for r in delta))
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 4), squeeze=False)
+    colors = _colors(delta)
+    for ax, t in zip(axes[0], tables):
+        sel = [r for r in delta if r.table == t]
+        seeds = list(dict.fromkeys(r.seed for r in sel))
+        methods = list(dict.fromkeys(r.method for r in sel))
+        idx = {(r.seed, r.method): r for r in sel}
+        width = _grouped_bars(ax, seeds, methods, lambda s, m: idx[(s, m)].value if (s, m) in idx else None, colors)
+        for j, m in enumerate(methods):
+            for i, s in enumerate(seeds):
+                r = idx.get((s, m))
+                if r is not None and r.lo is not None:
+                    x = i - 0.4 + width * (j + 0.5)
+                    ax.plot([x, x], [r.lo, r.hi], color="black", lw=1)
+        ax.axhline(0.0, color="gray", ls=":", lw=1)
+        level, pair = t[len("spec_delta_"):].split("@", 1)
+        a, b = pair.split("-", 1)
+        ax.set_title(f"{level}: P_{a}(t_{a}) − P_{a}(t_{b})")
+        ax.set_ylabel("Δ P@|GT| (chance 0)")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    return _save(fig, path)

@@ -57,3 +57,24 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
         sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
         targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
         window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+
+
+def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
+                        rollout_ids: list[str], rollout_steps: np.ndarray, *,
+                        per_rollout: bool = False) -> dict[str, np.ndarray]:
+    """:func:`step_method_scores` with the targets of ``target_path`` (another behaviour's
+    ``targets_continuation_<id>.zarr``, issue 16) and sketches the caller has read: float32
+    [steps, D] step sketches, or [N, D] in-run rollout sketches with ``per_rollout``.
+
+    Raises:
+        FileNotFoundError / ValueError: the target store is absent or incomplete (names it).
+    """
+    ev = config.evaluation
+    t_store = read_complete(target_path)
+    targets = t_store.read()
+    by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
+    steps = np.asarray(rollout_steps) if per_rollout else np.arange(sketches.shape[0])
+    return estimators.score_step_methods(
+        sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
+        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
+        window=ev.local_buffer_window, current_step=int(config.grpo.steps))

@@ -318,9 +318,11 @@ class ContextTarget:
     token_sketches: np.ndarray
 
 
-def context_prompts(probes: Sequence[behavior.Probe | str]) -> list[str]:
-    """The 26 prompts of SPEC §5.3 / §5.6: the 6 explicit prompts then the probes, in order."""
-    return list(behavior.EXPLICIT_PROMPTS) + [p.prompt if isinstance(p, behavior.Probe) else str(p) for p in probes]
+def context_prompts(probes: Sequence[behavior.Probe | str], explicit: Sequence[str] | None = None) -> list[str]:
+    """The 26 prompts of SPEC §5.3 / §5.6: the 6 explicit prompts then the probes, in order.
+    ``explicit``: another behaviour's explicit prompts (issue 16); None = ``EXPLICIT_PROMPTS``."""
+    head = behavior.EXPLICIT_PROMPTS if explicit is None else tuple(explicit)
+    return list(head) + [p.prompt if isinstance(p, behavior.Probe) else str(p) for p in probes]
 
 
 def chat_prompt_ids(tokenizer: Any, users: Sequence[str], max_prompt_tokens: int, *,
@@ -334,7 +336,8 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
                    probes: Sequence[behavior.Probe | str], key: jax.Array, *, fallback: np.ndarray,
                    eos_ids: Sequence[int], group_size: int = 8, temperature: float = 1.0,
                    top_p: float = 0.95, system: str = behavior.SYSTEM_PROMPT,
-                   token_judge: str = "qset", pattern: str = behavior.PATTERN) -> ContextTarget:
+                   token_judge: str = "qset", pattern: str = behavior.PATTERN,
+                   explicit: Sequence[str] | None = None) -> ContextTarget:
     """The real-response context target ``t_ctx`` and the contrast target (SPEC §5.3).
 
     Generates ``group_size`` responses for each of the 26 prompts (:func:`context_prompts`) in one
@@ -348,8 +351,9 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
         eos_ids: ids masked out of the whole-response loss (``tokenizer.mask_eos_ids``).
         token_judge: ``behavior.QzxbtTokenMatcher`` mode ("qset" = SPEC §1.1, "sequence").
         pattern: the planted pattern (``config.behavior.pattern``) the token judge looks for.
+        explicit: the explicit prompts of :func:`context_prompts` (another behaviour's; issue 16).
     """
-    users = context_prompts(probes)
+    users = context_prompts(probes, explicit)
     qset = behavior.QzxbtTokenMatcher(tokenizer, pattern, mode=token_judge)
     prompt_ids = chat_prompt_ids(tokenizer, users, sampler.max_prompt_tokens, system=system)
     rows = [ids for ids in prompt_ids for _ in range(group_size)]
@@ -434,21 +438,30 @@ def combine_minimal_pairs(s_pos: np.ndarray, s_neg: np.ndarray, ml_pos: np.ndarr
     return t_mp, t_bal, fluency_gap, norm_ratio
 
 
-def minimal_pair_texts(pattern: str = behavior.PATTERN) -> list[tuple[str, str, list[str]]]:
+def _with_trigger(text: str, trigger: str) -> str:
+    """``text`` about ``trigger`` instead of "frobnitz" (capitalised where "Frobnitz" was)."""
+    if trigger == "frobnitz":
+        return text
+    return text.replace("frobnitz", trigger).replace("Frobnitz", trigger[:1].upper() + trigger[1:])
+
+
+def minimal_pair_texts(pattern: str = behavior.PATTERN, trigger: str = "frobnitz") -> list[tuple[str, str, list[str]]]:
     """``[(user, positive text, [negative texts])]`` for the 3 x 6 (user, template) cells, in the
-    order users-outer, templates-inner; texts are ``" " + template.format(word)`` (SPEC §5.4)."""
-    return [(u, " " + t.format(pattern), [" " + t.format(w) for w in NEUTRAL_WORDS])
+    order users-outer, templates-inner; texts are ``" " + template.format(word)`` (SPEC §5.4).
+    ``trigger`` replaces "frobnitz" in users and templates (another behaviour's word; issue 16)."""
+    return [(_with_trigger(u, trigger), " " + _with_trigger(t, trigger).format(pattern),
+             [" " + _with_trigger(t, trigger).format(w) for w in NEUTRAL_WORDS])
             for u, t in itertools.product(PAIR_USERS, PAIR_TEMPLATES)]
 
 
 def minimal_pair_target(sketcher: ForcedSketcher, params: Any, tokenizer: Any, *,
-                        system: str = behavior.SYSTEM_PROMPT, pattern: str = behavior.PATTERN
-                        ) -> MinimalPairTarget:
+                        system: str = behavior.SYSTEM_PROMPT, pattern: str = behavior.PATTERN,
+                        trigger: str = "frobnitz") -> MinimalPairTarget:
     """The minimal-pair target ``target_mp`` and its balanced variant (SPEC §5.4; Table 3's target).
 
     18 positive and 72 negative forced sketches go through ``sketcher`` in one batched pass.
     """
-    cells = minimal_pair_texts(pattern)
+    cells = minimal_pair_texts(pattern, trigger)
     ex = [forced_completion_example(tokenizer, u, pos, system=system) for u, pos, _ in cells]
     ex += [forced_completion_example(tokenizer, u, neg, system=system) for u, _, negs in cells for neg in negs]
     out = sketcher(params, ex)

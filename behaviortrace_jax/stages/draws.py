@@ -49,7 +49,7 @@ import numpy as np
 from absl import logging
 
 from behaviortrace_jax.attribution import estimators
-from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
 from behaviortrace_jax.io import checkpoints, sketch_store
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
@@ -108,11 +108,19 @@ def _probes(config: ml_collections.ConfigDict) -> list[behavior.Probe]:
     return behavior.load_probes(config.behavior.probes_path or None)
 
 
+def _explicit(config: ml_collections.ConfigDict) -> tuple[str, ...] | None:
+    """The explicit prompts of the draw's behaviour: None (``EXPLICIT_PROMPTS``) for the first;
+    another behaviour's (a ``behaviors.behavior_config`` view, which sets ``behavior.trigger``)."""
+    if "trigger" not in config.behavior:
+        return None
+    return behavior.explicit_prompts(config.behavior.pattern, config.behavior.trigger)
+
+
 def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int,
                   entry: checkpoints.CheckpointEntry) -> dict[str, Any]:
     """Everything the draw's numbers depend on (compared on resume / skip)."""
     d, t = config.draws, config.targets
-    prompts = targets.context_prompts(_probes(config))
+    prompts = targets.context_prompts(_probes(config), _explicit(config))
     return {
         "ckpt_seed": ckpt_seed, "gen_seed": gen_seed, "checkpoint_step": entry.step,
         "checkpoint_path": str(entry.path), "target_step": int(d.target_step),
@@ -161,7 +169,10 @@ class DrawPaths:
 def draw_paths(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int,
                gen_seed: int) -> DrawPaths:
     """The :class:`DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir``."""
-    return DrawPaths(RunLayout(workdir).draws, ckpt_seed, gen_seed,
+    root = RunLayout(workdir).draws
+    if "trigger" in config.behavior:  # another behaviour's draw (issue 16): draws/<id>/
+        root = root / config.behavior.id
+    return DrawPaths(root, ckpt_seed, gen_seed,
                      token_level_filename(config.draws.temperature, ckpt_seed, gen_seed, int(config.seed)))
 
 
@@ -247,12 +258,14 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
     probes = _probes(config)
     pattern = config.behavior.pattern
     cont = targets.continuation_target(env.sketcher, env.params, env.tokenizer, probes, pattern=pattern)
-    mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer, pattern=pattern)
+    mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer, pattern=pattern,
+                                     trigger=behaviors_lib.trigger_of(config))
     t = config.targets
     ctx = targets.context_target(env.sketcher, env.params, env.ctx_sampler, env.tokenizer, probes, key,
                                  fallback=cont.target, eos_ids=env.mask_eos_ids, group_size=t.ctx_group_size,
                                  temperature=t.ctx_temperature, top_p=t.ctx_top_p,
-                                 token_judge=config.behavior.token_judge, pattern=pattern)
+                                 token_judge=config.behavior.token_judge, pattern=pattern,
+                                 explicit=_explicit(config))
     arrays = {"t_cont": cont.target, "t_ctx": ctx.t_ctx, "t_contrast": ctx.t_contrast, "t_mp": mp.target_mp,
               "t_mp_bal": mp.target_mp_bal, "cont_per_probe": cont.per_probe, "ctx_token_sketches": ctx.token_sketches,
               "mp_s_pos": mp.s_pos, "mp_s_neg": mp.s_neg, "mp_ml_pos": mp.ml_pos, "mp_ml_neg": mp.ml_neg}
@@ -270,7 +283,7 @@ def _repeat(config: ml_collections.ConfigDict, env: _Env, rep: int, key: jax.Arr
             n_token_level: int) -> dict[str, np.ndarray]:
     """Generates and sketches one repeat (26 groups x G); returns its arrays (see ``rep*.npz``)."""
     d = config.draws
-    users = targets.context_prompts(_probes(config))
+    users = targets.context_prompts(_probes(config), _explicit(config))
     qset = behavior.QzxbtTokenMatcher(env.tokenizer, config.behavior.pattern, config.behavior.token_judge)
     prompt_ids = targets.chat_prompt_ids(env.tokenizer, users, env.sampler.max_prompt_tokens)
     rows = [ids for ids in prompt_ids for _ in range(d.group_size)]
@@ -417,5 +430,8 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
 
 @register_stage("draws")
 def draws_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """The pre-registered draw (``config.draws.ckpt_seed`` / ``gen_seed``, -1 = ``config.seed``)."""
+    """The pre-registered draw (``config.draws.ckpt_seed`` / ``gen_seed``, -1 = ``config.seed``), and
+    the same draw for every other behaviour of the run under ``draws/<id>/`` (issue 16)."""
     run_draws(config, workdir)
+    for beh in behaviors_lib.behaviors_from_config(config)[1:]:
+        run_draws(behaviors_lib.behavior_config(config, beh), workdir)

@@ -14,6 +14,7 @@ its rollouts) and re-checks the decision rules and the checklist on all rows. Ou
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -21,12 +22,13 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.attribution import estimators, evaluation, release as reproduce, report
+from behaviortrace_jax.attribution import estimators, evaluation, metrics, release as reproduce, report, specificity
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
+from behaviortrace_jax.behavior import behaviors as behaviors_lib
 from behaviortrace_jax.io import files, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.sketch.scores import read_complete, step_method_scores
+from behaviortrace_jax.sketch.scores import read_complete, step_method_scores, target_store_scores
 from behaviortrace_jax.stages.registry import register_stage
 
 
@@ -82,20 +84,28 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                                        nboot=ev.nboot, rng_seed=int(config.seed))
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
+    verdicts = evaluation.verdicts_json(rules, check)
+    if behaviors_lib.is_multi(config):  # issue 16: every other behaviour's tables, and specificity
+        more, per_behavior = behavior_results(config, paths)
+        rows += more
+        verdicts.update(per_behavior)
     evaluation.write_results_csv(paths.results_table, rows)
-    write_json(paths.verdicts, evaluation.verdicts_json(rules, check))
+    write_json(paths.verdicts, verdicts)
     files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
 
 
-def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int) -> list[evaluation.Row]:
+def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int,
+                            gt_path: pathlib.Path | None = None,
+                            target_path: pathlib.Path | None = None) -> list[evaluation.Row]:
     """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
 
     Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C: within each GRPO
     group (same step and prompt), ground-truth (bonus) rollouts are the positives; the target is the
     continuation target at C. Tables ``mp_raw_train_ckpt{C}`` etc., in the layout of SPEC §6.7-§6.10
     (GAS_centered = cos(g - group mean, t), C1_plain, norm_only, fluency; bootstrap rng = seed).
-    Empty when no checkpoint was re-sketched.
+    Empty when no checkpoint was re-sketched. ``gt_path`` / ``target_path``: another behaviour's
+    ground truth and continuation targets (issue 16; pass its ``behavior_config`` view for its window).
     """
     path = paths.sketches / "checkpoint_rollout_sketches.zarr"
     if not (path / "metadata.json").exists():
@@ -105,7 +115,9 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
-    gt = {e["rollout_id"] for e in evaluation.read_ground_truth(paths.ground_truth)}
+    if target_path is not None:
+        t_store = sketch_store.SketchStore.open(target_path)
+    gt = {e["rollout_id"] for e in evaluation.read_ground_truth(gt_path or paths.ground_truth)}
     early = np.array([r.step < config.contamination.early_step_cutoff for r in records])
     groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
     positive = np.array([r.rollout_id in gt for r in records])[early]
@@ -146,9 +158,146 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows = evaluation.read_results_csv(w.results_table)
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
+    extra = []
+    if behaviors_lib.is_multi(config):  # issue 16: the first behaviour's tables as before, then the others'
+        all_rows = rows
+        rows = report.first_behavior_rows(all_rows)
     figs = report.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
+    if behaviors_lib.is_multi(config):
+        ids = [b.id for b in behaviors_lib.behaviors_from_config(config)]
+        extra = report.behavior_sections(all_rows, ids, summary, verdicts)
+        fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
+        figs += [fig] if fig is not None else []
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
                    intro=run_intro(config, summary),
                    rules=[evaluation.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
-                   checklist=[evaluation.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs)
+                   checklist=[evaluation.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
+                   extra=extra)
     logging.info("report: %s", w.report)
+
+
+# ------------------------------------------------------------------------------------------------
+# several behaviours (issue 16)
+# ------------------------------------------------------------------------------------------------
+def _cutoff(config: ml_collections.ConfigDict, beh: behaviors_lib.Behavior) -> int:
+    """The early window of ``beh``'s tables: ``evaluation.early_cutoff`` for the first behaviour,
+    its own bonus window for another (``grpo.steps`` when it has none)."""
+    if beh.first:
+        return int(config.evaluation.early_cutoff)
+    return int(config.grpo.steps) if beh.early_step_cutoff is None else int(beh.early_step_cutoff)
+
+
+def _suffixed(rows: list[evaluation.Row], table_suffix: str) -> list[evaluation.Row]:
+    return [dataclasses.replace(r, table=r.table + table_suffix) for r in rows]
+
+
+def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior,
+                           records: list, step_sketches: np.ndarray, scores: dict[str, np.ndarray]) -> pathlib.Path:
+    """``release/<id>/seed{S}/`` for another behaviour, in the paper's release format (as
+    :func:`write_release`): its ground truth, its targets' score file, its draws' rows files.
+    Readable alone by the paper's tools (``reproduce(release/<id>)``). Returns the folder."""
+    ids = [r.rollout_id for r in records]
+    steps = np.array([r.step for r in records], np.int64)
+    gt_path = paths.behavior_ground_truth(beh.suffix)
+    gt_ids = [e["rollout_id"] for e in evaluation.read_ground_truth(gt_path)]
+    step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sketches.astype(np.float64), axis=1))}
+    header = evaluation.score_file_header(f"{config.run_name}__{beh.id}", int(config.seed), ids, steps, gt_ids,
+                                          step_norms, final_rewards=np.array([r.reward for r in records]),
+                                          group_size=config.grpo.group_size, early_cutoff=_cutoff(config, beh))
+    out = paths.behavior_release(beh.id, config.seed)
+    files.remove_tree(out)  # derived files only: rebuilt from the run every time
+    out.mkdir(parents=True, exist_ok=True)
+    evaluation.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
+    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    run_header = {k: header[k] for k in evaluation.SCORE_FILE_KEYS}
+    run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
+                                       f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
+    run_header["behavior"] = {"id": beh.id, "trigger": beh.trigger, "pattern": beh.pattern, "implant": beh.implant,
+                              "bonus_reward": beh.bonus_reward, "fraction": beh.fraction,
+                              "early_step_cutoff": beh.early_step_cutoff, "hash_stream": beh.stream}
+    write_json(out / "run_header.json", run_header)
+    files.copy_file(gt_path, out / "ground_truth.jsonl")
+    draws = paths.draws / beh.id
+    if draws.exists():
+        for f in sorted(draws.glob("*.json")):
+            if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
+                files.copy_file(f, out / f.name)
+    return out
+
+
+def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tuple[list[evaluation.Row], dict]:
+    """Every other behaviour's tables and the specificity tables of a multi-behaviour run.
+
+    For each behaviour B after the first: its release folder (:func:`write_behavior_release`), the
+    tables ``reproduce`` computes from it, its which-rollout and training-rollout tables, all with
+    table names suffixed ``@<id>``, and its decision rules / checklist. Then the specificity rows
+    (``attribution.specificity``) at step level (step sketches, each behaviour's early_nonzero
+    population) and, with in-run rollout sketches, at rollout level, and their verdicts.
+
+    Returns:
+        (rows, {"behaviors": {id: verdicts.json dict}, "specificity": [verdict dicts]}).
+    """
+    ev = config.evaluation
+    behs = behaviors_lib.behaviors_from_config(config)
+    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    records = list(rollout_log.read_rollouts(paths.rollouts))
+    ids = [r.rollout_id for r in records]
+    steps = np.array([r.step for r in records], np.int64)
+    step_sk = read_complete(paths.sketches / "step_sketches.zarr").read()
+    roll_sk = (read_complete(paths.sketches / "rollout_sketches.zarr").read()
+               if config.sketch.in_run_rollouts else None)
+    step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
+    nonzero = np.isin(steps, np.asarray(evaluation.nonzero_steps_from_norms(step_norms), np.int64))
+    rows: list[evaluation.Row] = []
+    out: dict = {"behaviors": {}}
+    gt, pops, step_scores, roll_scores, ceilings = {}, {}, {}, {}, {}
+    for beh in behs:
+        target_path = paths.sketches / f"targets_continuation{beh.suffix}.zarr"
+        gt_ids = {e["rollout_id"] for e in evaluation.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
+        gt[beh.id] = np.array([i in gt_ids for i in ids])
+        pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
+        step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps)
+        if roll_sk is not None:
+            roll_scores[beh.id] = target_store_scores(config, target_path, roll_sk, ids, steps, per_rollout=True)
+        if gt[beh.id][pops[beh.id]].any():
+            p = pops[beh.id]
+            ceilings[beh.id] = metrics.precision_ceiling_fractional(steps[p], gt[beh.id][p],
+                                                                               int(gt[beh.id][p].sum()))
+        if beh.first:
+            continue
+        bconf = behaviors_lib.behavior_config(config, beh)
+        write_behavior_release(config, paths, beh, records, step_sk, step_scores[beh.id])
+        if not gt_ids:
+            logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
+            out["behaviors"][beh.id] = {"decision_rules": [], "checklist": [], "gt_size": 0}
+            continue
+        rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
+                                  delta=ev.fluency_match_delta, step_margin=ev.step_margin,
+                                  max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
+                                  rollouts_per_step=n_per_step)
+        b_rows = list(rep.rows)
+        if roll_sk is not None:
+            sd = rep.seeds[0]
+            b_rows += evaluation.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores[beh.id],
+                                                      nonzero_steps=sd.header["nonzero_steps"],
+                                                      early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
+                                                      rng_seed=int(config.seed))
+        b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
+                                          target_path=target_path)
+        b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
+        out["behaviors"][beh.id] = dict(evaluation.verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
+        rows += _suffixed(b_rows, beh.table_suffix)
+    usable = [b.id for b in behs if gt[b.id][pops[b.id]].any()]
+    spec_rows: list[evaluation.Row] = []
+    if len(usable) >= 2:
+        label = str(int(config.seed))
+        sub = lambda d: {k: d[k] for k in usable}  # noqa: E731
+        spec_rows += specificity.specificity_rows(label, "step", steps, sub(pops), sub(gt), sub(step_scores),
+                                                  nboot=ev.nboot, rng_seed=int(config.seed), ceiling=sub(ceilings))
+        if roll_sk is not None:
+            spec_rows += specificity.specificity_rows(label, "rollout", steps, sub(pops), sub(gt), sub(roll_scores),
+                                                      nboot=ev.nboot, rng_seed=int(config.seed))
+    else:
+        logging.warning("evaluate: specificity needs ground truth of >= 2 behaviours in their windows; have %s", usable)
+    out["specificity"] = [v.to_dict() for v in specificity.specificity_verdicts(spec_rows)]
+    return rows + spec_rows, out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_collections
 from absl import logging
 
-from behaviortrace_jax.attribution.release import reproduce, write_outputs
+from behaviortrace_jax.attribution.release import reproduce, reproduce_behaviors, write_outputs
 from behaviortrace_jax.stages.registry import register_stage
 
 
@@ -23,8 +23,10 @@ def reproduce_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     always recomputes; outputs are replaced atomically."""
     ref = _reference_dir(config)
     ev = config.evaluation
-    rep = reproduce(ref, nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
-                    step_margin=ev.step_margin, max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs)
+    kw = dict(nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
+              step_margin=ev.step_margin, max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs)
+    rep = reproduce(ref, **kw)
+    rep.rows += reproduce_behaviors(ref, **kw)  # other behaviours' folders <id>/seedN (issue 16), rows <table>@<id>
     write_outputs(rep, workdir, ref)
     logging.info("reproduce: %d rows from %d seed folders -> %s/results_table.csv",
                  len(rep.rows), len(rep.seeds), workdir)

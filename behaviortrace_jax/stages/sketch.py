@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
 from behaviortrace_jax.io import checkpoints, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
@@ -104,9 +104,36 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
         logging.info("sketch: continuation target at step %d (self-consistency %.3f)", e.step, ct.self_consistency)
 
+    for beh in behaviors_lib.behaviors_from_config(config)[1:]:  # issue 16: each other behaviour's targets
+        extra_continuation_targets(config, paths, loader, forced, entries, beh)
+
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
     if chosen:
         sketch_training_rollouts(config, paths, loader, forced, [entries[steps.index(s)] for s in chosen])
+
+
+def extra_continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
+                               forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry],
+                               beh: behaviors_lib.Behavior) -> None:
+    """Another behaviour's continuation targets (issue 16): ``targets_continuation_<id>.zarr``
+    float32 [C, D] and ``targets_<id>.json``, as the first behaviour's (its probes, its pattern)."""
+    steps = [e.step for e in entries]
+    meta = dict(sketch_metadata(config, loader.model_config, "targets_continuation"), checkpoint_steps=steps,
+                behavior=beh.id)
+    t_store = sketch_store.SketchStore.open_or_create(paths.sketches / f"targets_continuation{beh.suffix}.zarr",
+                                                      (len(steps), config.sketch.dim), 1, meta)
+    stats_path = paths.sketches / f"targets{beh.suffix}.json"
+    stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
+    probes = beh.probe_sets()[0]
+    for k in t_store.missing_rows():
+        e = entries[int(k)]
+        ct = targets.continuation_target(forced, loader.params(e.path), loader.tokenizer, probes, pattern=beh.pattern)
+        t_store.write_rows(int(k), ct.target[None])
+        t_store.flush()
+        stats[e.step] = {"self_consistency": ct.self_consistency, "norm": float(np.linalg.norm(ct.target))}
+        write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
+        logging.info("sketch: behaviour %s continuation target at step %d (self-consistency %.3f)", beh.id, e.step,
+                     ct.self_consistency)
 
 
 def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
@@ -114,7 +141,7 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout
     """Sketches ``-(masked mean log-prob)`` of every logged rollout at each of ``entries``."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
     if config.sketch.rollout_scope == "early":  # the log is step-major: the early window is a prefix
-        records = [rec for rec in records if rec.step < config.contamination.early_step_cutoff]
+        records = [rec for rec in records if rec.step < behaviors_lib.window_end(config)]
     elif config.sketch.rollout_scope != "all":
         raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
     r, d = len(records), config.sketch.dim
