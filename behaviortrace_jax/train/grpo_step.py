@@ -211,20 +211,57 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     if not tables_arg:
         return jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
                        out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
-    jitted = jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh, rep),
+    table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
+    jitted = jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh, table_sh),
                      out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
-    return _StepWithTables(jitted, rollout_sketcher)
+    return _StepWithTables(jitted, rollout_sketcher, table_sh)
+
+
+def table_shardings(order: sketcher.ParamOrder, param_shardings: Any, mesh: jax.sharding.Mesh,
+                    n_tables: int) -> list[jax.sharding.NamedSharding]:
+    """Shardings of the CountSketch hash tables (int32, one per parameter, its shape) as a step argument:
+    each table split like its parameter over every mesh axis but ``"data"`` (so over ``"model"``;
+    the in-run sketcher's ``shard_map`` is manual over ``"data"`` only and takes the tables whole
+    there) and replicated over ``"data"``. On a mesh with ``model`` = 1 every table is replicated, as
+    before. Replicated where the parameter shardings do not line up with ``n_tables`` tables."""
+    rep = sharding.replicated(mesh)
+    try:
+        shs = order.arrays(param_shardings)
+    except (KeyError, ValueError):
+        return [rep] * n_tables
+    if len(shs) != n_tables:
+        return [rep] * n_tables
+
+    def drop_data(part):
+        if part is None or part == sharding.DATA:
+            return None
+        if isinstance(part, tuple):
+            kept = tuple(a for a in part if a != sharding.DATA)
+            return kept[0] if len(kept) == 1 else (kept or None)
+        return part
+
+    return [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*(drop_data(a) for a in sh.spec)))
+            if isinstance(sh, jax.sharding.NamedSharding) else rep for sh in shs]
 
 
 class _StepWithTables:
-    """The jitted step with hash tables as its last argument, called like the plain step."""
+    """The jitted step with hash tables as its last argument (placed by :func:`table_shardings`),
+    called like the plain step."""
 
-    def __init__(self, jitted, rollout_sketcher: sketcher.PerExampleSketcher):
-        self.jitted, self.sketcher = jitted, rollout_sketcher
+    def __init__(self, jitted, rollout_sketcher: sketcher.PerExampleSketcher, table_sh: list):
+        self.jitted, self.sketcher, self.table_sh = jitted, rollout_sketcher, table_sh
+        self._tables = None
 
     def __call__(self, params, opt_state, batch, ref_params):
-        return self.jitted(params, opt_state, batch, ref_params, self.sketcher.tables)
+        if self._tables is None:
+            self._tables = sharding.put(list(self.sketcher.tables), self.table_sh)
+        return self.jitted(params, opt_state, batch, ref_params, self._tables)
+
+    def abstract_tables(self) -> list[jax.ShapeDtypeStruct]:
+        """``jax.ShapeDtypeStruct`` of each hash table with its step sharding (AOT lowering)."""
+        return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+                for a, sh in zip(self.sketcher.abstract_tables(), self.table_sh)]
 
     def lower(self, params, opt_state, batch, ref_params, tables=None):
         return self.jitted.lower(params, opt_state, batch, ref_params,
-                                 tables if tables is not None else self.sketcher.abstract_tables())
+                                 tables if tables is not None else self.abstract_tables())
