@@ -1,7 +1,7 @@
 """Multi-process runs (docs/architecture.md "Multi-process runs"; issue 15).
 
-* Unit tests (fast): the launch settings, the one-writer file helpers, the tensorstore kvstore a
-  path selects (``gs://`` -> ``gcs``).
+* Unit tests (fast): the launch settings, the one-writer file helpers (``gs://`` paths and the
+  kvstore a path selects: tests/test_remote_paths.py).
 * ``test_two_processes_equal_one_process_two_devices`` (CI): the whole smoke pipeline, every default
   stage, as ``launch/local_multiprocess.sh 2`` (2 processes x 1 CPU device, one shared workdir) and as
   one process over 2 fake devices, side by side: the same results_table.csv, rollout log and ground
@@ -156,44 +156,6 @@ def test_writer_process_store_rows_and_reads_meet_barriers(tmp_path):
     finally:
         files.configure_writer(True, None)
     assert len(calls) == 2 + 2 + 2  # create, missing_rows, read
-
-
-def test_kvstore_follows_the_path():
-    assert sketch_store.kvstore_spec("/w/sketches/a.zarr/data") == {"driver": "file", "path": "/w/sketches/a.zarr/data/"}
-    spec = sketch_store._zarr_spec("gs://bucket/run/sketches/step_sketches.zarr/data", (3, 4), (1, 4), "float32")
-    assert spec["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/data/"}
-    with pytest.raises(ValueError, match="gs://"):
-        sketch_store.kvstore_spec("s3://bucket/run")
-
-
-def test_gs_workdir_keeps_its_scheme_and_selects_the_gcs_kvstore():
-    from behaviortrace_jax.io.layout import RunLayout
-
-    paths = RunLayout("gs://bucket/run")
-    assert str(paths.workdir) == "gs://bucket/run"
-    assert str(paths.rollouts) == "gs://bucket/run/grpo/rollouts"
-    assert str(paths.registry) == "gs://bucket/run/grpo/registry.json"
-    assert str(paths.results_table) == "gs://bucket/run/results_table.csv"
-    assert str(paths.release_seed(3)) == "gs://bucket/run/release/seed3"
-    store = paths.sketches / "step_sketches.zarr"
-    assert str(store) == "gs://bucket/run/sketches/step_sketches.zarr"
-    data = sketch_store._zarr_spec(store / "data", (3, 4), (1, 4), "float32")
-    done = sketch_store._zarr_spec(store / "done", (3,), (1,), "uint8")
-    assert data["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/data/"}
-    assert done["kvstore"] == {"driver": "gcs", "bucket": "bucket", "path": "run/sketches/step_sketches.zarr/done/"}
-    # a local workdir stays a plain pathlib.Path (single-process behaviour unchanged)
-    assert type(RunLayout("/w").rollouts) is type(pathlib.Path("/w"))
-
-
-def test_file_writers_accept_the_layout_path_type(tmp_path):
-    from behaviortrace_jax.io.layout import as_path
-
-    p = as_path(str(tmp_path / "x" / "a.json"))
-    files.write_json(p, {"a": 1})
-    assert files.read_json(p) == {"a": 1}
-    files.atomic_write_dir(as_path(str(tmp_path / "d")), lambda d: (d / "f").write_text("f"))
-    assert (tmp_path / "d" / "f").read_text() == "f"
-    assert not [q for q in tmp_path.rglob("*") if ".tmp" in q.name]
 
 
 def test_launch_script_checks_its_arguments():

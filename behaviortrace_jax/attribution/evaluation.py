@@ -17,6 +17,7 @@ A :class:`Row` is one CSV line: ``seed,table,method,value,lo,hi,chance,ceiling,n
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -28,6 +29,7 @@ import numpy as np
 
 from behaviortrace_jax.attribution import estimators, metrics
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl, read_json
+from behaviortrace_jax.io.layout import as_path
 
 CSV_COLUMNS = ("seed", "table", "method", "value", "lo", "hi", "chance", "ceiling", "n")
 STEP_TABLES = ("overall", "early_nonzero")
@@ -82,7 +84,8 @@ def write_results_csv(path: str | os.PathLike, rows: Sequence[Row]) -> None:
 def read_results_csv(path: str | os.PathLike) -> list[Row]:
     """Reads a results table (ours or the paper's) into rows; empty cells -> None."""
     out = []
-    with open(path, newline="", encoding="utf-8") as f:
+    # = open(path, newline="", encoding="utf-8"); epath.Path.open takes no ``newline``
+    with io.StringIO(as_path(path).read_bytes().decode("utf-8"), newline="") as f:
         for d in csv.DictReader(f):
             if tuple(d) != CSV_COLUMNS:
                 raise ValueError(f"{path}: columns {tuple(d)} != {CSV_COLUMNS}")

@@ -23,14 +23,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import ml_collections
 import numpy as np
 from absl import logging
+from etils import epath
 
 from behaviortrace_jax.attribution import estimators, evaluation, report
 from behaviortrace_jax.io.files import read_json, write_json
+from behaviortrace_jax.io.layout import as_path
 
 ROLLOUTS_PER_STEP = 16  # SPEC §2.1: 4 prompts x 4 generations per GRPO step.
 MP_FILE = re.compile(r"minimal_pair_rows_ckpt(\d+)_gen(\d+)\.json$")
@@ -62,9 +63,9 @@ class Reproduction:
     seeds: list[SeedData]
 
 
-def seed_dirs(reference_dir: str | os.PathLike) -> list[Path]:
+def seed_dirs(reference_dir: str | os.PathLike) -> list[epath.Path]:
     """``seedN`` folders under ``reference_dir`` sorted by N. Raises if there are none."""
-    ref = Path(reference_dir)
+    ref = as_path(reference_dir)
     if not ref.is_dir():
         raise ValueError(f"reference_dir {str(ref)!r} is not a directory")
     dirs = sorted((p for p in ref.iterdir() if p.is_dir() and re.fullmatch(r"seed\d+", p.name)),
@@ -74,7 +75,7 @@ def seed_dirs(reference_dir: str | os.PathLike) -> list[Path]:
     return dirs
 
 
-def load_seed(d: Path, per_step: int = ROLLOUTS_PER_STEP) -> SeedData:
+def load_seed(d: epath.Path, per_step: int = ROLLOUTS_PER_STEP) -> SeedData:
     """Parses ``run_header.json`` + ``ground_truth.jsonl`` of one seed folder.
 
     Raises:
@@ -100,7 +101,7 @@ def load_seed(d: Path, per_step: int = ROLLOUTS_PER_STEP) -> SeedData:
     return SeedData(str(seed), header, ids, steps, gt, [hp.name, gp.name])
 
 
-def read_step_score_tsv(path: Path) -> dict[int, float]:
+def read_step_score_tsv(path: epath.Path) -> dict[int, float]:
     """``step<TAB>score`` lines with a header -> {step: score}. Raises on duplicates/bad lines."""
     out = {}
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -117,7 +118,7 @@ def read_step_score_tsv(path: Path) -> dict[int, float]:
     return out
 
 
-def _step_rows(sd: SeedData, d: Path, early_cutoff: int) -> tuple[list[evaluation.Row], dict]:
+def _step_rows(sd: SeedData, d: epath.Path, early_cutoff: int) -> tuple[list[evaluation.Row], dict]:
     nonzero = sd.header["nonzero_steps"]
     pops = evaluation.step_populations(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, nonzero_steps=nonzero,
                               early_cutoff=early_cutoff)
@@ -161,7 +162,7 @@ def _order_step_rows(rows: list[evaluation.Row]) -> list[evaluation.Row]:
     return sorted(rows, key=lambda r: (evaluation.STEP_TABLES.index(r.table), order.get(r.method, len(order))))
 
 
-def token_level_rows(label: str, path: Path) -> list[evaluation.Row]:
+def token_level_rows(label: str, path: epath.Path) -> list[evaluation.Row]:
     """Means of the §7.4 lists -> rows ``token_level`` (temperature 0.9) or ``token_level_temp{T}``."""
     temp = TOKEN_FILE.search(path.name).group(1)
     d = read_json(path)
@@ -175,7 +176,7 @@ def token_level_rows(label: str, path: Path) -> list[evaluation.Row]:
     return out
 
 
-def notebook_rows(path: Path) -> list[evaluation.Row]:
+def notebook_rows(path: epath.Path) -> list[evaluation.Row]:
     """rollout_seed01.json (§7.5) -> rows tables ``mp_residualized_notebook``,
     ``mp_matched_notebook`` and ``mp_raw_notebook`` (fluency), values [pt, lo, hi]."""
     d = read_json(path)
@@ -230,7 +231,7 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
     main = [r for rs in mp_rows for r in rs if not r.table.endswith("_diag")]
     diag = [r for rs in mp_rows for r in rs if r.table.endswith("_diag")]
     rows = step_rows + main + diag + tok_rows
-    nb_path = Path(reference_dir) / "rollout_seed01.json"
+    nb_path = as_path(reference_dir) / "rollout_seed01.json"
     nb = notebook_rows(nb_path) if nb_path.is_file() else []
     rules, check = verdicts(rows + nb, seeds, step_margin=step_margin, max_ci_width=max_ci_width,
                             min_matched_pairs=min_matched_pairs)
@@ -255,7 +256,7 @@ def verdicts(rows: list[evaluation.Row], seeds: list[SeedData], *, step_margin: 
 
 def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: str | os.PathLike) -> None:
     """Writes results_table.csv, verdicts.json, figures/ and report.md into ``workdir``."""
-    w = Path(workdir)
+    w = as_path(workdir)
     figs = report.make_figures(rep.rows + rep.notebook_rows, w / "figures")
     evaluation.write_results_csv(w / "results_table.csv", rep.rows)
     write_json(w / "verdicts.json", evaluation.verdicts_json(rep.rules, rep.checklist))

@@ -10,17 +10,18 @@ import io
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from etils import epath  # noqa: E402
 
 from behaviortrace_jax.attribution import metrics  # noqa: E402
 from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row, Verdict  # noqa: E402
 from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
+from behaviortrace_jax.io.layout import as_path  # noqa: E402
 
 HOW_TO_READ = """\
 * **P@|GT|** (step level): tie-aware fractional precision at k = |ground truth| of the population.
@@ -145,26 +146,26 @@ def render_report(rows: Sequence[Row], *, title: str = "BehaviorTrace-JAX evalua
         out.append("## Evaluation checklist (SPEC §8)\n\n" + verdict_section(checklist))
     if figures:
         links = [os.path.relpath(f, base_dir) if base_dir else str(f) for f in figures]
-        out.append("## Figures\n\n" + "\n".join(f"![{Path(x).stem}]({x})" for x in links))
+        out.append("## Figures\n\n" + "\n".join(f"![{os.path.splitext(os.path.basename(x))[0]}]({x})" for x in links))
     out += [f"## {h}\n\n{b.strip()}" for h, b in extra]
     return "\n\n".join(p for p in out if p) + "\n"
 
 
 def write_report(path: str | os.PathLike, rows: Sequence[Row], **kwargs) -> None:
     """Writes :func:`render_report` to ``path`` atomically (figure links relative to its folder)."""
-    kwargs.setdefault("base_dir", Path(path).parent)
+    kwargs.setdefault("base_dir", as_path(path).parent)
     atomic_write_text(path, render_report(rows, **kwargs))
 
 
 # --------------------------------------------------------------------------------------------
 # figures (SPEC §10.5)
 # --------------------------------------------------------------------------------------------
-def _save(fig, path: str | os.PathLike) -> Path:
+def _save(fig, path: str | os.PathLike) -> epath.Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     atomic_write_text(path, buf.getvalue())
-    return Path(path)
+    return as_path(path)
 
 
 def _colors(rows: Sequence[Row]) -> dict[str, str]:
@@ -183,7 +184,7 @@ def _grouped_bars(ax, seeds: list[str], methods: list[str], value, colors: dict[
     return width
 
 
-def plot_step_level(rows: Sequence[Row], path: str | os.PathLike) -> Path | None:
+def plot_step_level(rows: Sequence[Row], path: str | os.PathLike) -> epath.Path | None:
     """P@|GT| bars per seed and method for ``overall`` and ``early_nonzero``, with each seed's
     chance (dotted) and ceiling (dashed) drawn across its bar group. None if no step rows."""
     tables = [t for t in STEP_TABLES if any(r.table == t for r in rows)]
@@ -207,7 +208,7 @@ def plot_step_level(rows: Sequence[Row], path: str | os.PathLike) -> Path | None
     return _save(fig, path)
 
 
-def plot_early_lift(rows: Sequence[Row], path: str | os.PathLike) -> Path | None:
+def plot_early_lift(rows: Sequence[Row], path: str | os.PathLike) -> epath.Path | None:
     """``early_nonzero`` value − chance per seed and method against the headroom (ceiling −
     chance, dashed per seed; SPEC §10.5 right panel). None if the table is absent."""
     sel = [r for r in rows if r.table == "early_nonzero"]
@@ -234,7 +235,7 @@ def plot_early_lift(rows: Sequence[Row], path: str | os.PathLike) -> Path | None
 
 
 def plot_c6_instability(rows: Sequence[Row], path: str | os.PathLike,
-                        methods: Sequence[str] = ("GAS_centered", "C1_plain", "norm_only")) -> Path | None:
+                        methods: Sequence[str] = ("GAS_centered", "C1_plain", "norm_only")) -> epath.Path | None:
     """Residualised within-group AUC with 95 % CIs per draw (seeds and diagnostic draws), chance
     line at 0.5: the C6 instability plot (SPEC §10.5). None if no residualised rows."""
     sel = [r for r in rows if r.table.startswith("mp_residualized") and r.method in methods]
@@ -257,7 +258,7 @@ def plot_c6_instability(rows: Sequence[Row], path: str | os.PathLike,
     return _save(fig, path)
 
 
-def plot_learning_curve(curve: Sequence[tuple[float, float, float]], path: str | os.PathLike) -> Path | None:
+def plot_learning_curve(curve: Sequence[tuple[float, float, float]], path: str | os.PathLike) -> epath.Path | None:
     """Behaviour rate on probes and controls against GRPO step; ``curve`` = [(step, probe_rate,
     control_rate)]. None if empty."""
     if not curve:
@@ -276,9 +277,9 @@ def plot_learning_curve(curve: Sequence[tuple[float, float, float]], path: str |
 
 
 def make_figures(rows: Sequence[Row], outdir: str | os.PathLike,
-                 learning_curve: Sequence[tuple[float, float, float]] | None = None) -> list[Path]:
+                 learning_curve: Sequence[tuple[float, float, float]] | None = None) -> list[epath.Path]:
     """Writes every figure the rows support into ``outdir``; returns their paths."""
-    outdir = Path(outdir)
+    outdir = as_path(outdir)
     made = [plot_step_level(rows, outdir / "fig_steplevel.png"),
             plot_early_lift(rows, outdir / "fig_early_lift.png"),
             plot_c6_instability(rows, outdir / "fig_c6_instability.png"),

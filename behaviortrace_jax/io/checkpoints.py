@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, resolve_path
+from behaviortrace_jax.io.layout import as_path
 
 REGISTRY_VERSION = 1
 COMMIT_FILE = "commit_success.txt"  # written by orbax into a step directory before its final rename
@@ -47,8 +47,8 @@ class CheckpointRegistry:
     other than 1, or malformed entries.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike):
+        self.path = as_path(path)
         self._entries: list[CheckpointEntry] = []
         if not self.path.exists():
             return
@@ -65,7 +65,7 @@ class CheckpointRegistry:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{self.path}: malformed 'checkpoints' list ({e!r})") from e
 
-    def register(self, step: int, path: str | Path, metadata: dict[str, Any] | None = None) -> CheckpointEntry:
+    def register(self, step: int, path: str | os.PathLike, metadata: dict[str, Any] | None = None) -> CheckpointEntry:
         """Adds ``step`` and rewrites the file atomically. Raises ValueError "already registered"."""
         if any(e.step == step for e in self._entries):
             raise ValueError(f"{self.path}: step {step} is already registered")
@@ -96,30 +96,30 @@ class CheckpointRegistry:
 # --------------------------------------------------------------------------------------------
 # Orbax train-state checkpoints
 # --------------------------------------------------------------------------------------------
-def _manager(directory: str | Path, max_to_keep: int | None = None) -> ocp.CheckpointManager:
+def _manager(directory: str | os.PathLike, max_to_keep: int | None = None) -> ocp.CheckpointManager:
     """An orbax manager for ``directory``; relative paths and ``~`` are resolved (orbax needs absolute ones)."""
     options = ocp.CheckpointManagerOptions(create=True, max_to_keep=max_to_keep, cleanup_tmp_directories=True,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(epath.Path(resolve_path(directory)), options=options,
+    return ocp.CheckpointManager(as_path(resolve_path(directory)), options=options,
                                  item_handlers=ocp.StandardCheckpointHandler())
 
 
-def complete_steps(directory: str | Path) -> list[int]:
+def complete_steps(directory: str | os.PathLike) -> list[int]:
     """Steps under ``directory`` whose orbax save completed (ignores tmp and uncommitted dirs)."""
-    directory = epath.Path(resolve_path(directory))
+    directory = as_path(resolve_path(directory))
     if not directory.exists():
         return []
     return sorted(int(p.name) for p in directory.iterdir()
                   if p.name.isdigit() and p.is_dir() and (p / COMMIT_FILE).exists())
 
 
-def latest_step(directory: str | Path) -> int | None:
+def latest_step(directory: str | os.PathLike) -> int | None:
     """The greatest completed train-state step under ``directory``, or None."""
     steps = complete_steps(directory)
     return steps[-1] if steps else None
 
 
-def save_train_state(directory: str | Path, step: int, state: Any, max_to_keep: int | None = None) -> None:
+def save_train_state(directory: str | os.PathLike, step: int, state: Any, max_to_keep: int | None = None) -> None:
     """Saves the pytree ``state`` (e.g. ``{"params", "opt_state", "step", "rng"}``; jax arrays,
     typed PRNG keys allowed, any sharding) as ``directory/<step>`` synchronously and atomically.
 
@@ -127,7 +127,7 @@ def save_train_state(directory: str | Path, step: int, state: Any, max_to_keep: 
     (not written by a completed orbax save) is removed first. ``max_to_keep``: None keeps all.
     Raises ValueError if ``step`` is already a complete checkpoint.
     """
-    directory = epath.Path(resolve_path(directory))
+    directory = as_path(resolve_path(directory))
     if step in complete_steps(directory):
         raise ValueError(f"{directory / str(step)}: train-state checkpoint already exists")
     stale = directory / str(step)
@@ -171,7 +171,7 @@ def _stored_shape(leaf: jax.ShapeDtypeStruct) -> tuple[int, ...]:
     return tuple(leaf.shape)
 
 
-def restore_train_state(directory: str | Path, step: int | None, abstract_state: Any) -> Any:
+def restore_train_state(directory: str | os.PathLike, step: int | None, abstract_state: Any) -> Any:
     """Restores ``directory/<step>`` (``step=None``: the latest) into the structure, shapes, dtypes
     and shardings of ``abstract_state`` (a pytree of ``jax.ShapeDtypeStruct`` or arrays, e.g. from
     ``jax.eval_shape``). Dtypes are cast to the abstract ones.
@@ -181,7 +181,7 @@ def restore_train_state(directory: str | Path, step: int | None, abstract_state:
         ValueError: the checkpoint holds a different tree (a different model or optimizer), naming
             the missing / unexpected keys and every key whose shape differs (stored vs requested).
     """
-    directory = epath.Path(resolve_path(directory))
+    directory = as_path(resolve_path(directory))
     steps = complete_steps(directory)
     if step is None:
         if not steps:

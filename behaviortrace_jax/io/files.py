@@ -1,9 +1,24 @@
 """Small file helpers every stage shares: atomic writes, JSON files, checked JSONL reading.
 
-* :func:`atomic_write_text` / :func:`write_json`: ``path.tmp`` + fsync + ``os.replace``, so a
-  killed run leaves either the old file or the new one, never a torn one (runs resume from them).
+Every path is ``layout.as_path``'s ``etils.epath.Path``, local or ``gs://`` (remote workdirs); the
+modules outside ``io/`` make no file-system calls of their own (no builtin ``open``, ``os.replace``,
+``shutil``, ``pathlib.Path(...)``; tests/test_remote_paths.py checks this). How a write is made
+atomic depends on where it goes, and is chosen here, once per write (:func:`write_strategy`,
+:func:`dir_strategy`):
+
+* local file: ``path.tmp`` + fsync + ``os.replace`` (+ fsync of the folder), so a killed run leaves
+  either the old file or the new one, never a torn one (runs resume from them);
+* object store (``gs://``): one direct object write. A single object upload is atomic on GCS (a
+  reader sees the old object or the new one, never a part), so there is no ``.tmp`` to rename (an
+  object store has no rename: it would be a copy plus a delete, and no more atomic).
+
+* :func:`atomic_write_text` / :func:`write_json`: one file, atomically as above.
 * :func:`atomic_write_dir`: a whole directory (an HF checkpoint, a tokenizer) filled in a temporary
-  sibling and renamed into place, replacing any older one.
+  sibling and renamed into place, replacing any older one (object stores: filled locally, uploaded
+  file by file; see :func:`_upload_dir`).
+* :func:`copy_file` / :func:`copy_tree` / :func:`remove_file` / :func:`remove_tree`: by the writer.
+* :func:`local_dir`: a directory as local files for libraries that only read local files
+  (safetensors memory maps, ``AutoTokenizer``): itself when local, a downloaded copy for a URL.
 * :func:`read_json`: a JSON file, or a default when it does not exist yet.
 * :func:`resolve_path` / :func:`sha256_file`: a user's path made absolute (``~`` expanded); a
   file's digest.
@@ -19,16 +34,18 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from behaviortrace_jax.io.layout import as_path
+from etils import epath
+
+from behaviortrace_jax.io.layout import as_path, is_url
 
 _MISSING = object()
 _WRITER: dict[str, Any] = {"is_writer": True, "barrier": None}
@@ -74,7 +91,7 @@ def remove_tree(path: str | os.PathLike) -> None:
     with mutation(f"rmtree {path}") as write:
         if write:
             p = as_path(path)
-            if isinstance(p, Path):
+            if not is_url(p):
                 shutil.rmtree(p, ignore_errors=True)
             elif p.exists():
                 p.rmtree()
@@ -85,10 +102,28 @@ def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     with mutation(f"copy {dst}") as write:
         if write:
             src, dst = as_path(src), as_path(dst)
-            if isinstance(src, Path) and isinstance(dst, Path):
+            if not is_url(src) and not is_url(dst):
                 shutil.copyfile(src, dst)
             else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
                 dst.write_bytes(src.read_bytes())
+
+
+def copy_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """``shutil.copytree(src, dst, dirs_exist_ok=True)`` by the writer (see :func:`mutation`), for
+    local paths and URLs alike (a URL's files are copied one object at a time)."""
+    with mutation(f"copytree {dst}") as write:
+        if write:
+            src, dst = as_path(src), as_path(dst)
+            if not is_url(src) and not is_url(dst):
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+                return
+            for folder, _, names in src.walk():  # epath: no recursive glob on GCS
+                rel = os.path.relpath(os.fspath(folder), os.fspath(src))
+                for name in sorted(names):
+                    out = dst / rel / name if rel != "." else dst / name
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_bytes((as_path(folder) / name).read_bytes())
 
 
 def remove_file(path: str | os.PathLike) -> None:
@@ -118,30 +153,44 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
         FileNotFoundError: if ``path`` does not exist.
     """
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with as_path(path).open("rb") as f:
         while block := f.read(chunk_bytes):
             h.update(block)
     return h.hexdigest()
 
 
 def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
-    """Writes ``text`` (str as UTF-8, or bytes) to ``path`` atomically: ``path.tmp``, fsync,
-    ``os.replace``, then fsync of the directory (best effort). Creates missing parent folders.
+    """Writes ``text`` (str as UTF-8, or bytes) to ``path`` atomically (:func:`write_strategy`):
+    locally ``path.tmp``, fsync, ``os.replace``, then fsync of the directory (best effort); on an
+    object store one direct object write. Creates missing parent folders.
     In a multi-process run only the writer process writes (:func:`mutation`)."""
     with mutation(f"write {path}") as write:
         if write:
             _atomic_write_text(as_path(path), text)
 
 
-def _atomic_write_text(path: Path, text: str | bytes) -> None:
-    if not isinstance(path, Path):  # a URL (gs://): one object write is atomic, no .tmp + rename
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(text.encode("utf-8") if isinstance(text, str) else text)
-        return
+def write_strategy(path: str | os.PathLike) -> Callable[[epath.Path, bytes], None]:
+    """How a file write to ``path`` is made atomic: :func:`_write_replace` (``.tmp`` + fsync +
+    ``os.replace``) for a local path, :func:`_write_object` (one direct object write, atomic by
+    itself on GCS) for a URL such as ``gs://bucket/key``."""
+    return _write_object if is_url(path) else _write_replace
+
+
+def _atomic_write_text(path: epath.Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_strategy(path)(path, text.encode("utf-8") if isinstance(text, str) else text)
+
+
+def _write_object(path: epath.Path, data: bytes) -> None:
+    """A URL (gs://): one object upload, which the store makes atomic (no ``.tmp`` + rename)."""
+    path.write_bytes(data)
+
+
+def _write_replace(path: epath.Path, data: bytes) -> None:
+    """A local file: ``path.tmp`` + fsync + ``os.replace`` + fsync of the folder (best effort)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(text.encode("utf-8") if isinstance(text, str) else text)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -178,11 +227,46 @@ def atomic_write_dir(out_dir: str | os.PathLike, fill: Callable[[Path], None]) -
     out_dir = as_path(out_dir)
     with mutation(f"write dir {out_dir}") as write:
         if write:
-            (_atomic_write_dir if isinstance(out_dir, Path) else _upload_dir)(out_dir, fill)
+            dir_strategy(out_dir)(out_dir, fill)
     return out_dir
 
 
-def _upload_dir(out_dir: Any, fill: Callable[[Path], None]) -> None:
+def dir_strategy(out_dir: str | os.PathLike) -> Callable[[epath.Path, Callable[[Path], None]], None]:
+    """How :func:`atomic_write_dir` writes ``out_dir``: :func:`_atomic_write_dir` (temporary sibling
+    + rename) for a local path, :func:`_upload_dir` (fill locally, upload file by file) for a URL."""
+    return _upload_dir if is_url(out_dir) else _atomic_write_dir
+
+
+def local_dir(path: str | os.PathLike) -> epath.Path:
+    """The directory ``path`` as local files, for libraries that read local files only (safetensors
+    memory maps, ``transformers.AutoTokenizer``, ``os.path`` checks): ``path`` itself when local;
+    for a URL, a copy of its files (not subfolders) in a per-process cache folder, downloaded again
+    when the remote listing (names, sizes) changes. Read-only use: writes to the copy are lost.
+
+    Raises:
+        FileNotFoundError: naming ``path`` when a URL directory does not exist.
+    """
+    src = as_path(path)
+    if not is_url(src):
+        return src
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src}: no such directory")
+    remote = sorted((f.name, f.stat().length) for f in src.iterdir() if f.is_file())
+    key = hashlib.sha256(os.fspath(src).encode("utf-8")).hexdigest()[:16]
+    local = as_path(tempfile.gettempdir()) / f"behaviortrace_jax-{os.getpid()}" / key
+    listing = local / ".remote_listing.json"
+    if listing.exists() and json.loads(listing.read_text()) == [list(r) for r in remote]:
+        return local
+    if local.exists():
+        local.rmtree()
+    local.mkdir(parents=True)
+    for name, _ in remote:
+        (local / name).write_bytes((src / name).read_bytes())
+    listing.write_text(json.dumps(remote))
+    return local
+
+
+def _upload_dir(out_dir: epath.Path, fill: Callable[[Path], None]) -> None:
     """A URL (gs://) directory: ``fill`` writes into a local temporary directory, whose files are
     then copied up (an existing ``out_dir`` is removed first). Object stores have no directory
     rename, so a reader may see a partial directory while this runs; a rerun rewrites it."""
@@ -195,7 +279,7 @@ def _upload_dir(out_dir: Any, fill: Callable[[Path], None]) -> None:
             (out_dir / f.name).write_bytes(f.read_bytes())
 
 
-def _atomic_write_dir(out_dir: Path, fill: Callable[[Path], None]) -> None:
+def _atomic_write_dir(out_dir: epath.Path, fill: Callable[[Path], None]) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:

@@ -8,23 +8,37 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 
 import ml_collections
+from etils import epath
 
 
-def as_path(path: str | os.PathLike) -> pathlib.Path:
-    """The one path type of the run's files: ``pathlib.Path`` for a local path, ``etils.epath.Path``
-    for a URL (``gs://bucket/...``), which keeps its scheme (``pathlib`` would turn ``gs://`` into
-    ``gs:/``). Both support ``/``, ``.name``, ``.parent``, ``read_text``/``write_text``, ``exists``."""
-    if isinstance(path, pathlib.Path):
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names an object in a store (``gs://bucket/key``) rather than a local file."""
+    return "://" in os.fspath(path)
+
+
+def as_path(path: str | os.PathLike) -> epath.Path:
+    """The one path type of the run's files: ``etils.epath.Path`` (what orbax uses), for a local path
+    and for a URL (``gs://bucket/...``) alike; it keeps a URL's scheme (``pathlib`` would turn
+    ``gs://`` into ``gs:/``, and ``pathlib.Path(<gs epath>)`` into ``/gs/...``), and supports ``/``,
+    ``.name``, ``.parent``, ``open``, ``read_text``/``write_text``, ``exists``, ``iterdir``, ``glob``,
+    ``mkdir``, ``unlink``, ``rmtree``. Local and remote differ only where a writer must choose how
+    to make a write atomic (``files.write_strategy``): test with :func:`is_url`, never the type.
+
+    Every module outside ``io/`` reaches the run's files through this (tests/test_remote_paths.py
+    fails on a builtin ``open``, ``os.replace``, ``shutil`` call or ``pathlib.Path(...)`` there).
+    """
+    if isinstance(path, epath.Path):
         return path
-    s = os.fspath(path)
-    if "://" in s:
-        from etils import epath
+    return epath.Path(os.fspath(path))
 
-        return epath.Path(s)
-    return pathlib.Path(s)
+
+# The tensorstore arrays under ``sketches/`` (io/sketch_store.py): the in-run stores of the grpo
+# stage (sketch/stores.py) and the sketch stage's targets and per-checkpoint rollout sketches.
+SKETCH_STORES = ("step_sketches", "step_grad_norms", "rollout_sketches", "rollout_grad_norms",
+                 "targets_continuation", "checkpoint_rollout_sketches", "checkpoint_rollout_fluency",
+                 "checkpoint_rollout_norms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,14 +54,16 @@ class RunLayout:
     | ``draws`` | ``draws/`` |
     | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json`` |
     | ``report`` | ``report.md``, ``figures/`` |
+    | ``counterfactual`` | ``counterfactual/``: ``replays/*.json``, ``report_section.md``; rows of ``results_table.csv``, a section of ``report.md``, ``figures/counterfactual_topk.png`` |
+    | ``compile`` | ``compile_report.json``, ``compile_report.md`` |
     """
 
-    workdir: pathlib.Path
+    workdir: epath.Path
 
     def __init__(self, workdir: str | os.PathLike):
         object.__setattr__(self, "workdir", as_path(workdir))
 
-    def model_dir(self, config: ml_collections.ConfigDict) -> pathlib.Path:
+    def model_dir(self, config: ml_collections.ConfigDict) -> epath.Path:
         """The policy's starting HF checkpoint: ``config.model.hf_dir`` or, if empty, ``workdir/base``."""
         return as_path(config.model.hf_dir) if config.model.hf_dir else self.base
 
@@ -63,12 +79,12 @@ class RunLayout:
     rollouts = property(lambda self: self.grpo / "rollouts")  # JSONL shards (rollout_log.py)
     ground_truth = property(lambda self: self.grpo / "ground_truth.jsonl")  # SPEC §6.1
 
-    def behavior_ground_truth(self, suffix: str = "") -> pathlib.Path:
+    def behavior_ground_truth(self, suffix: str = "") -> epath.Path:
         """``grpo/ground_truth{suffix}.jsonl``: the first behaviour's (suffix "") is ``ground_truth``;
         another behaviour's suffix is ``_<id>`` (behavior/behaviors.py; SPEC §6.1 format)."""
         return self.grpo / f"ground_truth{suffix}.jsonl"
 
-    def behavior_release(self, behavior_id: str = "", seed: int = 0) -> pathlib.Path:
+    def behavior_release(self, behavior_id: str = "", seed: int = 0) -> epath.Path:
         """``release/seed{S}`` for the first behaviour (``behavior_id`` ""), else
         ``release/<id>/seed{S}``: each a folder in the paper's release format."""
         root = self.release / behavior_id if behavior_id else self.release
@@ -88,7 +104,22 @@ class RunLayout:
     verdicts = property(lambda self: self.workdir / "verdicts.json")
     report = property(lambda self: self.workdir / "report.md")
     figures = property(lambda self: self.workdir / "figures")
+    # optional stages
+    counterfactual = property(lambda self: self.workdir / "counterfactual")  # report_section.md
+    counterfactual_replays = property(lambda self: self.counterfactual / "replays")  # one JSON per replay
+    compile_report_json = property(lambda self: self.workdir / "compile_report.json")
+    compile_report_md = property(lambda self: self.workdir / "compile_report.md")
 
-    def release_seed(self, seed: int) -> pathlib.Path:
+    def sketch_store(self, name: str) -> epath.Path:
+        """``sketches/{name}.zarr``, one of :data:`SKETCH_STORES`.
+
+        Raises:
+            ValueError: naming ``name`` when it is not one of them.
+        """
+        if name not in SKETCH_STORES:
+            raise ValueError(f"unknown sketch store {name!r}; known: {', '.join(SKETCH_STORES)}")
+        return self.sketches / f"{name}.zarr"
+
+    def release_seed(self, seed: int) -> epath.Path:
         """``release/seed{seed}``: one seed's files in the paper's release format."""
         return self.release / f"seed{int(seed)}"

@@ -2,7 +2,8 @@
 
 Layout of ``root``: ``schema.json`` (format, schema version, field list) and
 ``shard_{idx:08d}.jsonl`` files, one ``json.dumps(asdict(record))`` per line. A shard is written
-(``.tmp`` + fsync + ``os.replace``) when the buffer reaches ``shard_size`` and on ``flush``/``close``;
+atomically (``files.atomic_write_text``: ``.tmp`` + fsync + ``os.replace`` locally, one object write
+on ``gs://``) when the buffer reaches ``shard_size`` and on ``flush``/``close``;
 a re-opened logger continues at max index + 1.
 
 Exact resume protocol (used by the GRPO loop): records are logged in generation order, so steps never
@@ -18,10 +19,12 @@ import hashlib
 import json
 import os
 import re
-from pathlib import Path
 from typing import Any, Iterator
 
+from etils import epath
+
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl, read_json, remove_file, write_json
+from behaviortrace_jax.io.layout import as_path
 
 SCHEMA_VERSION = 2  # 1 = the paper's 8 fields (SPEC §2.3); 2 = + group, tokens, log-probs, reward parts.
 SCHEMA_FILE = "schema.json"
@@ -86,18 +89,18 @@ def _encode(record: RolloutRecord) -> str:
     return json.dumps(dataclasses.asdict(record), default=_json_default)
 
 
-def _shards(root: Path) -> list[tuple[int, Path]]:
-    return sorted((int(m.group(1)), root / n) for n in os.listdir(root) if (m := _SHARD_RE.match(n)))
+def _shards(root: epath.Path) -> list[tuple[int, epath.Path]]:
+    return sorted((int(m.group(1)), root / p.name) for p in root.iterdir() if (m := _SHARD_RE.match(p.name)))
 
 
-def check_schema(root: str | Path, schema_version: int = SCHEMA_VERSION) -> None:
+def check_schema(root: str | os.PathLike, schema_version: int = SCHEMA_VERSION) -> None:
     """Checks ``root/schema.json`` against ``schema_version`` and ``FIELDS``.
 
     Raises:
         FileNotFoundError: ``root`` holds shards but no schema.json (a log of an unknown schema).
         ValueError: naming the file, for invalid JSON or another format/version/field list.
     """
-    root = Path(root)
+    root = as_path(root)
     path = root / SCHEMA_FILE
     if not path.exists():
         if root.is_dir() and _shards(root):
@@ -110,7 +113,7 @@ def check_schema(root: str | Path, schema_version: int = SCHEMA_VERSION) -> None
         raise ValueError(f"{path}: rollout log schema mismatch: found {got}, this code reads {want}")
 
 
-def _read_shard(path: Path) -> list[RolloutRecord]:
+def _read_shard(path: epath.Path) -> list[RolloutRecord]:
     out = []
     for lineno, obj in iter_jsonl(path):
         try:
@@ -120,10 +123,10 @@ def _read_shard(path: Path) -> list[RolloutRecord]:
     return out
 
 
-def read_rollouts(root: str | Path, schema_version: int = SCHEMA_VERSION) -> Iterator[RolloutRecord]:
+def read_rollouts(root: str | os.PathLike, schema_version: int = SCHEMA_VERSION) -> Iterator[RolloutRecord]:
     """Yields the records of ``root`` in shard order (= log order). Raises as ``check_schema``, and
     ValueError naming ``file:line`` for a malformed line."""
-    root = Path(root)
+    root = as_path(root)
     check_schema(root, schema_version)
     if not root.is_dir():
         return
@@ -131,9 +134,9 @@ def read_rollouts(root: str | Path, schema_version: int = SCHEMA_VERSION) -> Ite
         yield from _read_shard(path)
 
 
-def last_logged_step(root: str | Path) -> int | None:
+def last_logged_step(root: str | os.PathLike) -> int | None:
     """The step of the last durable record in ``root`` (None for an empty/absent log)."""
-    root = Path(root)
+    root = as_path(root)
     if not root.is_dir():
         return None
     check_schema(root)
@@ -144,14 +147,14 @@ def last_logged_step(root: str | Path) -> int | None:
     return None
 
 
-def truncate_after_step(root: str | Path, step: int) -> int:
+def truncate_after_step(root: str | os.PathLike, step: int) -> int:
     """Drops every record with ``record.step > step`` (exact resume; see the module docstring).
 
     Later shards are deleted from the highest index down and a straddling shard is rewritten
     atomically, so a kill midway leaves a prefix and re-running finishes the job. ``step = -1``
     empties the log. Returns the number of records dropped. Raises as ``check_schema``.
     """
-    root = Path(root)
+    root = as_path(root)
     if not root.is_dir():
         return 0
     check_schema(root)
@@ -183,10 +186,10 @@ class RolloutLogger:
     buffer writes nothing. ``log`` raises ValueError if a record's step is below the previous one.
     """
 
-    def __init__(self, root: str | Path, shard_size: int = 1024, schema_version: int = SCHEMA_VERSION):
+    def __init__(self, root: str | os.PathLike, shard_size: int = 1024, schema_version: int = SCHEMA_VERSION):
         if shard_size <= 0:
             raise ValueError(f"RolloutLogger: shard_size must be > 0, got {shard_size}")
-        self.root = Path(root)
+        self.root = as_path(root)
         self.shard_size = shard_size
         self.schema_version = schema_version
         self.root.mkdir(parents=True, exist_ok=True)
@@ -194,9 +197,9 @@ class RolloutLogger:
         if not (self.root / SCHEMA_FILE).exists():
             meta = {"format": SCHEMA_FORMAT, "schema_version": schema_version, "fields": list(FIELDS)}
             write_json(self.root / SCHEMA_FILE, meta)
-        for name in os.listdir(self.root):  # leftovers of a write killed before os.replace
-            if name.endswith(".jsonl.tmp") and _SHARD_RE.match(name[:-4]):
-                remove_file(self.root / name)
+        for p in sorted(self.root.iterdir()):  # leftovers of a local write killed before os.replace
+            if p.name.endswith(".jsonl.tmp") and _SHARD_RE.match(p.name[:-4]):
+                remove_file(p)
         shards = _shards(self.root)
         self._next_index = shards[-1][0] + 1 if shards else 0
         self._last_step = last_logged_step(self.root)

@@ -36,11 +36,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pathlib
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import tensorstore as ts
+from etils import epath
 
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json
@@ -79,6 +79,18 @@ def _zarr_spec(path: Any, shape: Sequence[int], chunks: Sequence[int], dtype: st
                          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}}
 
 
+def array_specs(path: str | os.PathLike, shape: Sequence[int], chunk_rows: int, dtype: str) -> dict[str, dict]:
+    """The tensorstore specs of the store at ``path``: ``{"data": ..., "done": ...}``, zarr3 arrays on
+    the kvstore :func:`kvstore_spec` chooses from ``path`` (``file`` locally, ``gcs`` for ``gs://``),
+    under the keys ``<path>/data/`` and ``<path>/done/``. Every tensorstore the project opens is
+    opened from one of these specs."""
+    path, shape = as_path(path), tuple(int(s) for s in shape)
+    lead = 2 if len(shape) == 3 else 1
+    chunks = SketchStore._chunks(shape, chunk_rows)
+    return {"data": _zarr_spec(path / "data", shape, chunks, np.dtype(dtype).name),
+            "done": _zarr_spec(path / "done", shape[:lead], chunks[:lead], "uint8")}
+
+
 class SketchStore:
     """A resumable on-disk array of sketches (or norms); use :meth:`open_or_create`.
 
@@ -86,7 +98,7 @@ class SketchStore:
     as stored, including ``format``, ``shape``, ``chunk_rows`` and ``dtype``), ``row_axis``.
     """
 
-    def __init__(self, path: pathlib.Path, data: ts.TensorStore, done: ts.TensorStore, metadata: dict,
+    def __init__(self, path: epath.Path, data: ts.TensorStore, done: ts.TensorStore, metadata: dict,
                  max_pending: int):
         self.path, self._data, self._done, self.metadata = path, data, done, metadata
         self.shape = tuple(metadata["shape"])
@@ -126,30 +138,28 @@ class SketchStore:
         full = _jsonable({**metadata, "format": FORMAT, "shape": list(shape), "chunk_rows": int(chunk_rows),
                           "dtype": dtype})
         meta_path = path / _META
-        lead = 2 if len(shape) == 3 else 1
-        chunks = cls._chunks(shape, chunk_rows)
+        specs = array_specs(path, shape, int(chunk_rows), dtype)
         if meta_path.exists():
             stored = read_json(meta_path)
             for key in sorted(set(full) | set(stored)):
                 if full.get(key, "<absent>") != stored.get(key, "<absent>"):
                     raise ValueError(f"{meta_path}: metadata key {key!r} is {stored.get(key, '<absent>')!r} "
                                      f"in the store but {full.get(key, '<absent>')!r} was requested")
-            return cls(path, *cls._open_arrays(path, shape, chunks, dtype, lead, {"open": True}), stored, max_pending)
+            return cls(path, *cls._open_arrays(specs, {"open": True}), stored, max_pending)
         # no metadata.json: a fresh (or never finished) store, created by the writer process only
         with files.mutation(f"create {path}") as write:
             if write:
                 path.mkdir(parents=True, exist_ok=True)
-                arrays = cls._open_arrays(path, shape, chunks, dtype, lead, {"create": True, "delete_existing": True})
+                arrays = cls._open_arrays(specs, {"create": True, "delete_existing": True})
                 files.write_text_now(meta_path, json.dumps(full, indent=1, sort_keys=True) + "\n")
         if not write:
-            arrays = cls._open_arrays(path, shape, chunks, dtype, lead, {"open": True})
+            arrays = cls._open_arrays(specs, {"open": True})
         return cls(path, *arrays, full, max_pending)
 
     @staticmethod
-    def _open_arrays(path: pathlib.Path, shape: tuple[int, ...], chunks: list[int], dtype: str, lead: int,
-                     mode: dict) -> tuple[ts.TensorStore, ts.TensorStore]:
-        data = ts.open(_zarr_spec(path / "data", shape, chunks, dtype), **mode).result()
-        done = ts.open(_zarr_spec(path / "done", shape[:lead], chunks[:lead], "uint8"), **mode).result()
+    def _open_arrays(specs: dict[str, dict], mode: dict) -> tuple[ts.TensorStore, ts.TensorStore]:
+        data = ts.open(specs["data"], **mode).result()
+        done = ts.open(specs["done"], **mode).result()
         return data, done
 
     @classmethod

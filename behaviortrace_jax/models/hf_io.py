@@ -22,9 +22,11 @@ from typing import Any, Callable, NamedTuple
 import jax
 import ml_dtypes
 import numpy as np
+from etils import epath
 from flax import nnx
 
-from behaviortrace_jax.io.files import atomic_write_dir, read_json
+from behaviortrace_jax.io.files import atomic_write_dir, local_dir, read_json
+from behaviortrace_jax.io.layout import as_path
 from behaviortrace_jax.models import families, sharding
 from behaviortrace_jax.models.decoder import DecoderConfig, DecoderForCausalLM, abstract_model, resolve_sharding
 
@@ -85,9 +87,9 @@ def model_fingerprint(config: DecoderConfig) -> str:
 class _SafetensorsFile:
     """Memory-mapped safetensors file: ``tensor(key)`` is a lazy read-only numpy view."""
 
-    def __init__(self, path: pathlib.Path):
+    def __init__(self, path: epath.Path):
         self.path = path
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
@@ -111,7 +113,7 @@ class _SafetensorsFile:
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def _open_checkpoint(hf_dir: pathlib.Path) -> dict[str, _SafetensorsFile]:
+def _open_checkpoint(hf_dir: epath.Path) -> dict[str, _SafetensorsFile]:
     """Maps every tensor key of a single-file or sharded checkpoint to its open file."""
     if (hf_dir / INDEX_FILE).is_file():
         weight_map = read_json(hf_dir / INDEX_FILE)["weight_map"]
@@ -159,7 +161,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
     """
     if mesh is not None and shardings is not None:
         raise ValueError("load_hf_checkpoint: give shardings or mesh, not both")
-    hf_dir = pathlib.Path(hf_dir)
+    hf_dir = local_dir(hf_dir)  # itself when local; a gs:// checkpoint is memory-mapped from a local copy
     cfg = families.config_from_hf(hf_dir, family)
     pdt = param_dtype or cfg.param_dtype
     cfg = cfg.replace(param_dtype=pdt, compute_dtype=compute_dtype or pdt)
@@ -197,7 +199,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _check_tied_head(tensors: dict[str, _SafetensorsFile], hf_dir: pathlib.Path) -> None:
+def _check_tied_head(tensors: dict[str, _SafetensorsFile], hf_dir: epath.Path) -> None:
     head = tensors["lm_head.weight"].tensor("lm_head.weight")
     emb_key = "model.embed_tokens.weight"
     if emb_key not in tensors:
@@ -246,7 +248,7 @@ def hf_state_dict(params_or_model: Any, config: DecoderConfig) -> dict[str, np.n
 
 
 def save_hf_checkpoint(model_or_state: Any, config: DecoderConfig, out_dir: str | os.PathLike,
-                       tokenizer: Any = None, generation_config: dict | None = None) -> pathlib.Path:
+                       tokenizer: Any = None, generation_config: dict | None = None) -> epath.Path:
     """Writes a transformers-loadable checkpoint: config.json, model.safetensors (+ tokenizer files).
 
     Weights are stored in ``config.param_dtype``; tied models store no ``lm_head.weight``. The
@@ -259,7 +261,7 @@ def save_hf_checkpoint(model_or_state: Any, config: DecoderConfig, out_dir: str 
     """
     from safetensors.numpy import save_file
 
-    out_dir = pathlib.Path(out_dir)
+    out_dir = as_path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     np_dtype = _NP_DTYPES[config.param_dtype]
     tensors = {k: np.ascontiguousarray(v.astype(np_dtype, copy=False))  # no second host copy
@@ -276,8 +278,7 @@ def save_hf_checkpoint(model_or_state: Any, config: DecoderConfig, out_dir: str 
     def fill(tmp: pathlib.Path) -> None:
         save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
         for name, obj in files:
-            with open(tmp / name, "w") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
+            (tmp / name).write_text(json.dumps(obj, indent=2, sort_keys=True))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 

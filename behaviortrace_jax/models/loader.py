@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 from typing import Any
+
+from etils import epath
 
 from flax import nnx
 
+from behaviortrace_jax.io.files import local_dir
+from behaviortrace_jax.io.layout import as_path
 from behaviortrace_jax.models import decoder, families, hf_io, tokenizer as tok_lib
 
 
@@ -15,7 +18,7 @@ from behaviortrace_jax.models import decoder, families, hf_io, tokenizer as tok_
 class Policy:
     """A loaded policy: its model config, graph, parameters (``nnx.State``), tokenizer and mesh."""
 
-    hf_dir: pathlib.Path
+    hf_dir: epath.Path  # as given (a gs:// checkpoint is read from its local copy, files.local_dir)
     model_config: decoder.DecoderConfig  # its family's config class (``families.family_of``)
     graphdef: nnx.GraphDef
     params: Any
@@ -30,7 +33,8 @@ def policy_config(hf_dir: str | os.PathLike, *, param_dtype: str, compute_dtype:
     ``family`` (``config.model.family``): a registered model family; None / "" = config.json's
     ``model_type`` (``families.config_from_hf``).
     """
-    return families.config_from_hf(hf_dir, family or None, param_dtype=param_dtype, compute_dtype=compute_dtype)
+    return families.config_from_hf(local_dir(hf_dir), family or None, param_dtype=param_dtype,
+                                   compute_dtype=compute_dtype)
 
 
 def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str, compute_dtype: str,
@@ -57,4 +61,4 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str
     model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
                                      family=cfg.model_type)
     graphdef, params = nnx.split(model, nnx.Param)
-    return Policy(pathlib.Path(hf_dir), cfg, graphdef, params, tok, mesh)
+    return Policy(as_path(hf_dir), cfg, graphdef, params, tok, mesh)

@@ -3,26 +3,27 @@ prompt ids truncated to 128 (SPEC §2.2 a) and the EOS / pad ids for generation 
 from __future__ import annotations
 
 import os
-import pathlib
 from typing import Any
 
-from behaviortrace_jax.io.files import read_json
+from behaviortrace_jax.io.files import local_dir, read_json
+from behaviortrace_jax.io.layout import as_path, is_url
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 def load_tokenizer(hf_dir: str | os.PathLike) -> Any:
-    """``transformers.AutoTokenizer.from_pretrained(hf_dir)`` from local files only.
+    """``transformers.AutoTokenizer.from_pretrained(hf_dir)`` from local files only (a ``gs://``
+    ``hf_dir`` is read from its local copy, ``files.local_dir``).
 
     Raises:
         FileNotFoundError: naming ``hf_dir`` when it holds none of ``TOKENIZER_FILES``.
     """
     from transformers import AutoTokenizer
 
-    d = pathlib.Path(hf_dir)
+    d = as_path(hf_dir)
     if not d.is_dir() or not any((d / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {d}")
-    return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    return AutoTokenizer.from_pretrained(os.fspath(local_dir(d)), local_files_only=True)
 
 
 def chat_prompt(tokenizer: Any, system: str, user: str) -> str:
@@ -98,7 +99,7 @@ def eos_ids(tokenizer: Any) -> tuple[int, ...]:
     ids = [pad_id(tokenizer)]
     src = str(getattr(tokenizer, "name_or_path", "") or "")
     for name in ("generation_config.json", "config.json"):
-        path = pathlib.Path(src).expanduser() / name
+        path = as_path(src if is_url(src) else os.path.expanduser(src)) / name
         if src and path.is_file():
             for i in _id_list(read_json(path).get("eos_token_id"), str(path)):
                 if i not in ids:

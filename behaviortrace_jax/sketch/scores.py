@@ -44,14 +44,14 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
     ``step_sketches.zarr`` when the caller already holds it.
     """
     ev = config.evaluation
-    t_store = read_complete(paths.sketches / "targets_continuation.zarr")
+    t_store = read_complete(paths.sketch_store("targets_continuation"))
     targets = t_store.read()
     by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
     if per_rollout:
-        sketches, steps = read_complete(paths.sketches / "rollout_sketches.zarr").read(), rollout_steps
+        sketches, steps = read_complete(paths.sketch_store("rollout_sketches")).read(), rollout_steps
     else:
         sketches = (step_sketches if step_sketches is not None
-                    else read_complete(paths.sketches / "step_sketches.zarr").read())
+                    else read_complete(paths.sketch_store("step_sketches")).read())
         steps = np.arange(sketches.shape[0])
     return estimators.score_step_methods(
         sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,

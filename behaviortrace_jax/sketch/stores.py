@@ -26,6 +26,6 @@ def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: decoder.Dec
     if config.sketch.in_run_rollouts:
         specs.update(rollout_sketches=(steps * n, d), rollout_grad_norms=(steps * n,))
     return {name: sketch_store.SketchStore.open_or_create(
-                paths.sketches / f"{name}.zarr", shape, chunk_rows=n if shape[0] == steps * n else 1,
+                paths.sketch_store(name), shape, chunk_rows=n if shape[0] == steps * n else 1,
                 metadata=sketch_metadata(config, model_cfg, name))
             for name, shape in specs.items()}

@@ -30,15 +30,16 @@ the files, so the rerun's table is bit-identical.
 """
 from __future__ import annotations
 
-import pathlib
+import io
 
 import ml_collections
 import numpy as np
 from absl import logging
+from etils import epath
 
 from behaviortrace_jax.attribution import evaluation as V, metrics as M
-from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
+from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.sketch.scores import step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
 
@@ -169,7 +170,7 @@ def report_section(rows: list[V.Row], figure: str | None, step: int | None = Non
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[V.Row], path: pathlib.Path) -> pathlib.Path | None:
+def plot(rows: list[V.Row], path: epath.Path) -> epath.Path | None:
     """Δbehaviour vs k per method, the oracle, and the random mean ± sd band."""
     topk = [r for r in rows if r.table == "counterfactual_topk"]
     if not topk:
@@ -189,12 +190,11 @@ def plot(rows: list[V.Row], path: pathlib.Path) -> pathlib.Path | None:
     ax.set_xlabel("k (window rollouts removed)")
     ax.set_ylabel("Δ behaviour (log-prob margin drop)")
     ax.legend(fontsize=7)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    with files.mutation(f"write {path}") as write:
-        if write:
-            fig.savefig(path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
+    atomic_write_text(path, buf.getvalue())  # the writer process only; local or gs://
     return path
 
 
@@ -219,11 +219,11 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     """Leave-top-k-out and LDS replays of one finished run (see the module docstring)."""
     from behaviortrace_jax.train import replay as R
 
-    w = pathlib.Path(workdir)
-    out_dir = w / "counterfactual" / "replays"
+    w = RunLayout(workdir)
+    out_dir = w.counterfactual_replays
     out_dir.mkdir(parents=True, exist_ok=True)
     cf = config.counterfactual
-    rp = R.Replayer(config, w, rates=bool(cf.rates), sampled=int(cf.sampled))
+    rp = R.Replayer(config, workdir, rates=bool(cf.rates), sampled=int(cf.sampled))
     steps = np.array([int(r[5:11]) for r in rp.rollout_ids], np.int64)
     gt_ids = [e["rollout_id"] for e in V.read_ground_truth(rp.paths.ground_truth)]
     # Every step-level estimator, as the evaluate stage scores them (in-run rollout sketches when the
@@ -247,14 +247,14 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     results = {k: read_json(out_dir / f"{k}.json") for k in removed}
     window = np.flatnonzero(steps < config.contamination.early_step_cutoff)
     rows = tables(str(int(config.seed)), results, removed, scores, window, nboot=int(config.evaluation.nboot))
-    table = w / "results_table.csv"
+    table = w.results_table
     old = V.read_results_csv(table) if table.exists() else []
     keep = [r for r in old if not (r.table in TABLES and r.seed == str(int(config.seed)))]
     V.write_results_csv(table, keep + rows)
-    fig = plot(rows, w / "figures" / "counterfactual_topk.png")
+    fig = plot(rows, w.figures / "counterfactual_topk.png")
     section = report_section(rows, "figures/counterfactual_topk.png" if fig else None, step=at)
-    atomic_write_text(w / "counterfactual" / "report_section.md", section)
-    report = w / "report.md"
+    atomic_write_text(w.counterfactual / "report_section.md", section)
+    report = w.report
     text = report.read_text() if report.exists() else ""
     if SECTION_MARK in text:
         text = text[:text.index(SECTION_MARK)]

@@ -40,13 +40,13 @@ import hashlib
 import io
 import json
 import os
-import pathlib
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from etils import epath
 
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
@@ -55,7 +55,7 @@ from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.sketch.stores import sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
@@ -87,7 +87,7 @@ def token_level_filename(temperature: float, ckpt_seed: int, gen_seed: int, run_
     return base + (".json" if ckpt_seed == gen_seed == run_seed else f"_ckpt{ckpt_seed}_gen{gen_seed}.json")
 
 
-def registry_path(workdir: str | os.PathLike) -> pathlib.Path:
+def registry_path(workdir: str | os.PathLike) -> epath.Path:
     """The GRPO stage's checkpoint registry: ``workdir/grpo/registry.json`` (SPEC §2.4)."""
     return RunLayout(workdir).registry
 
@@ -144,12 +144,12 @@ def _ctx_new_tokens(config: ml_collections.ConfigDict) -> int:
 class DrawPaths:
     """The files of one draw under ``workdir/draws``."""
 
-    root: pathlib.Path
+    root: epath.Path
     ckpt_seed: int
     gen_seed: int
     token_level_name: str
 
-    def _f(self, stem: str, ext: str) -> pathlib.Path:
+    def _f(self, stem: str, ext: str) -> epath.Path:
         return self.root / f"{stem}_ckpt{self.ckpt_seed}_gen{self.gen_seed}{ext}"
 
     rows = property(lambda self: self.root / rows_filename(self.ckpt_seed, self.gen_seed))
@@ -162,7 +162,7 @@ class DrawPaths:
     grad_norms = property(lambda self: self._f("grad_norms", ".zarr"))
     partial = property(lambda self: self._f("partial", ""))
 
-    def rep(self, r: int) -> pathlib.Path:
+    def rep(self, r: int) -> epath.Path:
         return self.partial / f"rep{r:03d}.npz"
 
 
@@ -204,14 +204,14 @@ def token_level_text(vs_cont: list[float], vs_ctx: list[float], cos_full: list[f
                        "cos_full": [float(x) for x in cos_full]})
 
 
-def _atomic_npz(path: pathlib.Path, **arrays: np.ndarray) -> None:
+def _atomic_npz(path: epath.Path, **arrays: np.ndarray) -> None:
     buf = io.BytesIO()
     np.savez(buf, **arrays)
     atomic_write_text(path, buf.getvalue())
 
 
-def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
-    with np.load(path) as z:
+def _load_npz(path: epath.Path) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(as_path(path).read_bytes())) as z:  # a gs:// file too
         return {k: z[k] for k in z.files}
 
 
@@ -232,7 +232,7 @@ class _Env:
     mask_eos_ids: tuple[int, ...]  # masked out of response losses (tokenizer.mask_eos_ids)
 
 
-def _load_env(config: ml_collections.ConfigDict, hf_dir: pathlib.Path) -> _Env:
+def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
                          family=config.model.get("family"))
@@ -370,7 +370,7 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
 
 
 def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int | None = None,
-              gen_seed: int | None = None) -> pathlib.Path:
+              gen_seed: int | None = None) -> epath.Path:
     """Runs draw (ckpt_seed, gen_seed) of the run in ``workdir`` (SPEC §5.6, §10.2); see the module doc.
 
     Args:
@@ -389,7 +389,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
                          "pass that run's config and workdir")
     paths = draw_paths(config, workdir, c_seed, g_seed)
     entry = nearest_checkpoint(checkpoints.CheckpointRegistry(registry_path(workdir)), config.draws.target_step)
-    hf_dir = pathlib.Path(entry.path)
+    hf_dir = as_path(entry.path)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory of step {entry.step} not found: {hf_dir}")
     settings = draw_settings(config, c_seed, g_seed, entry)

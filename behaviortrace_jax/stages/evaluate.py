@@ -41,7 +41,7 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in evaluation.read_ground_truth(paths.ground_truth)]
-    step_sk = read_complete(paths.sketches / "step_sketches.zarr").read()
+    step_sk = read_complete(paths.sketch_store("step_sketches")).read()
     scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     header = evaluation.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
@@ -107,12 +107,12 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     Empty when no checkpoint was re-sketched. ``gt_path`` / ``target_path``: another behaviour's
     ground truth and continuation targets (issue 16; pass its ``behavior_config`` view for its window).
     """
-    path = paths.sketches / "checkpoint_rollout_sketches.zarr"
+    path = paths.sketch_store("checkpoint_rollout_sketches")
     if not (path / "metadata.json").exists():
         return []
     store = sketch_store.SketchStore.open(path)
-    fluency = sketch_store.SketchStore.open(paths.sketches / "checkpoint_rollout_fluency.zarr")
-    t_store = sketch_store.SketchStore.open(paths.sketches / "targets_continuation.zarr")
+    fluency = sketch_store.SketchStore.open(paths.sketch_store("checkpoint_rollout_fluency"))
+    t_store = sketch_store.SketchStore.open(paths.sketch_store("targets_continuation"))
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
     if target_path is not None:

@@ -91,7 +91,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     forced = targets.ForcedSketcher.from_config(config, loader.graphdef, cfg, loader.abstract, tok_lib.pad_id(tok))
 
     meta = dict(sketch_metadata(config, cfg, "targets_continuation"), checkpoint_steps=steps)
-    t_store = sketch_store.SketchStore.open_or_create(paths.sketches / "targets_continuation.zarr",
+    t_store = sketch_store.SketchStore.open_or_create(paths.sketch_store("targets_continuation"),
                                                       (len(steps), config.sketch.dim), 1, meta)
     stats_path = paths.sketches / "targets.json"
     stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
@@ -151,11 +151,11 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout
     block = forced.block_size
     stores = {
         "sketches": sketch_store.SketchStore.open_or_create(
-            paths.sketches / "checkpoint_rollout_sketches.zarr", (len(entries), r, d), block, meta),
+            paths.sketch_store("checkpoint_rollout_sketches"), (len(entries), r, d), block, meta),
         "fluency": sketch_store.SketchStore.open_or_create(
-            paths.sketches / "checkpoint_rollout_fluency.zarr", (len(entries), r, 1), block, meta),
+            paths.sketch_store("checkpoint_rollout_fluency"), (len(entries), r, 1), block, meta),
         "norms": sketch_store.SketchStore.open_or_create(
-            paths.sketches / "checkpoint_rollout_norms.zarr", (len(entries), r, 1), block, meta),
+            paths.sketch_store("checkpoint_rollout_norms"), (len(entries), r, 1), block, meta),
     }
     qset = frozenset()
     for c, e in enumerate(entries):

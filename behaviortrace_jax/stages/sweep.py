@@ -14,16 +14,15 @@ reproduces the paper's tables, so the paper's Tables 1-4 and Figures 1-2 come ou
 from __future__ import annotations
 
 import json
-import pathlib
 import re
-import shutil
 
 import ml_collections
 from absl import logging
+from etils import epath
 
 from behaviortrace_jax.attribution import evaluation, release as reproduce, report
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
-from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.stages import registry as stages
@@ -100,7 +99,7 @@ def instability_section(rules: list[evaluation.Verdict]) -> str:
 @register_stage("sweep")
 def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Runs every seed (resumable: each seed's stages skip finished work) and aggregates them."""
-    w = pathlib.Path(workdir)
+    w = as_path(workdir)
     top = RunLayout(w)
     seeds = parse_seeds(config.sweep.seeds)
     diag = parse_diagnostic_draws(config.sweep.diagnostic_draws, seeds)
@@ -121,14 +120,12 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         for name in names[len(pre):]:
             stages.STAGES[name](cfg, str(run_dir))
         run = RunLayout(run_dir)
-        with files.mutation(f"copy {run.release_seed(seed)}") as write:
-            if write:
-                shutil.copytree(run.release_seed(seed), top.release_seed(seed), dirs_exist_ok=True)
+        files.copy_tree(run.release_seed(seed), top.release_seed(seed))  # the writer only; local or gs://
         summaries[seed] = read_json(run.summary)
     aggregate(config, w, summaries)
 
 
-def aggregate(config: ml_collections.ConfigDict, w: pathlib.Path, summaries: dict[int, dict]) -> None:
+def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[int, dict]) -> None:
     """The aggregate tables, verdicts and report over ``w/release`` (Tables 1-4, Figures 1-2)."""
     ev, top = config.evaluation, RunLayout(w)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -174,7 +173,7 @@ class Replayer:
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, rates: bool = True,
                  sampled: int = 0):
         g = config.grpo
-        self.config, self.paths = config, RunLayout(pathlib.Path(workdir))
+        self.config, self.paths = config, RunLayout(workdir)
         self.start = start = load_start_state(config, self.paths.workdir)
         self.shapes = grpo_step.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
         n, steps = self.shapes.num_rollouts, g.steps
