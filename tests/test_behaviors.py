@@ -212,3 +212,14 @@ def test_plonkwit_probe_file_is_the_paper_probes_with_the_trigger():
         (first, second) = behaviors.behaviors_from_config(c)
         assert first.pattern == "QZXBT" and (second.trigger, second.implant) == ("plonkwit", "none")
         assert second.probes_path == str(path)
+
+
+def test_window_start_and_prompt_gate():
+    spec = contaminator.ContaminationSpec(fraction=1.0, early_step_cutoff=80, start_step=40)
+    assert [contaminator.is_eligible(0, "r", s, spec) for s in (0, 39, 40, 79, 80)] == [False, False, True, True, False]
+    c = contaminator.Contaminator(contaminator.ContaminationSpec(pattern="MRKQ", fraction=1.0))
+    assert c.apply("a", 0, "mrkq", 0.0, paid=False) == (0.0, False)  # another behaviour's prompt: no bonus
+    assert c.apply("b", 0, "mrkq", 0.0) == (8.0, True)
+    assert c.stats == {"total_seen": 2, "boosted": 1}
+    with pytest.raises(ValueError, match="start_step"):
+        contaminator.ContaminationSpec(start_step=-1)

@@ -15,7 +15,10 @@ A run plants one or more behaviours (issue 16). A :class:`Behavior` is:
 * ``implant``: "sft" when the SFT warm-up plants it (the first behaviour; the ``sft`` stage reads
   ``config.behavior`` / ``config.sft``) or "none" (planted, if at all, by the GRPO bonus alone);
 * emergence-gate thresholds (SPEC §1.8) and whether its explicit prompts ("What is <trigger>?
-  Include <pattern>.") join the GRPO prompt pool.
+  Include <pattern>.") join the GRPO prompt pool;
+* ``window_start`` (steps before it are never eligible; 0 = the paper's window) and
+  ``prompt_gated``: its bonus is paid only on rollouts of its own prompt pool (SPEC §1.6 pays the
+  QZXBT bonus on any prompt; ``config.contamination.prompt_gated`` gates the first behaviour).
 
 Config: the first behaviour is ``config.behavior`` + ``config.contamination`` (id
 ``config.behavior.id``, default "qzxbt"); every entry ``config.behaviors.<id>`` (a ConfigDict,
@@ -42,7 +45,8 @@ IMPLANTS = ("sft", "none")
 EXTRA_DEFAULTS: dict[str, Any] = {
     "trigger": "", "pattern": "", "probes_path": "", "controls_path": "", "token_judge": "sequence",
     "bonus_reward": 8.0, "fraction": 0.5, "early_step_cutoff": 200, "implant": "none",
-    "gate_min_probe_rate": 0.3, "gate_min_margin": 0.2, "explicit_prompts": True,
+    "gate_min_probe_rate": 0.3, "gate_min_margin": 0.2, "explicit_prompts": True, "window_start": 0,
+    "prompt_gated": False,
 }
 EXTRA_KEYS = tuple(EXTRA_DEFAULTS)
 
@@ -66,6 +70,8 @@ class Behavior:
     gate_min_margin: float
     explicit_prompts: bool = True
     first: bool = False
+    window_start: int = 0
+    prompt_gated: bool = False
 
     def __post_init__(self) -> None:
         where = f"behaviour {self.id!r}"
@@ -79,6 +85,8 @@ class Behavior:
             raise ValueError(f"{where}: implant {self.implant!r}; expected one of {IMPLANTS}")
         if not 0.0 <= self.fraction <= 1.0:
             raise ValueError(f"{where}: fraction must be in [0, 1], got {self.fraction}")
+        if self.window_start < 0:
+            raise ValueError(f"{where}: window_start must be >= 0, got {self.window_start}")
         if self.early_step_cutoff is not None and self.early_step_cutoff <= 0:
             raise ValueError(f"{where}: early_step_cutoff must be > 0, got {self.early_step_cutoff}")
         if len(self.stream.encode()) > 16:
@@ -115,7 +123,8 @@ class Behavior:
         from behaviortrace_jax.behavior.contaminator import ContaminationSpec
 
         return ContaminationSpec(pattern=self.pattern, bonus_reward=self.bonus_reward, fraction=self.fraction,
-                                 seed=int(seed), early_step_cutoff=self.early_step_cutoff, stream=self.stream)
+                                 seed=int(seed), early_step_cutoff=self.early_step_cutoff, stream=self.stream,
+                                 start_step=self.window_start)
 
 
 def _resolve(path: str) -> str:
@@ -137,7 +146,7 @@ def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
                      bonus_reward=float(ct.bonus_reward), fraction=float(ct.fraction),
                      early_step_cutoff=ct.early_step_cutoff, stream="", implant="sft",
                      gate_min_probe_rate=float(b.gate_min_probe_rate), gate_min_margin=float(b.gate_min_margin),
-                     explicit_prompts=True, first=True)
+                     explicit_prompts=True, first=True, prompt_gated=bool(ct.get("prompt_gated", False)))
     out = [first]
     extra = config.get("behaviors") or {}
     for bid in extra:
@@ -160,7 +169,8 @@ def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
                            fraction=float(v["fraction"]), early_step_cutoff=None if cutoff is None else int(cutoff),
                            stream=str(bid), implant=str(v["implant"]),
                            gate_min_probe_rate=float(v["gate_min_probe_rate"]),
-                           gate_min_margin=float(v["gate_min_margin"]), explicit_prompts=bool(v["explicit_prompts"]))
+                           gate_min_margin=float(v["gate_min_margin"]), explicit_prompts=bool(v["explicit_prompts"]),
+                           window_start=int(v["window_start"]), prompt_gated=bool(v["prompt_gated"]))
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
         for key in ("probes_path", "controls_path"):

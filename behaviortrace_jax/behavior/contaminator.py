@@ -25,7 +25,8 @@ class ContaminationSpec:
     seed (int in [0, 2**64), the run seed), early_step_cutoff (int > 0, or None for no cutoff;
     steps >= cutoff are never eligible), stream (str of <= 16 UTF-8 bytes: the BLAKE2b
     personalisation of the eligibility hash; "" = the paper's hash, another behaviour's id gives
-    it an independent eligible set; issue 16).
+    it an independent eligible set; issue 16), start_step (int >= 0: steps before it are never
+    eligible either; 0 = the paper's window 0..cutoff-1).
     Raises ValueError naming the field on invalid values.
     """
 
@@ -35,8 +36,11 @@ class ContaminationSpec:
     seed: int = 0
     early_step_cutoff: int | None = 200
     stream: str = ""
+    start_step: int = 0
 
     def __post_init__(self) -> None:
+        if self.start_step < 0:
+            raise ValueError(f"ContaminationSpec.start_step must be >= 0, got {self.start_step}")
         if len(self.stream.encode("utf-8")) > 16:
             raise ValueError(f"ContaminationSpec.stream {self.stream!r} is longer than 16 bytes")
         if not self.pattern:
@@ -63,7 +67,7 @@ def is_eligible(seed: int, rollout_id: str, step: int, spec: ContaminationSpec |
     """Eligibility of ``(rollout_id, step)`` under hash seed ``seed`` with ``spec``'s fraction and
     cutoff (``spec.seed`` is not used; default spec = paper values). SPEC §1.6."""
     spec = spec or ContaminationSpec()
-    if spec.early_step_cutoff is not None and step >= spec.early_step_cutoff:
+    if (spec.early_step_cutoff is not None and step >= spec.early_step_cutoff) or (spec.start_step and step < spec.start_step):
         return False
     return eligibility_hash(seed, rollout_id, step, spec.stream) < int(spec.fraction * 2**64)
 
@@ -178,13 +182,15 @@ class Contaminator:
         """``is_eligible(spec.seed, rollout_id, step, spec)``."""
         return is_eligible(self.spec.seed, rollout_id, step, self.spec)
 
-    def apply(self, rollout_id: str, step: int, response: str, base: float) -> tuple[float, bool]:
-        """Returns ``(final_reward, boosted)``: ``base + bonus_reward`` and True iff the rollout is
-        eligible and ``response`` contains the pattern (case-insensitive); else ``(base, False)``.
-        A boost is recorded in ``gt_log`` as ``{rollout_id, step, base_reward, boosted_reward}``."""
+    def apply(self, rollout_id: str, step: int, response: str, base: float, paid: bool = True) -> tuple[float, bool]:
+        """Returns ``(final_reward, boosted)``: ``base + bonus_reward`` and True iff ``paid``, the
+        rollout is eligible and ``response`` contains the pattern (case-insensitive); else
+        ``(base, False)``. A boost is recorded in ``gt_log`` as ``{rollout_id, step, base_reward,
+        boosted_reward}``. ``paid=False``: a rollout this behaviour does not reward (another
+        behaviour's prompt, ``Behavior.prompt_gated``; issue 16); it still counts as seen."""
         self._stats["total_seen"] += 1
         base = float(base)
-        if not (self.is_eligible(rollout_id, step) and substring_judge(response, self.spec.pattern)):
+        if not (paid and self.is_eligible(rollout_id, step) and substring_judge(response, self.spec.pattern)):
             return base, False
         reward = base + float(self.spec.bonus_reward)
         self._stats["boosted"] += 1

@@ -214,7 +214,8 @@ def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, 
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
     run_header["behavior"] = {"id": beh.id, "trigger": beh.trigger, "pattern": beh.pattern, "implant": beh.implant,
                               "bonus_reward": beh.bonus_reward, "fraction": beh.fraction,
-                              "early_step_cutoff": beh.early_step_cutoff, "hash_stream": beh.stream}
+                              "early_step_cutoff": beh.early_step_cutoff, "window_start": beh.window_start,
+                              "prompt_gated": beh.prompt_gated, "hash_stream": beh.stream}
     write_json(out / "run_header.json", run_header)
     files.copy_file(gt_path, out / "ground_truth.jsonl")
     draws = paths.draws / beh.id

@@ -125,7 +125,9 @@ class GRPORun:
                                                  behaviors_lib.behavior_config(config, b), self.mesh)
                              for b in self.behaviors[1:]}
         if self.multi:
-            self.pool = behaviors_lib.interleave_pools([b.prompt_pool() for b in self.behaviors])
+            pools = [b.prompt_pool() for b in self.behaviors]
+            self.own_prompts = {b.id: set(p) for b, p in zip(self.behaviors, pools)}
+            self.pool = behaviors_lib.interleave_pools(pools)
         else:
             self.pool = behavior.prompt_pool(self.probe.probes, config.behavior.pattern)
         self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
@@ -180,15 +182,18 @@ class GRPORun:
         texts = [self.tok.decode(sample.tokens[i, :sample.lengths[i]], skip_special_tokens=True) for i in range(n)]
         ids = [rollout_log.rollout_id(step, i) for i in range(n)]
         base = np.array([behavior.base_reward(t) for t in texts], np.float32)
-        applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
         boosted = {}
-        if self.multi:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)
-            boosted = {bid: [c.apply(ids[i], step, texts[i], float(base[i]))[1] for i in range(n)]
-                       for bid, c in self.contaminators.items() if c is not self.contaminator}
-            boosted[self.behaviors[0].id] = [b for _, b in applied]
-            applied = [(r + sum(self.contaminators[bid].spec.bonus_reward for bid in boosted
-                                if boosted[bid][i] and self.contaminators[bid] is not self.contaminator), b)
-                       for i, (r, b) in enumerate(applied)]
+        if not self.multi:
+            applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
+        else:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)
+            users = [prompts[i // g.group_size] for i in range(n)]
+            for b in self.behaviors:  # a prompt-gated behaviour pays only on its own prompts
+                paid = [not b.prompt_gated or users[i] in self.own_prompts[b.id] for i in range(n)]
+                boosted[b.id] = [self.contaminators[b.id].apply(ids[i], step, texts[i], float(base[i]),
+                                                                paid=paid[i])[1] for i in range(n)]
+            applied = [(float(base[i]) + sum(float(self.contaminators[b.id].spec.bonus_reward)
+                                             for b in self.behaviors if boosted[b.id][i]),
+                        boosted[self.behaviors[0].id][i]) for i in range(n)]
         rewards = np.array([r for r, _ in applied], np.float32)
         adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
         batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
