@@ -16,8 +16,12 @@ from configs import paper
 
 def get_config(seed: int = 0):
     c = paper.get_config(seed=seed)
-    c.mesh.data = -1  # every chip on the data axis (8 on v5e:2x4): 16 rollouts = 2 per chip.
-    c.mesh.model = 1
+    # data 4 x model 2 on v5e:2x4 (16 rollouts = 4 per data shard): the in-run sketcher's shard_map is
+    # manual over "data" only, so each chip holds half of the gathered parameters, of each per-rollout
+    # gradient, of the gradient sum and (train/grpo_step.table_shardings) of the hash tables. Measured
+    # at 2 layers (docs/benchmarks.md): arguments 0.84 GiB/chip vs 1.45 with data 8 x model 1.
+    c.mesh.data = -1  # the rest of the chips (4 on v5e:2x4, 8 chips)
+    c.mesh.model = 2
     # FSDP: parameters and AdamW moments split over "data" (1/8 per chip), gathered per use by GSPMD;
     # replicated they take 8.6 GiB of v5e's 16 before any activation.
     c.mesh.fsdp = True
@@ -36,4 +40,7 @@ def get_config(seed: int = 0):
     c.grpo.one_backward = True
     c.compile.target = "tpu:v5e:2x4"
     c.compile.model = "qwen2p5_1p5b"
+    # The GRPO step FLOP ratio is analytic (stages/compile.configured_flop_ratio): no need to also
+    # compile the step without in-run sketches (a program this config never runs).
+    c.compile.both_sketch_variants = False
     return c

@@ -150,7 +150,8 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     """The model to compile: ``compile.model`` = a model-family preset (e.g. ``qwen2p5_1p5b``,
     ``llama3p2_1b``, ``qwen3_1p7b``; of ``model.family`` when set), or "" = ``model.hf_dir``'s
     config.json when present, else the ``base`` stage's preset of ``base.family``. Only shapes
-    are read; no weights. ``compile.num_layers`` > 0 overrides the depth."""
+    are read; no weights. ``compile.num_layers`` > 0 overrides the depth; ``model.scan_layers`` (when
+    the config has it) sets the model's scan over layers."""
     c, dt = config.compile, dict(param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
     hf, family = config.model.hf_dir, config.model.get("family") or None
     if c.model:
@@ -160,6 +161,8 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     else:
         cfg = families.preset(config.base.preset, config.base.get("family") or "qwen2",
                               vocab_size=config.base.vocab_size, num_hidden_layers=config.base.num_layers, **dt)
+    if config.model.get("scan_layers", False):  # a lax.scan over the layers (models/decoder.py)
+        cfg = cfg.replace(scan_layers=True)
     return cfg.replace(num_hidden_layers=c.num_layers) if c.num_layers > 0 else cfg
 
 
