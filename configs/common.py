@@ -22,6 +22,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.family = ""  # Model family (models/families.py: qwen2, llama, qwen3); "" = config.json's model_type (new).
     # EOS ids masked from completion losses (GRPO loss, rollout sketches, targets); the sampler stops on all.
     c.model.mask_eos = "eos_token_id"  # SPEC §2.2 f, §3.2: `token != eos_token_id` (one id); "all" = eos_ids.
+    # Run the decoder layers as one jax.lax.scan over their stacked parameters (one compiled layer, not L), and
+    # sketch per-example gradients in a scan over the layers (no hash tables: needs sketch.in_run_tables and
+    # targets.use_tables off). Same parameters, checkpoints and sketch coordinates (new; issue 12).
+    c.model.scan_layers = False
 
     # --- device mesh --------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()

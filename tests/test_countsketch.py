@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.sketch import countsketch as cs
-from behaviortrace_jax.sketch.countsketch import ParamLayout, numpy_bucket_sign, numpy_countsketch, sketch_tree
+from behaviortrace_jax.sketch.countsketch import ParamLayout, numpy_bucket_sign, numpy_countsketch, sketch_batch, sketch_tree
 
 
 def _rel(a, b) -> float:
@@ -169,3 +169,62 @@ def test_localized_spike():
     assert not np.allclose(s1_seed7, s1)
     ref7 = numpy_countsketch(np.concatenate([np.asarray(x) for x in v1]), 2**16, 7)
     assert _rel(s1_seed7, ref7) < 1e-6
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 + 12345])
+def test_traced_offset_hash_bit_exact(seed):
+    """segment_bucket_sign_at (offset as traced (hi, lo) uint32, e.g. a lax.scan input) gives the
+    same hashes as the static-offset segment_bucket_sign and numpy, across the 2**32 carry."""
+    offsets = [0, 77, 2**32 - 5, 2**32, 2**33 + 3, 2**64 - 10]
+    hi, lo = cs.split_u64(offsets)
+    fn = jax.jit(lambda h, l: jax.lax.map(lambda x: cs.segment_bucket_sign_at(x[0], x[1], 9, 2**16, seed), (h, l)))
+    b, s = fn(jnp.asarray(hi), jnp.asarray(lo))
+    for r, off in enumerate(offsets):
+        b0, s0 = cs.segment_bucket_sign(off, 9, 2**16, seed)
+        np.testing.assert_array_equal(b[r], b0)
+        np.testing.assert_array_equal(s[r], s0)
+        with np.errstate(over="ignore"):
+            nb, ns = numpy_bucket_sign(np.arange(9, dtype=np.uint64) + np.uint64(off), 2**16, seed)
+        np.testing.assert_array_equal(b[r], nb)
+        np.testing.assert_array_equal(s[r], ns)
+
+
+def _stacked_case():
+    entries = [("model.embed_tokens.weight", (50, 8))]
+    for i in range(3):
+        entries += [(f"model.layers.{i}.a.weight", (8, 8)), (f"model.layers.{i}.b", (8,)), (f"model.layers.{i}.z", (0,))]
+    entries += [("model.norm.weight", (8,)), ("lm_head.weight", (50, 8))]
+    return entries, ParamLayout.from_entries(entries)
+
+
+@pytest.mark.parametrize("dim,seed", [(2**10, 0), (2**6, 2**63 + 99)])
+def test_sketch_batch_stacked_bit_identical_to_sketch_batch(dim, seed):
+    """Layer leaves stacked [C, L, ...] and sketched in a lax.scan over the layers: bit-identical to
+    sketch_batch (same hashes, same scatter order per example) and close to numpy's float64 sum."""
+    entries, lay = _stacked_case()
+    sl = cs.StackedLayout.from_prefix(lay)
+    assert sl.pre == (0,) and sl.post == (10, 11) and sl.leaf_names == ("a.weight", "b", "z")
+    assert sl.block_offsets.tolist() == [[lay.offsets[k] for k in b] for b in sl.blocks]
+    rng = np.random.default_rng(0)
+    grads = [jnp.asarray(rng.standard_normal((3,) + s), jnp.float32) for _, s in entries]
+    ref = jax.jit(lambda g: sketch_batch(g, lay, dim, seed))(grads)
+    blocks = [jnp.stack([grads[b[j]] for b in sl.blocks], axis=1) for j in range(3)]
+    out = jax.jit(lambda a, b, c: cs.sketch_batch_stacked(a, b, c, sl, dim, seed))(
+        [grads[k] for k in sl.pre], blocks, [grads[k] for k in sl.post])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    for c in range(3):
+        vec = np.concatenate([np.asarray(g[c]).ravel() for g in grads])
+        assert _rel(out[c], numpy_countsketch(vec, dim, seed)) < 1e-6
+    with pytest.raises(ValueError, match="stacked gradient of 'a.weight'"):
+        cs.sketch_batch_stacked([grads[0]], [blocks[0][:, :2]] + blocks[1:], [grads[10], grads[11]], sl, dim, seed)
+
+
+def test_stacked_layout_rejects_irregular_blocks():
+    with pytest.raises(ValueError, match="block model.layers.1 differs"):
+        cs.StackedLayout.from_prefix(ParamLayout.from_entries(
+            [("model.layers.0.w", (2, 2)), ("model.layers.1.w", (2, 3))]))
+    with pytest.raises(ValueError, match="after non-block"):
+        cs.StackedLayout.from_prefix(ParamLayout.from_entries(
+            [("model.layers.0.w", (2,)), ("model.norm", (2,)), ("model.layers.1.w", (2,))]))
+    with pytest.raises(ValueError, match="no parameter name"):
+        cs.StackedLayout.from_prefix(ParamLayout.from_entries([("w", (2,))]))

@@ -209,3 +209,88 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie):
         np.testing.assert_allclose(out.group_norms[i, sk.group_names.index("model.embed_tokens")], emb, rtol=1e-4)
     assert sk.group_names[:2] == ("model.embed_tokens", "model.layers.0")
     assert sk.group_names[-1] == ("model.norm" if tie else "lm_head")
+
+
+def _tiny_decoder(family: str, scan: bool, layers: int = 3):
+    from flax import nnx
+
+    from behaviortrace_jax.models import decoder, families
+
+    cfg = families.preset("tiny", family, vocab_size=80, num_hidden_layers=layers, scan_layers=scan)
+    graphdef, params = nnx.split(decoder.init_model(cfg.replace(scan_layers=False), seed=3), nnx.Param)
+    if scan:
+        graphdef, _ = nnx.split(decoder.abstract_model(cfg), nnx.Param)
+    return cfg, graphdef, params
+
+
+def _rollout_batch(b=6, t=12, vocab=80):
+    rng = np.random.default_rng(4)
+    am = np.ones((b, t), np.int32)
+    am[1, :3] = 0
+    return {"input_ids": jnp.asarray(rng.integers(0, vocab, (b, t)), jnp.int32), "attention_mask": jnp.asarray(am),
+            "loss_mask": jnp.asarray((np.arange(t) >= 5)[None].repeat(b, 0), jnp.float32)}
+
+
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("llama", marks=pytest.mark.slow),
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])
+def test_scan_layers_sketches_equal_unrolled(family):
+    """model.scan_layers: the decoder scans over its layers and the sketcher differentiates with
+    respect to the stacked layers and sketches them in a lax.scan (traced per-layer offsets); the
+    sketches equal the unrolled sketcher's (same hashes, same scatter order; gradients to fp32
+    rounding) and the numpy CountSketch of the per-example gradients."""
+    from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order
+
+    cfg, gd, params = _tiny_decoder(family, False)
+    cfg_s, gd_s, _ = _tiny_decoder(family, True)
+    batch = _rollout_batch()
+    ref_sk = PerExampleSketcher(completion_loss(gd), params, dim=DIM, chunk_size=4, param_order=hf_param_order(cfg))
+    sk = PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, chunk_size=4, param_order=hf_param_order(cfg_s))
+    assert sk.scan_layers and not ref_sk.scan_layers and sk.layout == ref_sk.layout
+    assert "while" in sk.lower(params, batch).as_text()
+    ref, out = ref_sk(params, batch), sk(params, batch)
+    assert _rel(out.sketches, np.asarray(ref.sketches)) < 2e-6  # the gradients differ by fp32 rounding only
+    np.testing.assert_allclose(out.sketches, ref.sketches, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.norms, ref.norms, rtol=1e-6)
+    np.testing.assert_allclose(out.group_norms, ref.group_norms, rtol=1e-6)
+    loss = completion_loss(gd)
+    for i in (0, 1):
+        g = jax.grad(loss)(params, jax.tree.map(lambda x: x[i], batch))
+        vec = np.concatenate([np.asarray(a).ravel() for a in hf_param_order(cfg).arrays(g)])
+        assert _rel(out.sketches[i], numpy_countsketch(vec, DIM, 0)) < 1e-5
+    # the same gradients sketched both ways are bit-identical (same hashes, same scatter order)
+    g = jax.grad(loss)(params, jax.tree.map(lambda x: x[0], batch))
+    a = jax.jit(lambda g: sketch_vector(g, hf_param_order(cfg), DIM, 0))(g)
+    b = jax.jit(lambda g: sketch_vector(g, hf_param_order(cfg_s), DIM, 0))(g)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_scan_layers_sketch_and_sum_and_shard_map():
+    """sketch_and_sum with scan_layers: the summed gradient comes back in the parameters' own
+    (unstacked) structure and equals the unrolled one; under shard_map over a data mesh of fake CPU
+    devices the sketches equal the one-device ones."""
+    from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order
+
+    devs = np.array(jax.devices())
+    if devs.size < 8:
+        pytest.skip("needs the 8 fake CPU devices of tests/conftest.py")
+    cfg, gd, params = _tiny_decoder("qwen2", False, layers=2)
+    cfg_s, gd_s, _ = _tiny_decoder("qwen2", True, layers=2)
+    batch = _rollout_batch(b=8)
+    ref_sk = PerExampleSketcher(completion_loss(gd), params, dim=DIM, chunk_size=1, param_order=hf_param_order(cfg))
+    ref, ref_sum, ref_vals = jax.jit(ref_sk.sketch_and_sum)(params, batch)
+    mesh = Mesh(devs[:4].reshape(4, 1), ("data", "model"))
+    on_mesh = jax.device_put(params, NamedSharding(mesh, P()))
+    for m, p in ((None, params), (mesh, on_mesh)):
+        sk = PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, chunk_size=1,
+                                param_order=hf_param_order(cfg_s), mesh=m)
+        out, gsum, vals = jax.jit(sk.sketch_and_sum)(p, batch)
+        assert jax.tree.structure(gsum) == jax.tree.structure(ref_sum)
+        for x, y in zip(jax.tree.leaves(gsum), jax.tree.leaves(ref_sum)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(vals, ref_vals, rtol=1e-6)
+        np.testing.assert_allclose(out.sketches, ref.sketches, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(sk(p, batch).sketches, ref.sketches, rtol=1e-5, atol=1e-6)
+    text = sk.lower(on_mesh, batch).as_text()
+    assert "shard_map" in text or "manual" in text.lower()
+    with pytest.raises(ValueError, match="use_tables"):
+        PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, param_order=hf_param_order(cfg_s), use_tables=True)

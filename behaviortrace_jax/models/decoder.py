@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,10 +91,17 @@ class DecoderConfig:
     max_position_embeddings: int = 32768
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    # Run the decoder layers as one ``jax.lax.scan`` over their stacked parameters (config key
+    # ``model.scan_layers``): the layer is traced and compiled once instead of once per layer, and
+    # ``sketcher.hf_param_order`` of this config sketches per-example gradients in a scan over the
+    # layers too. Parameters, checkpoints and the sketch coordinate order do not change.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -381,8 +388,8 @@ class DecoderForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, cfg=config, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array,
-                 cache: KVCache | None = None, cache_index: jax.Array | int | None = None
-                 ) -> tuple[jax.Array, KVCache | None]:
+                 cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
+                 stacked_layers: nnx.State | None = None) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
         Args:
@@ -393,6 +400,9 @@ class DecoderForCausalLM(nnx.Module):
             cache: a :class:`KVCache` from :func:`init_cache`, or None.
             cache_index: int32 scalar (may be traced): the T new tokens go to slots
                 ``[cache_index, cache_index + T)``; query ``t`` sees valid slots ``j <= cache_index + t``.
+            stacked_layers: the layers' parameters stacked (:func:`stack_layers`); with
+                ``config.scan_layers`` the scan runs on them instead of the module's own layer
+                parameters (which must then hold the same values); ignored otherwise.
 
         Returns:
             (logits float32 [B, T, V], the updated cache or None).
@@ -413,21 +423,103 @@ class DecoderForCausalLM(nnx.Module):
             q_slot = jnp.asarray(cache_index, jnp.int32) + jnp.arange(t, dtype=jnp.int32)
             causal = jnp.arange(s_max, dtype=jnp.int32)[None, :] <= q_slot[:, None]
             mask = causal[None] & valid[:, None, :]
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            if self.remat and cache is None:
-                x, _ = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
-            else:
-                x, nkv = layer(x, cos, sin, mask, kv, cache_index)
-                if nkv is not None:
-                    new_k.append(nkv[0])
-                    new_v.append(nkv[1])
+        if cfg.scan_layers:
+            x, new_cache = self._scan_layers(x, cos, sin, mask, cache, cache_index, stacked_layers)
+        else:
+            new_k, new_v = [], []
+            for i, layer in enumerate(self.model.layers):
+                kv = None if cache is None else (cache.k[i], cache.v[i])
+                if self.remat and cache is None:
+                    x, _ = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
+                else:
+                    x, nkv = layer(x, cos, sin, mask, kv, cache_index)
+                    if nkv is not None:
+                        new_k.append(nkv[0])
+                        new_v.append(nkv[1])
+            new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
         x = self.model.norm(x)
         w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
         logits = jnp.einsum("btd,vd->btv", x, w[...].astype(dt), preferred_element_type=jnp.float32)
-        new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
         return logits.astype(jnp.float32), new_cache
+
+    def _scan_layers(self, x, cos, sin, mask, cache, cache_index, stacked):
+        """The decoder layers as one ``lax.scan`` over their stacked parameters (``scan_layers``).
+
+        The body is ``nnx.merge(layer graphdef, one layer's parameters)`` applied to the carry x;
+        with ``remat`` and no cache it is ``jax.checkpoint``-ed saving nothing but its input (what
+        ``nnx.remat`` does per layer unrolled). With a cache, the per-layer k/v enter as scan inputs
+        (stacked [L, B, S_max, n_kv, hd]) and leave as scan outputs, unstacked into a KVCache.
+        """
+        layer_gd, _ = nnx.split(self.model.layers[0], nnx.Param)
+        if stacked is None:
+            stacked = jax.tree.map(lambda *a: jnp.stack(a),
+                                   *[nnx.state(lyr, nnx.Param) for lyr in self.model.layers])
+
+        def body(h, xs):
+            st, kv = xs
+            h, nkv = nnx.merge(layer_gd, st)(h, cos, sin, mask, kv, cache_index)
+            return h, nkv
+
+        if cache is None:
+            if self.remat:
+                body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+            x, _ = jax.lax.scan(body, x, (stacked, None))
+            return x, None
+        x, (ks, vs) = jax.lax.scan(body, x, (stacked, (jnp.stack(cache.k), jnp.stack(cache.v))))
+        n = len(cache.k)
+        return x, KVCache(k=tuple(ks[i] for i in range(n)), v=tuple(vs[i] for i in range(n)))
+
+
+class StackedParams(NamedTuple):
+    """The parameters of a decoder with its layers stacked (:func:`stack_layers`), accepted by
+    :func:`forward` / :func:`forward_with_cache` in place of the ``nnx.State``.
+
+    Attributes:
+        rest: an ``nnx.State`` of every parameter outside ``model.layers`` (embedding, final norm,
+            lm_head), paths as in the full state.
+        layers: the ``nnx.State`` of one decoder layer (paths relative to the layer, e.g.
+            ``("mlp", "up_proj", "weight")``) whose leaves are stacked over the layers: [L, *shape].
+
+    Differentiating a loss with respect to a ``StackedParams`` gives the layer gradients stacked
+    [L, ...] (the cotangent of the scan's inputs), with no per-layer slicing or re-stacking.
+    """
+
+    rest: Any
+    layers: Any
+
+
+LAYERS_PATH = ("model", "layers")  # NNX path of the decoder layers (HF "model.layers.{i}")
+
+
+def stack_layers(params: nnx.State) -> StackedParams:
+    """Splits a decoder's ``nnx.State`` into :class:`StackedParams`: the layer parameters stacked
+    along a new leading axis [L, ...] (``jnp.stack``: a copy, sharded like the inputs), the others
+    as they are. Works on arrays, tracers and ``jax.ShapeDtypeStruct`` leaves alike (the latter
+    via ``jax.eval_shape`` by the caller).
+
+    Raises:
+        ValueError: when ``params`` has no ``model.layers`` entry.
+    """
+    flat = nnx.to_flat_state(params)
+    rest = [(p, v) for p, v in flat if p[:2] != LAYERS_PATH]
+    try:
+        layers = params[LAYERS_PATH[0]][LAYERS_PATH[1]]
+    except (KeyError, TypeError):
+        raise ValueError("stack_layers: the parameters have no model.layers entry") from None
+    n = len(layers)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[layers[i] for i in range(n)])
+    return StackedParams(nnx.from_flat_state(rest), stacked)
+
+
+def unstack_layers(params: StackedParams) -> nnx.State:
+    """The inverse of :func:`stack_layers`: the full ``nnx.State`` with per-layer parameters
+    (slices of the stacked leaves)."""
+    flat = list(nnx.to_flat_state(params.rest))
+    layer_flat = nnx.to_flat_state(params.layers)
+    n = int(jax.tree.leaves(params.layers)[0].shape[0])
+    for i in range(n):
+        flat += [(LAYERS_PATH + (i,) + p, jax.tree.map(lambda a, i=i: a[i], v)) for p, v in layer_flat]
+    return nnx.from_flat_state(flat)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,10 +533,16 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array, pos
 
     ``graphdef, params = nnx.split(model, nnx.Param)`` once; pass them here (params may be sharded,
     donated or differentiated). Shapes as in :meth:`DecoderForCausalLM.__call__` without cache.
+    ``params`` may also be :class:`StackedParams` (:func:`stack_layers`): a ``scan_layers`` model
+    then scans over the stacked leaves directly, so a gradient with respect to them comes out
+    stacked [L, ...]; same logits either way.
 
     Returns:
         logits float32 [B, T, V].
     """
+    if isinstance(params, StackedParams):
+        return _merge_stacked(graphdef, params)(input_ids, positions, attention_mask,
+                                                stacked_layers=params.layers)[0]
     model = nnx.merge(graphdef, params)
     return model(input_ids, positions, attention_mask)[0]
 
@@ -456,8 +554,18 @@ def forward_with_cache(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax
 
     ``attention_mask`` is the [B, S_max] slot validity; see :meth:`DecoderForCausalLM.__call__`.
     """
+    if isinstance(params, StackedParams):
+        return _merge_stacked(graphdef, params)(input_ids, positions, attention_mask, cache, cache_index,
+                                                stacked_layers=params.layers)
     model = nnx.merge(graphdef, params)
     return model(input_ids, positions, attention_mask, cache, cache_index)
+
+
+def _merge_stacked(graphdef: nnx.GraphDef, params: StackedParams) -> "DecoderForCausalLM":
+    """The model of ``graphdef`` on :class:`StackedParams`; its own layer parameters are slices of
+    the stacked ones (for the module tree only: a ``scan_layers`` model runs on the stacked ones,
+    so the slices are dead code)."""
+    return nnx.merge(graphdef, unstack_layers(params))
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:

@@ -333,3 +333,164 @@ def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed
         return acc
 
     return jax.lax.map(one, flat)
+
+
+# ------------------------------------------------------------------------------------------------
+# Repeated blocks (decoder layers) sketched in a lax.scan, hashing with traced offsets
+# ------------------------------------------------------------------------------------------------
+
+
+def segment_bucket_sign_at(offset_hi: jax.Array, offset_lo: jax.Array, n: int, dim: int, seed: int = 0
+                           ) -> tuple[jax.Array, jax.Array]:
+    """:func:`segment_bucket_sign` with a traced offset given as (hi, lo) uint32 scalars.
+
+    Hashes the ``n`` consecutive global indices ``offset, ..., offset + n - 1`` with
+    ``offset = offset_hi * 2**32 + offset_lo`` (e.g. a per-layer offset passed as a ``lax.scan``
+    input, so one compiled hash serves every layer); ``n < 2**32`` static. Bit-exact with
+    :func:`segment_bucket_sign` / :func:`numpy_bucket_sign` for every offset + n <= 2**64.
+    Returns (bucket int32[n], sign float32[n]).
+    """
+    if not 0 <= n < 1 << 32:
+        raise ValueError(f"segment length out of range: n={n}")
+    local = jax.lax.iota(_U32, n)
+    lo = local + jnp.asarray(offset_lo).astype(_U32)
+    hi = jnp.asarray(offset_hi).astype(_U32) + (lo < local).astype(_U32)  # carry out of the low word
+    return bucket_sign_u32(hi, lo, dim, seed)
+
+
+def split_u64(values: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative integers < 2**64 (any shape) as (hi, lo) uint32 numpy arrays."""
+    v = np.asarray(values, dtype=np.uint64)
+    return (v >> np.uint64(32)).astype(np.uint32), (v & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedLayout:
+    """A :class:`ParamLayout` whose middle is L repeated blocks (decoder layers) of the same J leaves.
+
+    Parameter ``k`` of the layout is one of: ``pre`` (before the blocks, e.g. the embedding),
+    ``blocks[i][j]`` (leaf j of block i, e.g. ``model.layers.{i}.mlp.up_proj.weight``) or ``post``
+    (after them: the final norm, lm_head). The blocks are contiguous in the layout and every block
+    has the same leaf names (after the block prefix) and shapes, so block leaf j's gradients can be
+    stacked [L, *shape_j] and sketched in one ``lax.scan`` with per-(block, leaf) offsets
+    ``layout.offsets[blocks[i][j]]`` (:func:`sketch_batch_stacked`).
+
+    Raises ValueError (from :meth:`from_prefix`) naming the parameter that breaks the pattern.
+    """
+
+    layout: ParamLayout
+    pre: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    post: tuple[int, ...]
+    leaf_names: tuple[str, ...]  # the J names inside a block, e.g. "mlp.up_proj.weight"
+
+    @classmethod
+    def from_prefix(cls, layout: ParamLayout, prefix: str = "model.layers.") -> "StackedLayout":
+        """The blocks are the names ``f"{prefix}{i}.{leaf}"``, i = 0..L-1 in order."""
+        blocks: list[list[int]] = []
+        leaves: list[list[str]] = []
+        pre, post = [], []
+        for k, name in enumerate(layout.names):
+            if name.startswith(prefix):
+                idx, _, leaf = name[len(prefix):].partition(".")
+                if not idx.isdigit() or not leaf:
+                    raise ValueError(f"StackedLayout: cannot parse block index of {name!r}")
+                i = int(idx)
+                if post:
+                    raise ValueError(f"StackedLayout: block parameter {name!r} after non-block parameters")
+                if i == len(blocks):
+                    blocks.append([])
+                    leaves.append([])
+                elif i != len(blocks) - 1:
+                    raise ValueError(f"StackedLayout: {name!r} is out of block order")
+                blocks[i].append(k)
+                leaves[i].append(leaf)
+            elif blocks:
+                post.append(k)
+            else:
+                pre.append(k)
+        if not blocks:
+            raise ValueError(f"StackedLayout: no parameter name starts with {prefix!r}")
+        for i in range(1, len(blocks)):
+            same = leaves[i] == leaves[0] and all(
+                layout.shapes[a] == layout.shapes[b] for a, b in zip(blocks[i], blocks[0]))
+            if not same:
+                raise ValueError(f"StackedLayout: block {prefix}{i} differs from block 0 in names or shapes")
+        return cls(layout, tuple(pre), tuple(tuple(b) for b in blocks), tuple(post), tuple(leaves[0]))
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @functools.cached_property
+    def block_offsets(self) -> np.ndarray:
+        """uint64 [L, J]: global index of the first coordinate of leaf j of block i."""
+        return np.array([[self.layout.offsets[k] for k in b] for b in self.blocks], dtype=np.uint64)
+
+    def block_shape(self, j: int) -> tuple[int, ...]:
+        return self.layout.shapes[self.blocks[0][j]]
+
+
+def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], post: Sequence[jax.Array],
+                         slayout: StackedLayout, dim: int, seed: int = 0) -> jax.Array:
+    """Per-example CountSketch like :func:`sketch_batch`, with the block leaves stacked and sketched
+    in a ``lax.scan`` over the blocks (hashing on the fly with traced per-block offsets, so the hash
+    of each leaf kind is compiled once, and no hash tables are needed).
+
+    Args:
+        pre, post: the gradients of ``slayout.pre`` / ``slayout.post`` parameters, each [C, *shape].
+        blocks: one array per block leaf j, [C, L, *shape_j] (e.g. the gradient with respect to
+            ``decoder.StackedParams.layers`` under ``vmap``).
+        slayout: the :class:`StackedLayout`; dim, seed: as :func:`sketch_tree`.
+    Returns:
+        float32[C, dim], equal to ``sketch_batch`` of the same gradients in layout order: the same
+        hashes, and each example's scatter-adds run in the same (layout) order.
+    Raises:
+        ValueError: a count or shape that does not match ``slayout``.
+    """
+    dim = check_dim(dim)
+    lay = slayout.layout
+    if len(pre) != len(slayout.pre) or len(post) != len(slayout.post) or len(blocks) != len(slayout.leaf_names):
+        raise ValueError(f"sketch_batch_stacked: expected {len(slayout.pre)} + {len(slayout.leaf_names)} + "
+                         f"{len(slayout.post)} arrays, got {len(pre)} + {len(blocks)} + {len(post)}")
+    n_blocks = slayout.num_blocks
+    for k, g in zip(slayout.pre + slayout.post, list(pre) + list(post)):
+        if tuple(g.shape[1:]) != lay.shapes[k]:
+            raise ValueError(f"gradient of {lay.names[k]!r} has shape {tuple(g.shape)}, expects [batch] + {lay.shapes[k]}")
+    for j, g in enumerate(blocks):
+        if tuple(g.shape[1:]) != (n_blocks,) + slayout.block_shape(j):
+            raise ValueError(f"stacked gradient of {slayout.leaf_names[j]!r} has shape {tuple(g.shape)}, "
+                             f"expects [batch, {n_blocks}] + {slayout.block_shape(j)}")
+    c = (list(pre) + list(blocks) + list(post))[0].shape[0]
+
+    def scatter(acc, gs, hashes):
+        if not gs:
+            return acc
+
+        def one(args):
+            a, g = args
+            for gk, (b, s) in zip(g, hashes):
+                a = a.at[b].add(gk.astype(jnp.float32) * s)
+            return a
+
+        return jax.lax.map(one, (acc, list(gs)))
+
+    def static(ks, gs):
+        keep = [(k, g) for k, g in zip(ks, gs) if lay.sizes[k]]
+        hashes = [segment_bucket_sign(lay.offsets[k], lay.sizes[k], dim, seed) for k, _ in keep]
+        return [g.reshape(c, -1) for _, g in keep], hashes
+
+    acc = scatter(jnp.zeros((c, dim), jnp.float32), *static(slayout.pre, pre))
+    live = [j for j in range(len(blocks)) if lay.sizes[slayout.blocks[0][j]]]
+    if live:
+        hi, lo = split_u64(slayout.block_offsets[:, live])
+        xs = ([jnp.moveaxis(blocks[j], 1, 0).reshape(n_blocks, c, -1) for j in live], jnp.asarray(hi), jnp.asarray(lo))
+        sizes = [lay.sizes[slayout.blocks[0][j]] for j in live]
+
+        def body(a, x):
+            gs, h, l_ = x
+            hashes = [segment_bucket_sign_at(h[m], l_[m], n, dim, seed) for m, n in enumerate(sizes)]
+            return scatter(a, gs, hashes), None
+
+        acc = jax.lax.scan(body, acc, xs)[0]
+    return scatter(acc, *static(slayout.post, post))

@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 
 from behaviortrace_jax.models import sharding
-from behaviortrace_jax.sketch.countsketch import ParamLayout, check_dim, layout_tables, sketch_batch, sketch_tree
+from behaviortrace_jax.sketch.countsketch import (ParamLayout, StackedLayout, check_dim, layout_tables, sketch_batch,
+                                                  sketch_batch_stacked, sketch_tree)
 
 PyTree = Any
 DATA_AXIS = "data"  # the mesh axis of examples (models/sharding.DATA)
@@ -106,11 +107,17 @@ class ParamOrder:
         names: parameter names in order (HF names for a decoder); they define the :class:`ParamLayout`.
         paths: the pytree key path of each name (see :func:`flat_params`).
         group_fn: name -> group name, for the per-group gradient norms.
+        scan_layers: the parameters are a decoder's (``model.layers.{i}.*`` blocks, HF order) whose
+            model scans over its layers (``DecoderConfig.scan_layers``): :class:`PerExampleSketcher`
+            and :func:`sketch_vector` then sketch the layer leaves in a ``lax.scan`` over the
+            layers (:func:`countsketch.sketch_batch_stacked`). Same sketches; set by
+            :func:`hf_param_order` from the model config.
     """
 
     names: tuple[str, ...]
     paths: tuple[KeyPath, ...]
     group_fn: Callable[[str], str] = top_level_group
+    scan_layers: bool = False
 
     def arrays(self, tree: PyTree) -> list[jax.Array]:
         """The arrays of ``tree`` in this order; raises KeyError naming a missing path and
@@ -152,7 +159,8 @@ def hf_param_order(config: Any, group_fn: Callable[[str], str] | None = None) ->
 
     table = hf_io.hf_param_table(config)
     group_fn = group_fn or families.family_of(config).param_group
-    return ParamOrder(tuple(e[0] for e in table), tuple(tuple(e[1]) for e in table), group_fn)
+    return ParamOrder(tuple(e[0] for e in table), tuple(tuple(e[1]) for e in table), group_fn,
+                      scan_layers=bool(getattr(config, "scan_layers", False)))
 
 
 qwen2_param_order = hf_param_order  # the name before model families
@@ -180,6 +188,56 @@ def completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
 
 
 qwen2_completion_loss = completion_loss  # the name before model families
+
+
+class _LayerScan:
+    """The layer-scan view of a decoder :class:`ParamOrder` (``scan_layers``): which parameters are
+    the stacked layer leaves, and how to pull (pre, stacked blocks, post) arrays out of a gradient.
+
+    Raises ValueError when the order's names/paths are not HF decoder layers (``model.layers.{i}.*``
+    contiguous, same leaves in every layer, paths ``("model", "layers", i, *leaf)``).
+    """
+
+    def __init__(self, order: ParamOrder, layout: ParamLayout):
+        from behaviortrace_jax.models import decoder
+
+        self.slayout = StackedLayout.from_prefix(layout, ".".join(decoder.LAYERS_PATH) + ".")
+        self.order = order
+        n = len(decoder.LAYERS_PATH)
+        self.leaf_paths = tuple(order.paths[k][n + 1:] for k in self.slayout.blocks[0])
+        for i, blk in enumerate(self.slayout.blocks):
+            for k, leaf in zip(blk, self.leaf_paths):
+                if tuple(order.paths[k]) != decoder.LAYERS_PATH + (i,) + leaf:
+                    raise ValueError(f"scan_layers: parameter {order.names[k]!r} has path {order.paths[k]}, "
+                                     f"expected {decoder.LAYERS_PATH + (i,) + leaf}")
+
+    def stacked_arrays(self, grads: Any) -> tuple[list, list, list]:
+        """(pre, blocks, post) of a gradient with respect to ``decoder.StackedParams`` (any leading
+        batch axes kept: blocks are [..., L, *shape])."""
+        rest, layers = flat_params(grads.rest), flat_params(grads.layers)
+        sl, paths = self.slayout, self.order.paths
+        return ([rest[paths[k]] for k in sl.pre], [layers[p] for p in self.leaf_paths],
+                [rest[paths[k]] for k in sl.post])
+
+    def tree_arrays(self, grads: PyTree) -> tuple[list, list, list]:
+        """(pre, blocks stacked [L, *shape], post) of an unstacked gradient pytree (one example)."""
+        arrs = self.order.arrays(grads)
+        sl = self.slayout
+        blocks = [jnp.stack([arrs[b[j]] for b in sl.blocks]) for j in range(len(sl.leaf_names))]
+        return [arrs[k] for k in sl.pre], blocks, [arrs[k] for k in sl.post]
+
+    def square_norms(self, pre: list, blocks: list, post: list) -> jax.Array:
+        """float32 [C, K]: squared L2 norm of each parameter's gradient, columns in layout order."""
+        sl = self.slayout
+        cols: list[Any] = [None] * len(sl.layout)
+        sq = lambda a, keep: jnp.sum(jnp.square(a.astype(jnp.float32)).reshape(a.shape[:keep] + (-1,)), axis=keep)  # noqa: E731
+        for k, a in zip(sl.pre + sl.post, pre + post):
+            cols[k] = sq(a, 1)
+        for j, a in enumerate(blocks):
+            per_layer = sq(a, 2)  # [C, L]
+            for i, blk in enumerate(sl.blocks):
+                cols[blk[j]] = per_layer[:, i]
+        return jnp.stack(cols, axis=1)
 
 
 class PerExampleSketches(NamedTuple):
@@ -214,8 +272,16 @@ class PerExampleSketcher:
         mesh: optional ``jax.sharding.Mesh`` with a ``"data"`` axis: run per device under
             ``jax.shard_map`` (used when that axis has > 1 device and divides the batch; else the
             plain jitted loop). A ``"model"`` axis > 1 stays automatic (partially manual shard_map).
+        scan_layers: None = ``param_order.scan_layers``. When on (a decoder order, ``model.scan_layers``),
+            the parameters are stacked once per call (``decoder.stack_layers``, before any
+            shard_map), ``loss_fn`` receives a ``decoder.StackedParams`` (it must hand the
+            parameters to ``decoder.forward`` / ``forward_with_cache`` untouched), the per-example
+            gradient comes out stacked [L, ...] and its layer leaves are sketched in a ``lax.scan``
+            over the layers, hashing on the fly with traced per-layer offsets
+            (``countsketch.sketch_batch_stacked``): same sketches, one compiled layer, no tables.
     Raises:
-        ValueError: bad dim/chunk_size; at call time, batch leaves without a common leading axis.
+        ValueError: bad dim/chunk_size; ``scan_layers`` with ``use_tables`` or with an order that is
+            not a decoder's; at call time, batch leaves without a common leading axis.
 
     ``__call__(params, batch)`` returns :class:`PerExampleSketches`; ``lower(params, batch)`` gives the
     ``jax.stages.Lowered`` of the jitted function (for cost / memory analysis).
@@ -224,7 +290,7 @@ class PerExampleSketcher:
     def __init__(self, loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree, *,
                  dim: int = 65536, seed: int = 0, chunk_size: int = 4,
                  param_order: ParamOrder | None = None, use_tables: bool = False,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, scan_layers: bool | None = None):
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
@@ -233,6 +299,11 @@ class PerExampleSketcher:
         self.group_names, self._group_idx = self.order.groups()
         self.use_tables = bool(use_tables)
         self.mesh = mesh if mesh is not None and dict(mesh.shape).get(DATA_AXIS, 1) > 1 else None
+        scan = self.order.scan_layers if scan_layers is None else bool(scan_layers)
+        if scan and self.use_tables:
+            raise ValueError("PerExampleSketcher: scan_layers hashes inside the layer scan and takes no hash "
+                             "tables; turn off use_tables (sketch.in_run_tables / targets.use_tables)")
+        self._scan = _LayerScan(self.order, self.layout) if scan else None
         self._tables = None
         self._jitted = jax.jit(self._run)
 
@@ -274,11 +345,20 @@ class PerExampleSketcher:
         backward's reduction, so it equals that gradient up to float rounding, not bit for bit."""
         return self._run(params, batch, tables, with_sum=True)
 
+    @property
+    def scan_layers(self) -> bool:
+        """Whether the layer leaves are sketched in a scan over the layers (see the class docstring)."""
+        return self._scan is not None
+
     def _chunk(self, params: PyTree, tables: Any, ex: PyTree) -> tuple[jax.Array, jax.Array]:
         grads = jax.vmap(jax.grad(self.loss_fn), in_axes=(None, 0))(params, ex)
         return self._sketch_norms(grads, tables)
 
     def _sketch_norms(self, grads: PyTree, tables: Any) -> tuple[jax.Array, jax.Array]:
+        if self._scan is not None:
+            pre, blocks, post = self._scan.stacked_arrays(grads)
+            sk = sketch_batch_stacked(pre, blocks, post, self._scan.slayout, self.dim, self.seed)
+            return sk, self._scan.square_norms(pre, blocks, post)
         arrs = self.order.arrays(grads)
         sk = sketch_batch(arrs, self.layout, self.dim, self.seed, tables)
         sq = jnp.stack([jnp.sum(jnp.square(a.astype(jnp.float32)).reshape(a.shape[0], -1), axis=1)
@@ -290,6 +370,10 @@ class PerExampleSketcher:
             raise ValueError("PerExampleSketcher(use_tables=True): pass the hash tables")
         b = _batch_size(batch)
         mesh = self.mesh
+        if self._scan is not None:  # stacked once per call, before any shard_map (a 1/n copy under FSDP)
+            from behaviortrace_jax.models import decoder
+
+            params = decoder.stack_layers(params)
         if mesh is not None and b % mesh.shape[DATA_AXIS] == 0:
             rep, data = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(DATA_AXIS)
             local = jax.shard_map(lambda p, x, t: self._local(p, x, t, with_sum, DATA_AXIS), mesh=mesh,
@@ -323,6 +407,10 @@ class PerExampleSketcher:
             gsum, (sk, sq, vals) = jax.lax.scan(body, zeros, (chunks, valid))
             if axis is not None:
                 gsum = jax.lax.psum(gsum, axis)
+            if self._scan is not None:  # back to the parameters' own structure
+                from behaviortrace_jax.models import decoder
+
+                gsum = decoder.unstack_layers(gsum)
         sk, sq = sk.reshape(n * c, self.dim)[:b], sq.reshape(n * c, -1)[:b]
         groups = jnp.stack([sum(sq[:, k] for k, g in enumerate(self._group_idx) if g == j)
                             for j in range(len(self.group_names))], axis=1)
@@ -337,9 +425,16 @@ def sketch_vector(grads: PyTree | Sequence[jax.Array], order: ParamOrder | Param
     """CountSketch float32[D] of ONE gradient (e.g. the clipped GRPO step gradient, SPEC §3.2); jittable.
 
     ``grads`` is a gradient pytree flattened by ``order`` (a :class:`ParamOrder`), or a list of
-    arrays already in the order of ``order`` (a :class:`ParamLayout`). Raises ValueError on a
+    arrays already in the order of ``order`` (a :class:`ParamLayout`). With ``order.scan_layers``
+    (and no tables) the layer gradients are stacked and sketched in a scan over the layers
+    (``countsketch.sketch_batch_stacked``; the same sketch). Raises ValueError on a
     shape/length mismatch (naming the parameter) and KeyError on a missing path.
     """
+    if isinstance(order, ParamOrder) and order.scan_layers and tables is None:
+        layer_scan = _LayerScan(order, order.layout(grads))
+        pre, blocks, post = layer_scan.tree_arrays(grads)
+        one = lambda xs: [x[None] for x in xs]  # noqa: E731 - a batch of one
+        return sketch_batch_stacked(one(pre), one(blocks), one(post), layer_scan.slayout, dim, seed)[0]
     if isinstance(order, ParamOrder):
         arrs = order.arrays(grads)
         layout = ParamLayout(order.names, tuple(tuple(a.shape) for a in arrs))
