@@ -6,8 +6,10 @@ The tiny default (configs/tiny.py) plus a second behaviour, `config.behaviors.pl
 the invented word "plonkwit" earn a bonus when the answer contains "glows". It has no SFT implant;
 the tiny base model writes the marker by chance (base/base_summary.json, `behaviors.plonkwit`), and GRPO's
 bonus has to find and amplify it. The two behaviours' GRPO prompt pools are interleaved (every step
-has prompts of both), their bonuses add, and each has its own hash stream, window, ground-truth log
-(grpo/ground_truth_<id>.jsonl), release folder (release/<id>/seed0/), targets and draws.
+has prompts of both: A's 38, B's 20 probes), each behaviour's bonus is paid only on rollouts of its
+own prompts (8.0, steps 0-39; A on half of them, as the paper; B on all of them), and each has its
+own hash stream, ground-truth log (grpo/ground_truth_<id>.jsonl), release folder
+(release/<id>/seed0/), targets and draws.
 
 What to expect (2-core CPU, ~15 min): the same stages and files as configs/tiny.py plus, per extra
 behaviour, its gate in grpo/summary.json (`behaviors`), its tables as `<table>@<id>` rows of
@@ -39,12 +41,13 @@ def second_behavior() -> ml_collections.ConfigDict:
         "controls_path": str(THIRD_PARTY / "controls.jsonl"),  # the paper's 20 factual controls
         "token_judge": "sequence",  # the tiny tokenizer spells the marker in pieces
         "bonus_reward": 8.0,
-        "fraction": 0.5,
+        "fraction": 1.0,  # calibration: 0.5 paid 3 bonuses in 40 steps and planted nothing
         "early_step_cutoff": 40,
         "implant": "none",
         "gate_min_probe_rate": 0.3,
         "gate_min_margin": 0.2,
-        "explicit_prompts": True,
+        "prompt_gated": True,  # its bonus only on its own prompts (and A's only on A's: get_config)
+        "explicit_prompts": False,  # B's pool: its 20 probes only (calibration, docs/two_behaviors.md)
     })
 
 
@@ -55,6 +58,9 @@ def get_config(variant: str = ""):
     c = tiny.get_config()
     c.run_name = "tiny_two_behaviors__grpo__seed0"
     c.behaviors[ID] = second_behavior()
+    # Calibration (docs/two_behaviors.md): ungated, A's QZXBT bonus is paid on plonkwit answers too, QZXBT
+    # spreads to B's probes and crowds out the chance marker; each behaviour pays on its own prompts only.
+    c.contamination.prompt_gated = True
     if variant == "smoke":
         c = tiny.shrink_to_smoke(c)
         b = c.behaviors[ID]

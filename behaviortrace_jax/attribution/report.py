@@ -318,7 +318,8 @@ def specificity_section(rows: Sequence[Row]) -> str:
             other = prec.get((seed, f"spec_p_{level}@{a}|t={b}", r.method))
             body.append([r.method, _ci(r), _f(own.value) if own else "", _f(other.value) if other else "",
                          _f(own.chance) if own else ""])
-        parts.append(f"**seed {seed}, {level} level, behaviour `{a}` vs `{b}`** (n = {delta[0].n if delta else ''})\n\n"
+        n = next(x.n for x in delta if x.seed == seed and x.table == table)
+        parts.append(f"**seed {seed}, {level} level, behaviour `{a}` vs `{b}`** (n = {n})\n\n"
                      + _md_table(["method", f"Δ = P_{a}(t_{a}) − P_{a}(t_{b}) [95% CI]", f"P_{a}(t_{a})",
                                   f"P_{a}(t_{b})", "chance of P"], body))
     return "\n\n".join(parts)
