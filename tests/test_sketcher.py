@@ -294,3 +294,18 @@ def test_scan_layers_sketch_and_sum_and_shard_map():
     assert "shard_map" in text or "manual" in text.lower()
     with pytest.raises(ValueError, match="use_tables"):
         PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, param_order=hf_param_order(cfg_s), use_tables=True)
+
+
+def test_sketch_and_sum_acc_dtype():
+    """sketch_and_sum(acc_dtype=bfloat16): the gradient sum in bf16 (half the memory), equal to the
+    float32 sum to bf16 rounding; the sketches do not depend on it."""
+    params, batch = _mlp_params(), _batch(6)
+    sk = PerExampleSketcher(_mlp_loss, params, dim=DIM, chunk_size=2)
+    out32, g32, v32 = jax.jit(sk.sketch_and_sum)(params, batch)
+    out16, g16, v16 = jax.jit(lambda p, b: sk.sketch_and_sum(p, b, acc_dtype=jnp.bfloat16))(params, batch)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g32))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(g16))
+    for x, y in zip(jax.tree.leaves(g32), jax.tree.leaves(g16)):
+        np.testing.assert_allclose(np.asarray(y, np.float32), x, rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(x))))
+    np.testing.assert_array_equal(out16.sketches, out32.sketches)
+    np.testing.assert_array_equal(v16, v32)
