@@ -326,10 +326,11 @@ def specificity_section(rows: Sequence[Row]) -> str:
 
 
 def behavior_sections(rows: Sequence[Row], behavior_ids: Sequence[str], summary: dict,
-                      verdicts: dict) -> list[tuple[str, str]]:
+                      verdicts: dict, base_summary: dict | None = None) -> list[tuple[str, str]]:
     """``(heading, markdown)`` sections of a multi-behaviour run for :func:`render_report`'s
-    ``extra``: per-behaviour gate and |GT|, every other behaviour's tables, the specificity tables
-    and their verdicts."""
+    ``extra``: per-behaviour gate, |GT|, learning curve and (from ``base_summary``) the base model's
+    chance rate of each RL-only behaviour's pattern, every other behaviour's tables, the
+    specificity tables and their verdicts."""
     gates = summary.get("behaviors", {})
     lines = ["| behaviour | pattern | implant | \\|GT\\| | greedy probe rate | control rate | gate |", "|---|---|---|---|---|---|---|"]
     for bid in behavior_ids:
@@ -338,6 +339,16 @@ def behavior_sections(rows: Sequence[Row], behavior_ids: Sequence[str], summary:
         lines.append(f"| `{bid}` | `{g.get('pattern', '')}` | {g.get('implant', '')} | {g.get('gt_size', '')} | "
                      f"{_f(gate.get('probe_rate'), 2)} | {_f(gate.get('control_rate'), 2)} | "
                      f"{'PASSED' if gate.get('passed') else 'FAILED' if gate else ''} |")
+    for bid, b in (base_summary or {}).get("behaviors", {}).items():
+        lines += ["", f"Base model, before any training: `{bid}`'s pattern in {_f(b['probe_pattern_rate_sampled'], 3)} of "
+                      f"{b['n_probe_samples']} sampled answers to its probes (the chance rate its bonus has to find)."]
+    curve = [p for p in summary.get("learning_curve", []) if "behaviors" in p]
+    if curve:  # greedy probe / control rate of every behaviour at each checkpoint
+        lines += ["", "Learning curve (greedy probe / control rate, SPEC §1.8):", "",
+                  "| step | " + " | ".join(f"`{b}`" for b in behavior_ids) + " |", "|---|" + "---|" * len(behavior_ids)]
+        lines += [f"| {p['step']} | " + " | ".join(
+            f"{_f(p['behaviors'].get(b, {}).get('probe_rate'), 2)} / {_f(p['behaviors'].get(b, {}).get('control_rate'), 2)}"
+            for b in behavior_ids) + " |" for p in curve]
     out = [("Behaviours", "The run plants several behaviours (issue 16); the tables above are the first "
                           f"behaviour's (`{behavior_ids[0]}`).\n\n" + "\n".join(lines))]
     for bid in behavior_ids[1:]:

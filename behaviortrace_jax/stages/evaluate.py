@@ -165,7 +165,8 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     figs = report.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
     if behaviors_lib.is_multi(config):
         ids = [b.id for b in behaviors_lib.behaviors_from_config(config)]
-        extra = report.behavior_sections(all_rows, ids, summary, verdicts)
+        base = read_json(w.base / "base_summary.json", {}) if not config.model.hf_dir else {}
+        extra = report.behavior_sections(all_rows, ids, summary, verdicts, base)
         fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
         figs += [fig] if fig is not None else []
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
