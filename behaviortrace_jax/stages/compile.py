@@ -324,7 +324,8 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
                 order=order, sketch_dim=sk.dim, sketch_seed=sk.seed, in_run_rollouts=in_run,
                 chunk_size=sk.chunk_size, mesh=mesh, param_shardings=param_sh, opt_shardings=state_sh.opt_state,
                 inner_iterations=g.inner_iterations if loss == "grpo_clip" else 1,
-                use_tables=bool(sk.get("in_run_tables", False)), one_backward=one)
+                use_tables=bool(sk.get("in_run_tables", False)), one_backward=one,
+                sum_dtype=g.get("sum_dtype", "float32"))
             ref = params if loss == "grpo_clip" else None
             fl = grpo_step_flops(cfg, n_params, n, t, loss=loss, in_run=in_run, one_backward=one,
                                  inner_iterations=g.inner_iterations)

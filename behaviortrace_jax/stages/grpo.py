@@ -108,7 +108,7 @@ class GRPORun:
             chunk_size=config.sketch.chunk_size, mesh=self.mesh, param_shardings=start.param_shardings,
             opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations,
             use_tables=config.sketch.get("in_run_tables", False),
-            one_backward=config.grpo.get("one_backward", False))
+            one_backward=config.grpo.get("one_backward", False), sum_dtype=config.grpo.get("sum_dtype", "float32"))
         self.ref_params = start.params if g.loss == "grpo_clip" else None
         top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k,
                                                              g.repetition_penalty)

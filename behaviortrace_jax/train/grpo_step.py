@@ -99,7 +99,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
                     sketch_seed: int, in_run_rollouts: bool, chunk_size: int,
                     mesh: jax.sharding.Mesh, param_shardings: Any, opt_shardings: Any,
                     inner_iterations: int = 1, weighted: bool = False, use_tables: bool = False,
-                    one_backward: bool = False):
+                    one_backward: bool = False, sum_dtype: str = "float32"):
     """Builds the jitted GRPO train step: one call per GRPO step, the whole batch at once.
 
     ``step(params, opt_state, batch, ref_params) -> (params, opt_state, out)``:
@@ -130,8 +130,16 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     gradient up to float summation order (not bit-identical, so off by default). The step sketch is
     then ``scale * sum_i rollout_sketches[i]`` (CountSketch is linear, so this is the sketch of the
     clipped summed gradient up to float32 summation order; SPEC §3.2, §10.6), not a second
-    CountSketch of a full gradient copy.
+    CountSketch of a full gradient copy. ``sum_dtype`` (``grpo.sum_dtype``: "float32" or "bfloat16")
+    is the dtype of that sum's accumulator (``sketch_and_sum(acc_dtype=)``): each rollout's gradient
+    is added in it; the update is cast to the parameters' dtype either way.
+
+    Raises:
+        ValueError: ``one_backward`` without in-run sketches / with several iterations or weights,
+            or an unknown ``sum_dtype``.
     """
+    if sum_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"grpo.sum_dtype={sum_dtype!r}: expected 'float32' or 'bfloat16'")
     loss_fn = grpo_loss.get_loss(loss_name)
     prompt_len = shapes.prompt_len
 
@@ -173,7 +181,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         res = None
         if one_backward:  # the per-rollout gradients, summed, are the batch gradient
             res, gsum, terms = rollout_sketcher.sketch_and_sum(params, dict(batch, old_lp=old_lp, ref_lp=ref_lp),
-                                                               tables)
+                                                               tables, acc_dtype=jnp.dtype(sum_dtype))
             summed = (jnp.sum(terms), jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
         for it in range(inner_iterations):
             loss, grads = summed if one_backward else jax.value_and_grad(total_loss)(params)
