@@ -1,7 +1,7 @@
 """Paper scale on a TPU slice (issue 12 item 3): configs/paper.py plus a layout for v5e:2x4 (FSDP,
-shard_map sketches, chunk 1, hash tables). NOT yet proven to fit: at 28 layers the compile stage
-measured 17.87 GiB of temporaries per chip for the GRPO step with in-run sketches, over v5e's 16
-(docs/benchmarks.md, "Compile stage"); run the compile stage before booking a slice.
+mesh data 4 x model 2, shard_map sketches, chunk 1, layers scanned, one backward per GRPO step with
+a bfloat16 gradient sum). Compile figures per program, per chip, in docs/benchmarks.md ("Compile
+stage"); run the compile stage before booking a slice.
 
     # check on any CPU machine with the tpu extra (nothing is allocated):
     python main.py --config=configs/paper_tpu.py --config.stages=compile --workdir=W
@@ -18,26 +18,32 @@ def get_config(seed: int = 0):
     c = paper.get_config(seed=seed)
     # data 4 x model 2 on v5e:2x4 (16 rollouts = 4 per data shard): the in-run sketcher's shard_map is
     # manual over "data" only, so each chip holds half of the gathered parameters, of each per-rollout
-    # gradient, of the gradient sum and (train/grpo_step.table_shardings) of the hash tables. Measured
-    # at 2 layers (docs/benchmarks.md): arguments 0.84 GiB/chip vs 1.45 with data 8 x model 1.
+    # gradient and of the gradient sum (docs/benchmarks.md, "Compile stage").
     c.mesh.data = -1  # the rest of the chips (4 on v5e:2x4, 8 chips)
     c.mesh.model = 2
     # FSDP: parameters and AdamW moments split over "data" (1/8 per chip), gathered per use by GSPMD;
     # replicated they take 8.6 GiB of v5e's 16 before any activation.
     c.mesh.fsdp = True
-    # One per-example gradient at a time inside each chip's shard_map (2 rollouts per chip): a chunk
-    # of c holds c full gradients (2.9 GiB each at 1.54B in bf16).
+    # One per-example gradient at a time inside each chip's shard_map (4 rollouts per data shard).
     c.sketch.chunk_size = 1
-    # Hash tables (int32, 4 B/parameter, replicated: 5.75 GiB at 1.54B) as inputs instead of hashing
-    # inside the jitted programs: TPU code generation of on-the-fly hash fusions grows with the
-    # parameter count (../shared/notes/AOT_FINDINGS.md).
-    c.sketch.in_run_tables = True
-    c.targets.use_tables = True
+    # The decoder layers as one lax.scan (models/decoder.py, model.scan_layers): XLA:TPU compiles one
+    # layer body instead of 28 (the GRPO step with in-run sketches: 120 CPU-s instead of > 6.6 CPU-min),
+    # and the per-example sketches hash on the fly inside that scan (no int32 hash tables: 5.75 GiB
+    # replicated at 1.54B; the scanned sketcher takes none).
+    c.model.scan_layers = True
+    c.sketch.in_run_tables = False
+    c.targets.use_tables = False
     # One backward per GRPO step (issue 12 items 3-4): the update is the sum of the per-rollout
     # gradients the in-run sketcher computes anyway, and the step sketch is the clip factor times the
     # sum of the rollout sketches (CountSketch is linear) - no batched backward, no second full-gradient
     # copy. Same update up to float summation order (tests/test_grpo.py), hence off in configs/paper.py.
     c.grpo.one_backward = True
+    # The one-backward gradient sum accumulates in bfloat16 (sketch_and_sum acc_dtype): 2 bytes per
+    # parameter instead of 4 (at 1.54B and model 2: 1.4 instead of 2.9 GiB per chip). Measured on the
+    # test model (float32 parameters, 6 rollouts): relative L2 error 2.2e-3 against the batched
+    # backward, vs 1.8e-3 for rounding that gradient itself to bfloat16 - and the paper's parameters
+    # and their update are bfloat16 anyway.
+    c.grpo.sum_dtype = "bfloat16"
     c.compile.target = "tpu:v5e:2x4"
     c.compile.model = "qwen2p5_1p5b"
     # The GRPO step FLOP ratio is analytic (stages/compile.configured_flop_ratio): no need to also
