@@ -3,6 +3,7 @@ convention recomputed from the saved sketches, checkpoint choice, skip, settings
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import jax
@@ -157,8 +158,8 @@ def test_draw_end_to_end_format_recompute_skip_and_settings(run, monkeypatch):
 
     # complete with the same settings: skipped without loading anything
     monkeypatch.setattr(draws, "_load_env", lambda *a: pytest.fail("a complete draw must be skipped"))
-    mtime = path.stat().st_mtime_ns
-    assert draws.run_draws(config, str(wd)) == path and path.stat().st_mtime_ns == mtime
+    mtime = os.stat(path).st_mtime_ns  # path: an epath.Path, whose stat() has no st_mtime_ns
+    assert draws.run_draws(config, str(wd)) == path and os.stat(path).st_mtime_ns == mtime
     # other settings: refuse to overwrite
     other = _config(pathlib.Path(config.behavior.probes_path))
     other.draws.top_p = 0.9
