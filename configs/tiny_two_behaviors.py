@@ -11,12 +11,16 @@ own prompts (8.0, steps 0-39; A on half of them, as the paper; B on all of them)
 own hash stream, ground-truth log (grpo/ground_truth_<id>.jsonl), release folder
 (release/<id>/seed0/), targets and draws.
 
-What to expect (2-core CPU, ~15 min): the same stages and files as configs/tiny.py plus, per extra
-behaviour, its gate in grpo/summary.json (`behaviors`), its tables as `<table>@<id>` rows of
-results_table.csv, and the specificity rows `spec_p_*` / `spec_delta_*` (step level and "which
-rollout" level; attribution/specificity.py) with verdicts in verdicts.json (`specificity`) and a
-report section with figures/specificity.png. Calibration of the second behaviour's constants:
-docs/two_behaviors.md.
+What to expect: the same stages and files as configs/tiny.py plus, per extra behaviour, its chance
+rate in base/base_summary.json, its gate and learning curve in grpo/summary.json (`behaviors`), its
+tables as `<table>@<id>` rows of results_table.csv, and the specificity rows `spec_p_*` /
+`spec_delta_*` (step level and "which rollout" level; attribution/specificity.py) with verdicts in
+verdicts.json (`specificity`), report sections and figures/specificity.png. Time on a shared 2-core
+VM (load 8-15): base 5.9 min + SFT ~3 min, then 12-19 min for the other stages; idle, about the tiny
+default's 12 min plus ~3 min. Seeds 0-2 there: "glows" is planted by step 40 in every seed (greedy
+0.90 / 0.40 / 0.65 on its probes, controls <= 0.05) and holds to step 200 in seeds 0 and 1 (seed 2
+decays to 0.25 and fails the gate); no estimator is specific beyond its magnitude control.
+Calibration and the tables: docs/two_behaviors.md.
 """
 import pathlib
 
