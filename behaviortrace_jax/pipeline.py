@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 
 import ml_collections
 
 from behaviortrace_jax.io import files
-from behaviortrace_jax.io.layout import RunLayout, as_path, is_url
+from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.stages import registry as stages
 
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
@@ -74,27 +73,6 @@ def run_digest(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str
     return out
 
 
-def _check_workdir(workdir: str) -> None:
-    """Refuses a ``gs://`` workdir while a run-file writer outside ``io/`` drops the URL's scheme
-    (docs/architecture.md "Remote workdirs"): the ground-truth log, ``behavior/contaminator.py``'s
-    ``GroundTruthLog``, which builds ``pathlib.Path(path)`` (``gs://b/k`` -> ``gs:/b/k``, a local
-    file). No-op for a local workdir, and for a URL once it keeps the scheme.
-
-    Raises:
-        NotImplementedError: naming both paths.
-    """
-    if not is_url(workdir):
-        return
-    from behaviortrace_jax.behavior import contaminator
-
-    want = RunLayout(workdir).ground_truth
-    path = contaminator.GroundTruthLog(want).path  # reads the log if it exists there
-    if os.fspath(path) != os.fspath(want):
-        raise NotImplementedError(
-            f"workdir {workdir}: behavior/contaminator.GroundTruthLog writes {want} to {path} (it builds "
-            "pathlib.Path(path)); remote workdirs need it to use behaviortrace_jax.io.layout.as_path")
-
-
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed).
 
@@ -108,7 +86,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
     stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
-    _check_workdir(workdir)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     stages.run_stages(config, workdir)
     digest = run_digest(config, workdir)

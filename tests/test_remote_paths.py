@@ -214,22 +214,19 @@ def test_in_run_stores_of_a_gs_run_open_on_the_gcs_kvstore(fake_gs):
     assert {s["kvstore"]["path"] for s in specs} == want
 
 
-@pytest.mark.xfail(strict=True, reason="behavior/contaminator.GroundTruthLog builds pathlib.Path(path), which turns "
-                   "gs://bucket/k into /gs/bucket/k; main.py refuses gs:// workdirs until it uses "
-                   "io.layout.as_path (behavior/ is owned elsewhere; drop this xfail and pipeline._check_workdir then)")
-def test_ground_truth_log_keeps_the_gs_scheme(fake_gs):
+def test_ground_truth_log_of_a_gs_run_is_written_to_the_bucket(fake_gs):
+    """The ground-truth log keeps the gs:// scheme: events flushed by the grpo stage's writer land as
+    one object in the (fake) bucket, with the local rename path booby-trapped, and read back."""
     from behaviortrace_jax.behavior import contaminator
 
+    bucket, _ = fake_gs
     log = contaminator.GroundTruthLog(RunLayout(GS).ground_truth)
     assert str(log.path) == "gs://bucket/run/grpo/ground_truth.jsonl"
-
-
-def test_a_gs_workdir_is_refused_while_a_writer_drops_the_scheme():
-    from behaviortrace_jax import pipeline
-
-    pipeline._check_workdir("/tmp/local_run")  # a local workdir passes
-    with pytest.raises(NotImplementedError, match="GroundTruthLog writes gs://bucket/run/grpo/ground_truth.jsonl to /gs/bucket/"):
-        pipeline._check_workdir(GS)
+    log.record(contaminator.GroundTruthEvent("grpo_000000_001", 0, 1.0, 9.0))
+    log.flush()
+    assert (bucket / "run/grpo/ground_truth.jsonl").is_file()
+    back = contaminator.GroundTruthLog(RunLayout(GS).ground_truth)
+    assert [(e.rollout_id, e.boosted_reward) for e in back.events] == [("grpo_000000_001", 9.0)]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from pathlib import Path
+import os
 from typing import Mapping
 
 from behaviortrace_jax.behavior.planted import PATTERN, substring_judge
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl
+from behaviortrace_jax.io.layout import as_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +98,8 @@ class GroundTruthLog:
     rollout id already in the log.
     """
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike):
+        self.path = as_path(path)  # etils.epath: keeps a gs:// scheme (docs/architecture.md "Remote workdirs")
         self._events: list[GroundTruthEvent] = []
         self._ids: set[str] = set()
         self._pending = 0
