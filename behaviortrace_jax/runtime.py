@@ -136,6 +136,28 @@ def quiet_library_logs(verbosity: int = 0) -> None:
 DISTRIBUTED_ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
                    "process_id": "JAX_PROCESS_ID"}
 HEARTBEAT_TIMEOUT_S = 20  # a killed process is declared lost after this long; the others then exit
+# On an overloaded host (load far above the core count) a live process can miss 20 s of heartbeats
+# during a long XLA compile and end the run (README "Multi-process runs"): raise it there.
+HEARTBEAT_ENV = "BEHAVIORTRACE_HEARTBEAT_TIMEOUT_S"
+
+
+def heartbeat_timeout_s(environ: Mapping[str, str] = os.environ) -> int:
+    """Seconds without a heartbeat after which a process is declared lost: ``$BEHAVIORTRACE_HEARTBEAT_TIMEOUT_S``
+    if set, else :data:`HEARTBEAT_TIMEOUT_S`.
+
+    Raises:
+        ValueError: naming the variable, for a value that is not a positive integer.
+    """
+    raw = environ.get(HEARTBEAT_ENV)
+    if raw is None or raw == "":
+        return HEARTBEAT_TIMEOUT_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{HEARTBEAT_ENV}={raw!r}: expected a positive whole number of seconds")
+    return value
 BARRIER_TIMEOUT_S = 1800  # one barrier of files.mutation (every process runs the same code)
 
 
@@ -176,7 +198,7 @@ def start_distributed(settings: dict | None, auto: bool = False) -> bool:
     Returns:
         False (nothing done) for a single process; True after ``jax.distributed.initialize``.
     Several CPU processes use gloo collectives. A process that dies is declared lost after
-    ``HEARTBEAT_TIMEOUT_S``; the coordination service then ends the others with an error naming it.
+    ``heartbeat_timeout_s()`` seconds; the coordination service then ends the others with an error naming it.
     Call before any JAX computation.
     """
     import jax
@@ -186,7 +208,7 @@ def start_distributed(settings: dict | None, auto: bool = False) -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if (settings or {}).get("num_processes", 2) > 1 and platforms.split(",")[0] in ("cpu", ""):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**(settings or {}), heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    jax.distributed.initialize(**(settings or {}), heartbeat_timeout_seconds=heartbeat_timeout_s(),
                                shutdown_timeout_seconds=60, initialization_timeout=300)
     if jax.process_count() > 1:
         from behaviortrace_jax.io import files

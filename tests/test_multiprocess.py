@@ -128,6 +128,14 @@ def test_distributed_settings_from_flags_and_environment():
     assert runtime.start_distributed(None) is False  # a single process: nothing happens
 
 
+def test_heartbeat_timeout_default_and_override():
+    assert runtime.heartbeat_timeout_s({}) == runtime.HEARTBEAT_TIMEOUT_S == 20
+    assert runtime.heartbeat_timeout_s({runtime.HEARTBEAT_ENV: "120"}) == 120
+    for bad in ("0", "-5", "1.5", "soon"):
+        with pytest.raises(ValueError, match=f"BEHAVIORTRACE_HEARTBEAT_TIMEOUT_S={bad!r}"):
+            runtime.heartbeat_timeout_s({runtime.HEARTBEAT_ENV: bad})
+
+
 def test_non_writer_process_writes_nothing_and_meets_every_barrier(tmp_path):
     calls = []
     files.configure_writer(False, calls.append)
