@@ -62,3 +62,13 @@ def test_unknown_stage_is_refused(tmp_path):
     out = _main("--config=configs/tiny.py", "--config.stages=base,trian", f"--workdir={tmp_path / 'w'}")
     assert out.returncode != 0 and "trian" in out.stderr and "known" in out.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_paper_configs_compile_the_paper_model():
+    """Without weights (model.hf_dir unset) the compile stage of a paper config compiles
+    Qwen2.5-1.5B's shapes, not the tiny base preset."""
+    from behaviortrace_jax.stages import compile as compile_stage
+
+    cfg = compile_stage.model_config(seed0.get_config())
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (28, 1536, 151936)
+    assert compile_stage.model_config(tiny.get_config()).num_hidden_layers < 28

@@ -105,6 +105,7 @@ def test_paper_two_behaviors_config_compiles_at_tiny_shapes(tmp_path):
     assert behaviors.behaviors_from_config(c)[1].early_step_cutoff == 200
     with c.unlocked():  # tiny shapes: the tiny preset at 1 layer, a small sketch, short sequences
         c.compile.target, c.compile.num_layers, c.mesh.data = "cpu:8", 1, -1
+        c.compile.model = ""  # the paper configs compile qwen2p5_1p5b; "" = the tiny base preset
         c.sketch.dim, c.grpo.max_prompt_tokens, c.grpo.max_new_tokens = 1024, 32, 8
         c.draws.max_new_tokens, c.behavior.gate_max_new_tokens, c.sft.max_prompt_tokens = 8, 8, 32
         c.sft.max_completion_tokens, c.targets.block_size, c.targets.length_bucket = 8, 8, 16
