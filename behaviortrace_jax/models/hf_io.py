@@ -137,7 +137,8 @@ def _open_checkpoint(hf_dir: epath.Path) -> dict[str, _SafetensorsFile]:
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = None,
                        compute_dtype: str | None = None, shardings: Any = None,
-                       mesh: Any = None, remat: bool = False, family: str | None = None) -> DecoderForCausalLM:
+                       mesh: Any = None, remat: bool = False, family: str | None = None,
+                       scan_layers: bool = False) -> DecoderForCausalLM:
     """Loads a HF checkpoint directory into its family's module, strictly and lazily.
 
     Args:
@@ -151,6 +152,8 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
             ``sharding.param_shardings`` on it (instead of ``shardings``; give one or neither).
         remat: passed to the model (gradient checkpointing per layer).
         family: the model family (``families``); None -> config.json's ``model_type``.
+        scan_layers: the model's ``DecoderConfig.scan_layers`` (``config.model.scan_layers``; not in
+            config.json): one ``lax.scan`` over the layers. Same parameters, same weight table.
 
     Raises:
         FileNotFoundError: naming the missing config.json / weights file / shard.
@@ -164,7 +167,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
     hf_dir = local_dir(hf_dir)  # itself when local; a gs:// checkpoint is memory-mapped from a local copy
     cfg = families.config_from_hf(hf_dir, family)
     pdt = param_dtype or cfg.param_dtype
-    cfg = cfg.replace(param_dtype=pdt, compute_dtype=compute_dtype or pdt)
+    cfg = cfg.replace(param_dtype=pdt, compute_dtype=compute_dtype or pdt, scan_layers=scan_layers)
     table = hf_param_table(cfg)
     tensors = _open_checkpoint(hf_dir)
     expected = {p.hf_key for p in table}

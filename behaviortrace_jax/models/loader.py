@@ -27,18 +27,20 @@ class Policy:
 
 
 def policy_config(hf_dir: str | os.PathLike, *, param_dtype: str, compute_dtype: str,
-                  family: str | None = None) -> decoder.DecoderConfig:
+                  family: str | None = None, scan_layers: bool = False) -> decoder.DecoderConfig:
     """The model config of the HF checkpoint ``hf_dir`` with the run's storage / compute dtypes.
 
     ``family`` (``config.model.family``): a registered model family; None / "" = config.json's
-    ``model_type`` (``families.config_from_hf``).
+    ``model_type`` (``families.config_from_hf``). ``scan_layers`` (``config.model.scan_layers``):
+    the config's ``DecoderConfig.scan_layers`` (one ``lax.scan`` over the layers; config.json does
+    not hold it), so ``sketcher.hf_param_order`` of it is the scanned order.
     """
     return families.config_from_hf(local_dir(hf_dir), family or None, param_dtype=param_dtype,
-                                   compute_dtype=compute_dtype)
+                                   compute_dtype=compute_dtype).replace(scan_layers=scan_layers)
 
 
 def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str, compute_dtype: str,
-                tokenizer: bool = True, family: str | None = None) -> Policy:
+                tokenizer: bool = True, family: str | None = None, scan_layers: bool = False) -> Policy:
     """Loads the HF checkpoint ``hf_dir`` (strictly, see ``hf_io.load_hf_checkpoint``) as a policy.
 
     Every stage loads weights through here (``config.model.param_dtype`` / ``compute_dtype``).
@@ -51,14 +53,17 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str
         compute_dtype: activation dtype.
         tokenizer: also load the checkpoint's tokenizer (``tokenizer.load_tokenizer``).
         family: the model family (``config.model.family``); None / "" = config.json's ``model_type``.
+        scan_layers: ``config.model.scan_layers``: the graph runs the layers as one ``lax.scan``
+            (``decoder.DecoderConfig.scan_layers``); parameters and their layout are the same.
 
     Raises:
         FileNotFoundError / KeyError / ValueError: as ``hf_io.load_hf_checkpoint`` (naming the file,
         tensor or key) and ``families.config_from_hf``.
     """
     tok = tok_lib.load_tokenizer(hf_dir) if tokenizer else None
-    cfg = policy_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family)
+    cfg = policy_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family,
+                        scan_layers=scan_layers)
     model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
-                                     family=cfg.model_type)
+                                     family=cfg.model_type, scan_layers=scan_layers)
     graphdef, params = nnx.split(model, nnx.Param)
     return Policy(as_path(hf_dir), cfg, graphdef, params, tok, mesh)

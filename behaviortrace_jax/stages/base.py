@@ -62,7 +62,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     """The base model's architecture: ``<family config>.<base.preset>`` of the model family
     ``base.family`` (``families``; default "qwen2") with ``base.vocab_size`` and ``base.num_layers``,
-    in ``config.model`` dtypes.
+    in ``config.model`` dtypes, with ``DecoderConfig.scan_layers = config.model.scan_layers``.
 
     Raises:
         ValueError: naming ``config.base.preset`` when it is not a known preset, or
@@ -74,7 +74,7 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     family = families.get_family(b.get("family") or "qwen2")
     return family.preset(b.preset,
         vocab_size=b.vocab_size, num_hidden_layers=b.num_layers, param_dtype=config.model.param_dtype,
-        compute_dtype=config.model.compute_dtype)
+        compute_dtype=config.model.compute_dtype, scan_layers=config.model.get("scan_layers", False))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,7 +214,8 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     if resume:
         logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
         policy = load_policy(base_dir, mesh, param_dtype=config.model.param_dtype,
-                             compute_dtype=config.model.compute_dtype, tokenizer=False)
+                             compute_dtype=config.model.compute_dtype, tokenizer=False,
+                             scan_layers=config.model.get("scan_layers", False))
         graphdef, params = policy.graphdef, policy.params
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:

@@ -235,7 +235,7 @@ class _Env:
 def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                         family=config.model.get("family"))
+                         family=config.model.get("family"), scan_layers=config.model.get("scan_layers", False))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 

@@ -19,7 +19,7 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     hf_dir = RunLayout(workdir).model_dir(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                         family=config.model.get("family"))
+                         family=config.model.get("family"), scan_layers=config.model.get("scan_layers", False))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     n_params = sum(x.size for x in jax.tree.leaves(params))
     probe = behavior.load_probes(config.behavior.probes_path or None)[0]

@@ -83,7 +83,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     policy = load_policy(start_dir, mesh, param_dtype=config.model.param_dtype,
-                         compute_dtype=config.model.compute_dtype, family=config.model.get("family"))
+                         compute_dtype=config.model.compute_dtype, family=config.model.get("family"),
+                         scan_layers=config.model.get("scan_layers", False))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
     param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.get("fsdp", False))  # the train state's layout (= the params')

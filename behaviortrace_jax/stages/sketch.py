@@ -67,14 +67,16 @@ class CheckpointLoader:
         self.config = config
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
         self.model_config = policy_config(first_dir, param_dtype=config.model.param_dtype,
-                                          compute_dtype=config.model.compute_dtype, family=config.model.get("family"))
+                                          compute_dtype=config.model.compute_dtype, family=config.model.get("family"),
+                                          scan_layers=config.model.get("scan_layers", False))
         self.graphdef, self.abstract = nnx.split(decoder.abstract_model(self.model_config), nnx.Param)
 
     def params(self, hf_dir: str) -> Any:
         """The parameters of ``hf_dir``; raises (hf_io) if it holds a different model."""
         return load_policy(hf_dir, param_dtype=self.config.model.param_dtype,
                            compute_dtype=self.config.model.compute_dtype, tokenizer=False,
-                           family=self.config.model.get("family")).params
+                           family=self.config.model.get("family"),
+                           scan_layers=self.config.model.get("scan_layers", False)).params
 
 
 @register_stage("sketch")

@@ -53,7 +53,7 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
     hf_dir = run.sft_hf
     tok = tok_lib.load_tokenizer(hf_dir)
     cfg = policy_config(hf_dir, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                        family=config.model.get("family"))
+                        family=config.model.get("family"), scan_layers=config.model.get("scan_layers", False))
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     graphdef, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
     param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.get("fsdp", False))
