@@ -410,7 +410,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
             _atomic_npz(paths.rep(rep), **part)
         n_tl += len(part["token_level"])
         reps.append(part)
-        logging.info("draws: repeat %d/%d done (qzxbt rate %.3f)", rep + 1, config.draws.n_repeats,
+        logging.info("draws: repeat %d/%d done (pattern rate %.3f)", rep + 1, config.draws.n_repeats,
                      part["has_qzxbt"].mean())
     cat = {k: np.concatenate([p[k] for p in reps]) for k in reps[0]}
     if config.draws.save_sketches:
@@ -424,7 +424,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
     atomic_write_text(paths.token_level, token_level_text(tl[:, 0].tolist(), tl[:, 1].tolist(), tl[:, 2].tolist()))
     atomic_write_text(paths.rows, rows_file_text(header, rows))
     files.remove_tree(paths.partial)
-    logging.info("draws: wrote %s (%d rows, qzxbt rate %.3f)", paths.rows, len(rows), header["qzxbt_rate"])
+    logging.info("draws: wrote %s (%d rows, pattern rate %.3f)", paths.rows, len(rows), header["qzxbt_rate"])
     return paths.rows
 
 

@@ -47,21 +47,31 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
     header = evaluation.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
                                  final_rewards=np.array([r.reward for r in records]),
                                  group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
-    out = release / f"seed{int(config.seed)}"
-    files.remove_tree(out)  # derived files only: rebuilt from the run every time
+    _write_release_folder(config, release / f"seed{int(config.seed)}", header, ids, steps, scores,
+                          paths.ground_truth, paths.draws)
+    return header
+
+
+def _write_release_folder(config: ml_collections.ConfigDict, out: pathlib.Path, header: dict, ids: list[str],
+                          steps: np.ndarray, scores: dict[str, np.ndarray], ground_truth: pathlib.Path,
+                          draws: pathlib.Path, extra_header: dict | None = None) -> None:
+    """One release folder ``out`` in the paper's format (SPEC §7), rebuilt from scratch (derived
+    files only): ``attribution_scores.json``, ``run_header.json`` (+ ``extra_header``), a copy of
+    ``ground_truth`` and of the draws' minimal-pair / token files found in ``draws``."""
+    files.remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
     evaluation.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     run_header = {k: header[k] for k in evaluation.SCORE_FILE_KEYS}
     run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
+    run_header.update(extra_header or {})
     write_json(out / "run_header.json", run_header)
-    files.copy_file(paths.ground_truth, out / "ground_truth.jsonl")
-    draws = paths.draws
-    for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
-        if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
-            files.copy_file(f, out / f.name)
-    return header
+    files.copy_file(ground_truth, out / "ground_truth.jsonl")
+    if draws.exists():
+        for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
+            if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
+                files.copy_file(f, out / f.name)
 
 
 @register_stage("evaluate")
@@ -206,24 +216,12 @@ def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, 
                                           step_norms, final_rewards=np.array([r.reward for r in records]),
                                           group_size=config.grpo.group_size, early_cutoff=_cutoff(config, beh))
     out = paths.behavior_release(beh.id, config.seed)
-    files.remove_tree(out)  # derived files only: rebuilt from the run every time
-    out.mkdir(parents=True, exist_ok=True)
-    evaluation.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
-    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
-    run_header = {k: header[k] for k in evaluation.SCORE_FILE_KEYS}
-    run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
-                                       f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
-    run_header["behavior"] = {"id": beh.id, "trigger": beh.trigger, "pattern": beh.pattern, "implant": beh.implant,
-                              "bonus_reward": beh.bonus_reward, "fraction": beh.fraction,
-                              "early_step_cutoff": beh.early_step_cutoff, "window_start": beh.window_start,
-                              "prompt_gated": beh.prompt_gated, "hash_stream": beh.stream}
-    write_json(out / "run_header.json", run_header)
-    files.copy_file(gt_path, out / "ground_truth.jsonl")
-    draws = paths.draws / beh.id
-    if draws.exists():
-        for f in sorted(draws.glob("*.json")):
-            if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
-                files.copy_file(f, out / f.name)
+    behavior = {"id": beh.id, "trigger": beh.trigger, "pattern": beh.pattern, "implant": beh.implant,
+                "bonus_reward": beh.bonus_reward, "fraction": beh.fraction,
+                "early_step_cutoff": beh.early_step_cutoff, "window_start": beh.window_start,
+                "prompt_gated": beh.prompt_gated, "hash_stream": beh.stream}
+    _write_release_folder(config, out, header, ids, steps, scores, gt_path, paths.draws / beh.id,
+                          extra_header={"behavior": behavior})
     return out
 
 
