@@ -15,9 +15,10 @@ What to expect: the same stages and files as configs/tiny.py plus, per extra beh
 rate in base/base_summary.json, its gate and learning curve in grpo/summary.json (`behaviors`), its
 tables as `<table>@<id>` rows of results_table.csv, and the specificity rows `spec_p_*` /
 `spec_delta_*` (step level and "which rollout" level; attribution/specificity.py) with verdicts in
-verdicts.json (`specificity`), report sections and figures/specificity.png. Time on a shared 2-core
-VM (load 8-15): base 5.9 min + SFT 4.4 min, then 12-19 min for the other stages; idle, about the tiny
-default's 12 min plus ~3 min. Seeds 0-2 there: "glows" is planted by step 40 in every seed (greedy
+verdicts.json (`specificity`), report sections and figures/specificity.png. Time: 5 min 38 s, 2.0 GB
+peak, for the command above from a fresh clone on an idle 2-core AMD EPYC VM (commit cad8bb9; base
+1.5 min, SFT 0.5, GRPO 2.0, sketch 0.5, draws 0.9); on the same VM shared with other jobs (load
+8-15) the stages took 4-5x longer. Seeds 0-2 there: "glows" is planted by step 40 in every seed (greedy
 0.90 / 0.40 / 0.65 on its probes, controls <= 0.05) and holds to step 200 in seeds 0 and 1 (seed 2
 decays to 0.25 and fails the gate); no estimator is specific beyond its magnitude control.
 Calibration and the tables: docs/two_behaviors.md.
