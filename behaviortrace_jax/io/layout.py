@@ -122,4 +122,4 @@ class RunLayout:
 
     def release_seed(self, seed: int) -> epath.Path:
         """``release/seed{seed}``: one seed's files in the paper's release format."""
-        return self.release / f"seed{int(seed)}"
+        return self.behavior_release("", seed)

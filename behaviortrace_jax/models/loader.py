@@ -60,10 +60,11 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str
         FileNotFoundError / KeyError / ValueError: as ``hf_io.load_hf_checkpoint`` (naming the file,
         tensor or key) and ``families.config_from_hf``.
     """
-    tok = tok_lib.load_tokenizer(hf_dir) if tokenizer else None
-    cfg = policy_config(hf_dir, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family,
+    src = local_dir(hf_dir)  # a gs:// checkpoint is fetched once for the tokenizer, config and weights
+    tok = tok_lib.load_tokenizer(src) if tokenizer else None
+    cfg = policy_config(src, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family,
                         scan_layers=scan_layers)
-    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
+    model = hf_io.load_hf_checkpoint(src, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
                                      family=cfg.model_type, scan_layers=scan_layers)
     graphdef, params = nnx.split(model, nnx.Param)
     return Policy(as_path(hf_dir), cfg, graphdef, params, tok, mesh)

@@ -43,20 +43,13 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
     per checkpoint (TracInCP). ``step_sketches`` (float32 [steps, D]) saves re-reading
     ``step_sketches.zarr`` when the caller already holds it.
     """
-    ev = config.evaluation
-    t_store = read_complete(paths.sketch_store("targets_continuation"))
-    targets = t_store.read()
-    by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
     if per_rollout:
-        sketches, steps = read_complete(paths.sketch_store("rollout_sketches")).read(), rollout_steps
+        sketches = read_complete(paths.sketch_store("rollout_sketches")).read()
     else:
         sketches = (step_sketches if step_sketches is not None
                     else read_complete(paths.sketch_store("step_sketches")).read())
-        steps = np.arange(sketches.shape[0])
-    return estimators.score_step_methods(
-        sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
-        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
-        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+    return target_store_scores(config, paths.sketch_store("targets_continuation"), sketches, rollout_ids,
+                               rollout_steps, per_rollout=per_rollout)
 
 
 def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,

@@ -37,19 +37,13 @@ import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-try:  # package layout after the layer-folder move
-    from behaviortrace_jax.io import files
-    from behaviortrace_jax.io.layout import RunLayout, as_path
-    from behaviortrace_jax.models import decoder, families, sampler as sampler_lib, sharding
-    from behaviortrace_jax.sketch import sketcher, targets
-    from behaviortrace_jax.stages.registry import register_stage
-    from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, lm_trainer, train_state
-except ImportError:  # flat layout
-    from behaviortrace_jax import files, grpo, grpo_loss, lm_trainer, qwen2, sampler as sampler_lib
-    from behaviortrace_jax import sharding, sketcher, targets, train_state
-    from behaviortrace_jax.stages import register_stage
+from behaviortrace_jax.io import files
+from behaviortrace_jax.io.layout import RunLayout, as_path
+from behaviortrace_jax.models import decoder, families, sampler as sampler_lib, sharding
+from behaviortrace_jax.sketch import sketcher, targets
+from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, lm_trainer, train_state
 
 GiB = 1 << 30
 
@@ -368,7 +362,7 @@ def configured_flop_ratio(config: ml_collections.ConfigDict, cfg: decoder.Decode
     ``grpo.one_backward``) over the same step without in-run rollout sketches. No compile needed."""
     g, sk = config.grpo, config.sketch
     n, t = g.prompts_per_step * g.group_size, g.max_prompt_tokens + g.max_new_tokens
-    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(nnx.split(decoder.abstract_model(cfg), nnx.Param)[1]))
+    n_params = decoder.count_params(cfg)
     in_run = bool(sk.in_run_rollouts)
     one = bool(g.get("one_backward", False)) and in_run and g.loss == "paper"
     kw = dict(loss=g.loss, inner_iterations=g.inner_iterations)

@@ -243,8 +243,8 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     records = list(rollout_log.read_rollouts(paths.rollouts))
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
-    step_sk = read_complete(paths.sketches / "step_sketches.zarr").read()
-    roll_sk = (read_complete(paths.sketches / "rollout_sketches.zarr").read()
+    step_sk = read_complete(paths.sketch_store("step_sketches")).read()
+    roll_sk = (read_complete(paths.sketch_store("rollout_sketches")).read()
                if config.sketch.in_run_rollouts else None)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     nonzero = np.isin(steps, np.asarray(evaluation.nonzero_steps_from_norms(step_norms), np.int64))
