@@ -61,10 +61,11 @@ def main() -> None:
                                   (0,), shapes, 0)
     steps, states = {}, {}
     for one in (False, True):
-        steps[one] = grpo_step.make_train_step(
-            graphdef, abstract, tx, shapes, loss_name="paper", loss_cfg=grpo_loss.LossConfig(), grad_clip=1.0,
-            order=sketcher.qwen2_param_order(cfg), sketch_dim=sk.dim, sketch_seed=sk.seed, in_run_rollouts=True,
-            chunk_size=sk.chunk_size, mesh=mesh, param_shardings=p_sh, opt_shardings=o_sh, one_backward=one)
+        spec = grpo_step.GRPOStepSpec(shapes, "paper", grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=sk.dim,
+                                      sketch_seed=sk.seed, in_run_rollouts=True, chunk_size=sk.chunk_size,
+                                      one_backward=one)
+        steps[one] = grpo_step.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg),
+                                               mesh=mesh, param_shardings=p_sh, opt_shardings=o_sh)
         p = jax.device_put(jax.tree.map(np.asarray, params), p_sh)
         states[one] = (p, tx.init(p))
     times = {False: [], True: []}

@@ -1,4 +1,5 @@
 """Test set-up: CPU only, 8 fake devices (for the sharding tests), and the shared/ reference dir."""
+import hashlib
 import os
 import pathlib
 
@@ -9,12 +10,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-# Many tests compile the same small functions; a persistent cache turns repeats into cache hits.
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "BEHAVIORTRACE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "behaviortrace_jax_tests")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# Many tests compile the same small functions; a persistent cache turns repeats into cache hits. One
+# cache per checkout: two test runs of different checkouts writing one cache at once made XLA abort.
+_CHECKOUT = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
+jax.config.update("jax_compilation_cache_dir", os.environ.get(
+    "BEHAVIORTRACE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "behaviortrace_jax_tests", _CHECKOUT)))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 SHARED = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", REPO.parent / "shared"))
 
 

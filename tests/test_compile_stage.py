@@ -108,7 +108,8 @@ def test_hbm_exhausted_at_compile_is_a_row_that_does_not_fit():
 
 def test_configured_flop_ratio_follows_the_grpo_path():
     """The report's GRPO step FLOP ratio is that of the configured path (issue 12 item 4, <= 1.15):
-    ~1.75 with a batched backward plus per-rollout backwards, ~1.0 with one backward (paper_tpu),
+    ~2.0 with a batched backward plus per-rollout backwards (the paper loss declares no old log-probs,
+    so no extra forward is counted: XLA removes it as dead code), ~1.0 with one backward (paper_tpu),
     exactly 1 without in-run sketches; computed analytically, nothing compiled."""
     from configs import paper, paper_tpu
 
@@ -118,7 +119,7 @@ def test_configured_flop_ratio_follows_the_grpo_path():
     one = compile_stage.configured_flop_ratio(c, cfg)
     assert c.grpo.one_backward and 1.0 < one["ratio"] <= 1.15 and "one backward" in one["path"]
     two = compile_stage.configured_flop_ratio(paper.get_config(), cfg)
-    assert 1.7 < two["ratio"] < 1.8 and two["flops_without_in_run"] == one["flops_without_in_run"]
+    assert 1.95 < two["ratio"] < 2.05 and two["flops_without_in_run"] == one["flops_without_in_run"]
     with c.unlocked():
         c.sketch.in_run_rollouts = False
     assert compile_stage.configured_flop_ratio(c, cfg)["ratio"] == 1.0

@@ -149,10 +149,10 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=Fa
     opt_state = tx.init(params)
     o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    step = grpo.make_train_step(graphdef, abstract, tx, SHAPES, loss_name=loss, loss_cfg=grpo_loss.LossConfig(),
-                                grad_clip=1.0, order=sketcher.qwen2_param_order(cfg), sketch_dim=dim, sketch_seed=0,
-                                in_run_rollouts=in_run, chunk_size=chunk, mesh=mesh, param_shardings=p_sh,
-                                opt_shardings=o_sh, use_tables=tables, one_backward=one_backward)
+    spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=dim, sketch_seed=0,
+                             in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, one_backward=one_backward)
+    step = grpo.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg), mesh=mesh,
+                                param_shardings=p_sh, opt_shardings=o_sh)
     return cfg, graphdef, params, opt_state, step
 
 

@@ -4,6 +4,7 @@ that run: its tables, a rerun from its files, and a kill -9 mid-stage then rerun
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,46 @@ def smoke_run(tmp_path_factory):
     config.stages = "base,sft,grpo"
     pipeline.run(config, str(w))
     return config, w
+
+
+def _assert_replay_reproduces_checkpoints(config, w):
+    """The all-ones replay of the run in ``w`` equals its orbax checkpoints bit for bit."""
+    rp = R.Replayer(config, w, rates=False)
+    ckpts = R.checkpoint_steps(config)
+    seen = []
+
+    def check(step, params, _):
+        if step in ckpts:
+            ref = R.restore_run_params(rp, step)
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            seen.append(step)
+
+    out = rp.run(None, measure_steps=[config.grpo.steps], on_step=check)
+    assert seen == ckpts
+    return rp, out
+
+
+def test_replay_of_a_one_backward_bf16_sum_run_is_bit_for_bit(smoke_run, tmp_path):
+    """The replay builds the run's own step from the same spec (GRPOStepSpec), so a run with
+    grpo.one_backward and a bfloat16 gradient sum (configs/paper_tpu.py's step) replays exactly."""
+    config, w = smoke_run
+    config = config.copy_and_resolve_references()
+    config.grpo.one_backward, config.grpo.sum_dtype = True, "bfloat16"
+    # No data axis: XLA:CPU aborts compiling a bfloat16 all-reduce of the gradient sum over several
+    # CPU devices (AllReducePromotion); on a TPU slice the same step compiles (configs/paper_tpu.py).
+    config.mesh.data, config.mesh.model = 1, len(jax.devices())
+    config.stages = "grpo"
+    for sub in ("base", "sft"):  # reuse the smoke run's base model and SFT state
+        shutil.copytree(w / sub, tmp_path / sub)
+    pipeline.run(config, str(tmp_path))
+    rp, _ = _assert_replay_reproduces_checkpoints(config, tmp_path)
+    assert rp.spec.one_backward and rp.spec.sum_dtype == "bfloat16"
+    w0 = np.ones(rp.num_rollouts, np.float32)
+    w0[:3] = 0.0  # a weighted one-backward replay runs and moves the parameters
+    cut = rp.run(w0, measure_steps=[1])
+    full = rp.run(None, measure_steps=[1])
+    assert cut["behavior"][1]["logp_margin"] != full["behavior"][1]["logp_margin"]
 
 
 def test_all_ones_replay_reproduces_the_run_bit_for_bit(smoke_run):

@@ -182,24 +182,25 @@ SKETCH_FLOPS_PER_COORD = 4
 SUM_FLOPS_PER_COORD = 2
 
 
-def grpo_step_flops(cfg: decoder.DecoderConfig, n_params: int, rollouts: int, tokens: int, *, loss: str,
-                    in_run: bool, one_backward: bool, inner_iterations: int = 1) -> float:
-    """Analytic FLOPs of one GRPO step (whole program, all chips, every loop trip; SPEC §2.2 step 4).
+def grpo_step_flops(cfg: decoder.DecoderConfig, n_params: int, rollouts: int, tokens: int,
+                    spec: grpo.GRPOStepSpec) -> float:
+    """Analytic FLOPs of one GRPO step of ``spec`` (whole program, all chips, every loop trip; SPEC
+    §2.2 step 4).
 
-    A forward for the old log-probs (and one for the reference under ``grpo_clip``), a batched
-    forward/backward per inner iteration; with ``in_run`` rollout sketches a per-rollout
-    forward/backward (the same matmuls, batch 1) plus :data:`SKETCH_FLOPS_PER_COORD` per gradient
-    coordinate per rollout; ``one_backward`` (``paper`` loss) drops the batched backward (the summed
-    per-rollout gradients are the update) and adds :data:`SUM_FLOPS_PER_COORD` per coordinate.
+    A forward for the old log-probs when the loss ``needs_old_logprobs`` and one for the reference
+    when it ``needs_reference``, a batched forward/backward per inner iteration; with in-run rollout
+    sketches a per-rollout forward/backward (the same matmuls, batch 1) plus
+    :data:`SKETCH_FLOPS_PER_COORD` per gradient coordinate per rollout; ``one_backward`` drops the
+    batched backward (the summed per-rollout gradients are the update) and adds
+    :data:`SUM_FLOPS_PER_COORD` per coordinate.
     """
-    iters = inner_iterations if loss == "grpo_clip" else 1
-    fl = model_flops(cfg, rollouts, tokens) * (1 + (loss == "grpo_clip"))
-    one = one_backward and in_run and loss == "paper"
-    if not one:
-        fl += model_flops(cfg, rollouts, tokens, backward=True) * iters
-    if in_run:
+    loss = spec.loss_spec
+    fl = model_flops(cfg, rollouts, tokens) * (int(loss.needs_old_logprobs) + int(loss.needs_reference))
+    if not spec.one_backward:
+        fl += model_flops(cfg, rollouts, tokens, backward=True) * spec.inner_iterations
+    if spec.in_run_rollouts:
         fl += model_flops(cfg, rollouts, tokens, backward=True)
-        fl += float(n_params) * rollouts * (SKETCH_FLOPS_PER_COORD + (SUM_FLOPS_PER_COORD if one else 0))
+        fl += float(n_params) * rollouts * (SKETCH_FLOPS_PER_COORD + (SUM_FLOPS_PER_COORD if spec.one_backward else 0))
     return fl
 
 
@@ -299,7 +300,7 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
                          model_flops(cfg, s.batch_size, sft_len, backward=True), f"batch {s.batch_size} x {sft_len}"))
 
     # --- GRPO step: every requested loss, in-run rollout sketches as configured (and off, for the ratio)
-    shapes = grpo.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+    shapes = grpo.GRPOStepSpec.from_config(config).shapes
     n, t = shapes.num_rollouts, g.max_prompt_tokens + g.max_new_tokens
     gbatch = {"input_ids": _sds((n, t), jnp.int32, data), "attention_mask": _sds((n, t), jnp.int32, data),
               "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, data),
@@ -311,20 +312,13 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
     variants = [sk.in_run_rollouts] + ([not sk.in_run_rollouts] if config.compile.both_sketch_variants else [])
     for loss in losses:
         for in_run in variants:
-            one = bool(g.get("one_backward", False)) and in_run and loss == "paper"
-            fn = grpo.make_train_step(
-                graphdef, abs_params, tx, shapes, loss_name=loss,
-                loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), grad_clip=config.optim.grad_clip,
-                order=order, sketch_dim=sk.dim, sketch_seed=sk.seed, in_run_rollouts=in_run,
-                chunk_size=sk.chunk_size, mesh=mesh, param_shardings=param_sh, opt_shardings=state_sh.opt_state,
-                inner_iterations=g.inner_iterations if loss == "grpo_clip" else 1,
-                use_tables=bool(sk.get("in_run_tables", False)), one_backward=one,
-                sum_dtype=g.get("sum_dtype", "float32"))
-            ref = params if loss == "grpo_clip" else None
-            fl = grpo_step_flops(cfg, n_params, n, t, loss=loss, in_run=in_run, one_backward=one,
-                                 inner_iterations=g.inner_iterations)
+            spec = grpo.GRPOStepSpec.from_config(config, loss=loss, in_run_rollouts=in_run)
+            fn = grpo.make_train_step(graphdef, abs_params, tx, spec, order=order, mesh=mesh, param_shardings=param_sh,
+                                      opt_shardings=state_sh.opt_state)
+            ref = params if spec.loss_spec.needs_reference else None
+            fl = grpo_step_flops(cfg, n_params, n, t, spec)
             name = f"grpo_step[{loss},in_run={'on' if in_run else 'off'}]"
-            note_one = "; one backward (summed per-rollout gradients)" if one else ""
+            note_one = "; one backward (summed per-rollout gradients)" if spec.one_backward else ""
             progs.append(Program(name, (lambda fn=fn, ref=ref: fn.lower(params, state.opt_state, gbatch, ref)), fl,
                                  f"{n} rollouts x {t} tokens" + (f"; per-rollout sketches in lax.map of "
                                                                  f"{-(-n // sk.chunk_size)} trips" if in_run else "")
@@ -360,17 +354,16 @@ def configured_flop_ratio(config: ml_collections.ConfigDict, cfg: decoder.Decode
     """The GRPO step's analytic FLOP ratio for the configured path (issue 12 item 4; target <= 1.15):
     :func:`grpo_step_flops` of the step as ``config`` runs it (``grpo.loss``, ``sketch.in_run_rollouts``,
     ``grpo.one_backward``) over the same step without in-run rollout sketches. No compile needed."""
-    g, sk = config.grpo, config.sketch
+    g = config.grpo
     n, t = g.prompts_per_step * g.group_size, g.max_prompt_tokens + g.max_new_tokens
     n_params = decoder.count_params(cfg)
-    in_run = bool(sk.in_run_rollouts)
-    one = bool(g.get("one_backward", False)) and in_run and g.loss == "paper"
-    kw = dict(loss=g.loss, inner_iterations=g.inner_iterations)
-    on = grpo_step_flops(cfg, n_params, n, t, in_run=in_run, one_backward=one, **kw)
-    off = grpo_step_flops(cfg, n_params, n, t, in_run=False, one_backward=False, **kw)
-    path = (f"{g.loss}, in-run rollout sketches {'on' if in_run else 'off'}"
-            + (", one backward (summed per-rollout gradients)" if one else
-               (", batched backward + per-rollout backward" if in_run else "")))
+    spec = grpo.GRPOStepSpec.from_config(config)
+    off_spec = grpo.GRPOStepSpec.from_config(config, in_run_rollouts=False)
+    on = grpo_step_flops(cfg, n_params, n, t, spec)
+    off = grpo_step_flops(cfg, n_params, n, t, off_spec)
+    path = (f"{g.loss}, in-run rollout sketches {'on' if spec.in_run_rollouts else 'off'}"
+            + (", one backward (summed per-rollout gradients)" if spec.one_backward else
+               (", batched backward + per-rollout backward" if spec.in_run_rollouts else "")))
     return {"ratio": on / off, "path": path, "flops": on, "flops_without_in_run": off}
 
 

@@ -43,7 +43,7 @@ from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import grpo_loss
-from behaviortrace_jax.train.grpo_step import StepShapes, build_batch, make_train_step
+from behaviortrace_jax.train.grpo_step import GRPOStepSpec, build_batch, make_train_step
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -97,19 +97,14 @@ class GRPORun:
         self.graphdef = start.graphdef
         self.eos_ids, self.pad_id = tok_lib.eos_ids(self.tok), tok_lib.pad_id(self.tok)
         self.mask_eos_ids = tok_lib.mask_eos_ids(self.tok, config.model.mask_eos)
-        self.shapes = StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+        self.spec = GRPOStepSpec.from_config(config)
+        self.shapes = self.spec.shapes
         self.tx = start.optimizer
         self.order = sketcher.hf_param_order(self.model_cfg)
-        self.step_fn = make_train_step(
-            self.graphdef, start.abstract_params, self.tx, self.shapes, loss_name=g.loss,
-            loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta),
-            grad_clip=config.optim.grad_clip, order=self.order, sketch_dim=config.sketch.dim,
-            sketch_seed=config.sketch.seed, in_run_rollouts=config.sketch.in_run_rollouts,
-            chunk_size=config.sketch.chunk_size, mesh=self.mesh, param_shardings=start.param_shardings,
-            opt_shardings=start.opt_shardings, inner_iterations=g.inner_iterations,
-            use_tables=config.sketch.get("in_run_tables", False),
-            one_backward=config.grpo.get("one_backward", False), sum_dtype=config.grpo.get("sum_dtype", "float32"))
-        self.ref_params = start.params if g.loss == "grpo_clip" else None
+        self.step_fn = make_train_step(self.graphdef, start.abstract_params, self.tx, self.spec, order=self.order,
+                                       mesh=self.mesh, param_shardings=start.param_shardings,
+                                       opt_shardings=start.opt_shardings)
+        self.ref_params = start.params if self.spec.loss_spec.needs_reference else None
         top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k,
                                                              g.repetition_penalty)
         self.sampler = sampler_lib.Sampler(self.graphdef, self.model_cfg, max_prompt_tokens=g.max_prompt_tokens,

@@ -81,31 +81,65 @@ class LossInputs:
 
 
 LossFn = Callable[[LossInputs, "LossConfig"], jax.Array]
-LOSSES: dict[str, LossFn] = {}
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Loss hyper-parameters (config.grpo): ``clip_eps``, ``kl_beta`` (grpo_clip only)."""
+    """Loss hyper-parameters (config.grpo): ``clip_eps``, ``kl_beta`` (read by losses that use them)."""
 
     clip_eps: float = 0.2
     kl_beta: float = 0.04
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Registers a loss ``fn(inputs: LossInputs, cfg: LossConfig) -> per-rollout terms [N]``."""
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """A registered GRPO loss and what the train step must give it.
+
+    ``fn(inputs, cfg) -> per-rollout terms float32 [N]`` (their sum is the step's loss). The
+    declarations tell the step (``train/grpo_step.py``), the replay and the compile stage what to
+    compute, so no code outside this registry compares loss names:
+
+    * ``needs_reference``: ``LossInputs.ref_logprobs`` holds the log-probs under the initial policy
+      (a KL term); the step then takes the reference parameters as an argument (else zeros / None).
+    * ``needs_old_logprobs``: ``old_logprobs`` holds the sampling policy's log-probs (an importance
+      ratio; stop-gradient of the step's own forward), else zeros.
+    * ``multi_iteration``: the loss may take ``grpo.inner_iterations`` > 1 updates per batch (PPO's
+      mu); a loss without it runs exactly one.
+    * ``one_backward``: the per-rollout terms may be differentiated one rollout at a time and summed
+      as the update (``grpo.one_backward``; needs one iteration).
+    """
+
+    name: str
+    fn: LossFn
+    needs_reference: bool = False
+    needs_old_logprobs: bool = False
+    multi_iteration: bool = False
+    one_backward: bool = True
+
+    def __call__(self, inp: LossInputs, cfg: LossConfig) -> jax.Array:
+        return self.fn(inp, cfg)
+
+
+LOSSES: dict[str, Loss] = {}
+
+
+def register_loss(name: str, *, needs_reference: bool = False, needs_old_logprobs: bool = False,
+                  multi_iteration: bool = False, one_backward: bool = True) -> Callable[[LossFn], LossFn]:
+    """Registers ``fn(inputs: LossInputs, cfg: LossConfig) -> per-rollout terms [N]`` as loss
+    ``name`` with its declarations (see :class:`Loss`). Raises ValueError for a duplicate name."""
 
     def wrap(fn: LossFn) -> LossFn:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} already registered")
-        LOSSES[name] = fn
+        LOSSES[name] = Loss(name, fn, needs_reference=needs_reference, needs_old_logprobs=needs_old_logprobs,
+                            multi_iteration=multi_iteration, one_backward=one_backward)
         return fn
 
     return wrap
 
 
-def get_loss(name: str) -> LossFn:
-    """Looks up a registered loss. Raises KeyError naming the known losses."""
+def get_loss(name: str) -> Loss:
+    """Looks up a registered loss (callable like its function). Raises KeyError naming the known losses."""
     if name not in LOSSES:
         raise KeyError(f"config.grpo.loss={name!r} is not a registered loss; known: {sorted(LOSSES)}")
     return LOSSES[name]
@@ -124,7 +158,7 @@ def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     return -inp.advantages * meanlp / (inp.group_size * inp.num_prompts)
 
 
-@register_loss("grpo_clip")
+@register_loss("grpo_clip", needs_reference=True, needs_old_logprobs=True, multi_iteration=True)
 def grpo_clip_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     """DeepSeekMath GRPO: clipped ratio + k3 KL to the initial policy; float32 [N] terms, each
     divided by the batch size ``G * B`` (not by the rows passed in: the step evaluates one rollout's

@@ -93,54 +93,112 @@ def completion_logprobs(graphdef: nnx.GraphDef, params: Any, input_ids: jax.Arra
     return decoder.token_logprobs(logits[:, prompt_len - 1:-1], input_ids[:, prompt_len:])
 
 
+@dataclasses.dataclass(frozen=True)
+class GRPOStepSpec:
+    """Everything that decides what one GRPO train step computes (SPEC §2.2 step 4, §3.2), read from
+    the config once (:meth:`from_config`) and shared by the ``grpo`` stage, the replay
+    (``train/replay.py``) and the ``compile`` stage, so the three build the same program.
+
+    Fields: ``shapes``; ``loss`` (a ``grpo_loss`` registry name) and ``loss_cfg``; ``grad_clip``
+    (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
+    1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed``;
+    ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
+    ``vmap(grad)`` chunk), ``use_tables`` (hash tables as a step argument); ``one_backward`` (the
+    update is the sum of the per-rollout gradients) and ``sum_dtype`` (its accumulator dtype).
+
+    Raises:
+        KeyError: an unregistered loss. ValueError: an unknown ``sum_dtype``, ``inner_iterations``
+            < 1 or > 1 for a loss without ``multi_iteration``, or ``one_backward`` without in-run
+            rollout sketches / with several iterations / for a loss that does not declare it.
+    """
+
+    shapes: StepShapes
+    loss: str
+    loss_cfg: grpo_loss.LossConfig
+    grad_clip: float
+    inner_iterations: int = 1
+    sketch_dim: int = 65536
+    sketch_seed: int = 0
+    in_run_rollouts: bool = True
+    chunk_size: int = 4
+    use_tables: bool = False
+    one_backward: bool = False
+    sum_dtype: str = "float32"
+
+    def __post_init__(self):
+        loss = grpo_loss.get_loss(self.loss)
+        if self.sum_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"grpo.sum_dtype={self.sum_dtype!r}: expected 'float32' or 'bfloat16'")
+        if self.inner_iterations < 1 or (self.inner_iterations > 1 and not loss.multi_iteration):
+            raise ValueError(f"grpo.inner_iterations={self.inner_iterations}: loss {self.loss!r} takes exactly 1")
+        if self.one_backward and not (self.in_run_rollouts and self.inner_iterations == 1 and loss.one_backward):
+            raise ValueError(f"grpo.one_backward needs sketch.in_run_rollouts, inner_iterations=1 and a loss that "
+                             f"declares one_backward (loss {self.loss!r}, in_run_rollouts={self.in_run_rollouts}, "
+                             f"inner_iterations={self.inner_iterations})")
+
+    @property
+    def loss_spec(self) -> grpo_loss.Loss:
+        """The registered :class:`grpo_loss.Loss` (function and declarations)."""
+        return grpo_loss.get_loss(self.loss)
+
+    @classmethod
+    def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
+        """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
+        ``in_run_rollouts`` override the config's (the compile stage compiles every requested loss
+        and, for the FLOP ratio, the step without in-run sketches); an override that leaves
+        ``grpo.one_backward`` inapplicable turns it off, the configured step raises instead."""
+        g, sk = config.grpo, config.sketch
+        name = g.loss if loss is None else loss
+        in_run = bool(sk.in_run_rollouts) if in_run_rollouts is None else bool(in_run_rollouts)
+        spec = grpo_loss.get_loss(name)
+        iters = int(g.inner_iterations) if spec.multi_iteration else 1
+        one = bool(g.get("one_backward", False))
+        if loss is not None or in_run_rollouts is not None:
+            one = one and in_run and iters == 1 and spec.one_backward
+        return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
+                   grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
+                   inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed), in_run_rollouts=in_run,
+                   chunk_size=int(sk.chunk_size), use_tables=bool(sk.get("in_run_tables", False)), one_backward=one,
+                   sum_dtype=str(g.get("sum_dtype", "float32")))
+
+
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
-                    shapes: StepShapes, *, loss_name: str, loss_cfg: grpo_loss.LossConfig,
-                    grad_clip: float, order: sketcher.ParamOrder | None, sketch_dim: int,
-                    sketch_seed: int, in_run_rollouts: bool, chunk_size: int,
-                    mesh: jax.sharding.Mesh, param_shardings: Any, opt_shardings: Any,
-                    inner_iterations: int = 1, weighted: bool = False, use_tables: bool = False,
-                    one_backward: bool = False, sum_dtype: str = "float32"):
-    """Builds the jitted GRPO train step: one call per GRPO step, the whole batch at once.
+                    spec: GRPOStepSpec, *, order: sketcher.ParamOrder | None, mesh: jax.sharding.Mesh,
+                    param_shardings: Any, opt_shardings: Any, weighted: bool = False):
+    """Builds the jitted GRPO train step of ``spec``: one call per GRPO step, the whole batch at once.
 
     ``step(params, opt_state, batch, ref_params) -> (params, opt_state, out)``:
 
     * ``batch``: the arrays of :func:`build_batch`, sharded on the mesh's data axis (rollouts);
-    * ``ref_params``: the initial policy (grpo_clip's KL term; ignored by ``paper``);
+    * ``ref_params``: the initial policy when the loss ``needs_reference`` (a KL term), else None;
     * ``out``: float32 ``loss`` and ``grad_norm`` (pre-clip global L2 norm); when ``order`` (a
       ``sketcher.hf_param_order``) is given, ``step_sketch [D]`` = CountSketch of the clipped
-      batch gradient (SPEC §3.2, step 4) and, with ``in_run_rollouts``, ``rollout_sketches [N, D]``
-      and ``rollout_grad_norms [N]`` = the sketch and exact norm of each rollout's own loss term at
-      the step's parameters (they sum to the pre-clip batch gradient's sketch).
+      batch gradient (SPEC §3.2, step 4) and, with ``spec.in_run_rollouts``, ``rollout_sketches
+      [N, D]`` and ``rollout_grad_norms [N]`` = the sketch and exact norm of each rollout's own loss
+      term at the step's parameters (they sum to the pre-clip batch gradient's sketch). ``order=None``
+      (the replay) builds the update alone, except under ``one_backward``, whose update IS the
+      per-rollout sketcher's gradient sum (the sketches are then computed and returned anyway).
 
     Params and optimizer state are donated; in/out shardings are explicit. With
-    ``inner_iterations`` > 1 (grpo_clip's mu) the sketches are of the first, on-policy iteration.
-    With ``weighted`` (counterfactual replay, ``train/replay.py``) the batch also holds ``weights``
-    float32 [N] and the loss is ``sum_i weights_i * term_i``; the default builds today's program.
+    ``inner_iterations`` > 1 the sketches are of the first, on-policy iteration. With ``weighted``
+    (counterfactual replay) the batch also holds ``weights`` float32 [N] and each rollout's term is
+    multiplied by its weight (``sum_i w_i * term_i``).
 
     On a mesh whose ``"data"`` axis has > 1 device the in-run rollout sketches run per device under
     ``jax.shard_map`` (``sketcher.PerExampleSketcher(mesh=)``; what makes the step compile at 1.5B).
-    With ``use_tables`` (``sketch.in_run_tables``) the CountSketch hash tables (int32, 4 bytes per
-    parameter, replicated) are an extra argument of the jitted step instead of being hashed inside
-    it; the returned callable then passes the sketcher's device tables itself (``step(params,
-    opt_state, batch, ref_params)`` as before) and its ``lower(...)`` takes abstract ones.
+    With ``spec.use_tables`` the CountSketch hash tables (int32, 4 bytes per parameter) are an extra
+    argument of the jitted step instead of being hashed inside it; the returned callable then passes
+    the sketcher's device tables itself (``step(params, opt_state, batch, ref_params)`` as before)
+    and its ``lower(...)`` takes abstract ones.
 
-    ``one_backward`` (``grpo.one_backward``; one iteration, unweighted, in-run rollout sketches on):
-    the update uses the sum of the per-rollout gradients the in-run sketcher computes anyway
-    (``PerExampleSketcher.sketch_and_sum``) instead of a second, batched backward - the same
-    gradient up to float summation order (not bit-identical, so off by default). The step sketch is
-    then ``scale * sum_i rollout_sketches[i]`` (CountSketch is linear, so this is the sketch of the
-    clipped summed gradient up to float32 summation order; SPEC §3.2, §10.6), not a second
-    CountSketch of a full gradient copy. ``sum_dtype`` (``grpo.sum_dtype``: "float32" or "bfloat16")
-    is the dtype of that sum's accumulator (``sketch_and_sum(acc_dtype=)``): each rollout's gradient
-    is added in it; the update is cast to the parameters' dtype either way.
-
-    Raises:
-        ValueError: ``one_backward`` without in-run sketches / with several iterations or weights,
-            or an unknown ``sum_dtype``.
+    ``spec.one_backward``: the update uses the sum of the per-rollout gradients the in-run sketcher
+    computes anyway (``PerExampleSketcher.sketch_and_sum``, accumulated in ``spec.sum_dtype``)
+    instead of a second, batched backward - the same gradient up to float summation order. The
+    step sketch is then ``scale * sum_i rollout_sketches[i]`` (CountSketch is linear; SPEC §3.2).
     """
-    if sum_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"grpo.sum_dtype={sum_dtype!r}: expected 'float32' or 'bfloat16'")
-    loss_fn = grpo_loss.get_loss(loss_name)
+    loss = spec.loss_spec
+    shapes, inner_iterations, one_backward = spec.shapes, spec.inner_iterations, spec.one_backward
+    grad_clip, sketch_dim, sketch_seed = spec.grad_clip, spec.sketch_dim, spec.sketch_seed
     prompt_len = shapes.prompt_len
 
     def lp_fn(params, ids, attn):
@@ -153,40 +211,42 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         """One rollout's own term of the step loss (``ex`` has no batch axis)."""
         lp = lp_fn(p, ex["input_ids"][None], ex["attention_mask"][None])
         li = inputs(lp, ex["old_lp"][None], ex["ref_lp"][None], ex["loss_mask"][None], ex["advantages"][None])
-        return loss_fn(li, loss_cfg)[0]
+        term = loss(li, spec.loss_cfg)[0]
+        return term * ex["weights"] if weighted else term
 
     rollout_sketcher = None
-    if order is not None and in_run_rollouts:
+    if (order is not None and spec.in_run_rollouts) or one_backward:
+        if order is None:
+            raise ValueError("grpo.one_backward: the update is the per-rollout sketcher's gradient sum; "
+                             "pass the sketch order (sketcher.hf_param_order)")
         rollout_sketcher = sketcher.PerExampleSketcher(rollout_term, abstract_params, dim=sketch_dim,
-                                                       seed=sketch_seed, chunk_size=chunk_size, param_order=order,
-                                                       use_tables=use_tables, mesh=mesh)
-    tables_arg = rollout_sketcher is not None and use_tables
-    if one_backward and (rollout_sketcher is None or inner_iterations != 1 or weighted):
-        raise ValueError("one_backward needs in-run rollout sketches, inner_iterations=1 and no weights")
+                                                       seed=sketch_seed, chunk_size=spec.chunk_size, param_order=order,
+                                                       use_tables=spec.use_tables, mesh=mesh)
+    tables_arg = rollout_sketcher is not None and spec.use_tables
 
     def step(params, opt_state, batch, ref_params, tables=None):
         ids, attn, mask, adv = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["advantages"]
-        old_lp = jax.lax.stop_gradient(lp_fn(params, ids, attn))
-        if loss_name == "grpo_clip":
+        old_lp = jax.lax.stop_gradient(lp_fn(params, ids, attn)) if loss.needs_old_logprobs else jnp.zeros(mask.shape)
+        if loss.needs_reference:
             ref_lp = jax.lax.stop_gradient(lp_fn(ref_params, ids, attn))
         else:
             ref_lp = jnp.zeros_like(old_lp)
+        rb = dict(batch, old_lp=old_lp, ref_lp=ref_lp)
 
         def total_loss(p):
-            terms = loss_fn(inputs(lp_fn(p, ids, attn), old_lp, ref_lp, mask, adv), loss_cfg)
+            terms = loss(inputs(lp_fn(p, ids, attn), old_lp, ref_lp, mask, adv), spec.loss_cfg)
             return jnp.sum(terms * batch["weights"] if weighted else terms)
 
         out = {}
         start_params = params
         res = None
         if one_backward:  # the per-rollout gradients, summed, are the batch gradient
-            res, gsum, terms = rollout_sketcher.sketch_and_sum(params, dict(batch, old_lp=old_lp, ref_lp=ref_lp),
-                                                               tables, acc_dtype=jnp.dtype(sum_dtype))
+            res, gsum, terms = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype))
             summed = (jnp.sum(terms), jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
         for it in range(inner_iterations):
-            loss, grads = summed if one_backward else jax.value_and_grad(total_loss)(params)
+            loss_value, grads = summed if one_backward else jax.value_and_grad(total_loss)(params)
             if it == 0:
-                out["loss"], out["grad_norm"] = loss, optax.tree.norm(grads)
+                out["loss"], out["grad_norm"] = loss_value, optax.tree.norm(grads)
                 if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm
                     scale = grad_clip / jnp.maximum(out["grad_norm"], grad_clip)
                     if one_backward:  # CountSketch is linear: sketch(scale * sum_i g_i) = scale * sum_i sketch(g_i)
@@ -196,12 +256,9 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         if rollout_sketcher is not None:
-            rb = dict(batch, old_lp=old_lp, ref_lp=ref_lp)
-            if res is not None:
-                pass
-            elif rollout_sketcher.mesh is None and not tables_arg:
-                res = rollout_sketcher(start_params, rb)  # one device: the program as it always was
-            else:
+            if res is None and rollout_sketcher.mesh is None and not tables_arg:
+                res = rollout_sketcher(start_params, rb)
+            elif res is None:
                 res = rollout_sketcher.sketch(start_params, rb, tables)
             out["rollout_sketches"], out["rollout_grad_norms"] = res.sketches, res.norms
         return params, opt_state, out
@@ -213,9 +270,9 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     out_sh = {"loss": rep, "grad_norm": rep}
     if order is not None:
         out_sh["step_sketch"] = rep
-        if in_run_rollouts:
-            out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
-    ref_sh = param_shardings if loss_name == "grpo_clip" else None  # ref_params is None otherwise
+    if rollout_sketcher is not None:
+        out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
+    ref_sh = param_shardings if loss.needs_reference else None  # ref_params is None otherwise
     if not tables_arg:
         return jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
                        out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))

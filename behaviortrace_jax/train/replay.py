@@ -7,9 +7,11 @@ stage's own jitted step (:func:`grpo_step.make_train_step`: same loss, same glob
 AdamW) step by step. A per-rollout weight vector ``w`` (one weight per logged rollout, log order:
 index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes rollout i.
 
-* ``w = 1`` everywhere reproduces the run's own parameters **bit for bit**: a step whose weights
-  are all 1 runs the unweighted program (the run's step without its sketch side outputs, which
-  do not feed the update), on a batch built by the same function from the same logged tokens.
+* ``w = 1`` everywhere reproduces the run's own parameters **bit for bit**: the step is built from
+  the run's own :class:`grpo_step.GRPOStepSpec` (loss, clipping, one backward, gradient-sum dtype,
+  hash tables), and a step whose weights are all 1 runs the unweighted program (without sketch side
+  outputs, which do not feed the update, except under ``one_backward``, whose update is the
+  per-rollout sketcher's gradient sum), on a batch built by the same function from the same tokens.
   A step with any other weight runs the ``weighted=True`` program (``sum_i w_i * term_i``).
 * Advantages are the logged ones by default. ``recompute_advantages=True`` recomputes each
   group's baseline over its kept rollouts (``w > 0``; a group left with < 2 rollouts gets 0).
@@ -53,7 +55,7 @@ from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
-from behaviortrace_jax.sketch import targets
+from behaviortrace_jax.sketch import sketcher, targets
 from behaviortrace_jax.train import grpo_loss, grpo_step
 from behaviortrace_jax.train.start_state import load_start_state
 
@@ -175,7 +177,7 @@ class Replayer:
         g = config.grpo
         self.config, self.paths = config, RunLayout(workdir)
         self.start = start = load_start_state(config, self.paths.workdir)
-        self.shapes = grpo_step.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)
+        self.shapes = grpo_step.GRPOStepSpec.from_config(config).shapes
         n, steps = self.shapes.num_rollouts, g.steps
         self.num_rollouts, self.steps = n * steps, steps
         tok = start.tokenizer
@@ -197,14 +199,14 @@ class Replayer:
             adv = np.array([r.advantage for r in rec], np.float32)
             batch = grpo_step.build_batch([r.prompt_token_ids for r in rec], comp, lengths, adv, mask_eos, self.shapes, pad)
             self.data.append(_StepData(batch, np.array([r.reward for r in rec], np.float32)))
-        kw = dict(loss_name=g.loss, loss_cfg=grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta),
-                  grad_clip=config.optim.grad_clip, order=None, sketch_dim=config.sketch.dim,
-                  sketch_seed=config.sketch.seed, in_run_rollouts=False, chunk_size=config.sketch.chunk_size,
-                  mesh=start.mesh, param_shardings=start.param_shardings, opt_shardings=start.opt_shardings,
-                  inner_iterations=g.inner_iterations)
-        self.step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer, self.shapes, **kw)
+        # The grpo stage's own step (one spec, so a replay is the run): without sketch side outputs,
+        # except under one_backward, whose update is the per-rollout sketcher's gradient sum.
+        self.spec = grpo_step.GRPOStepSpec.from_config(config)
+        order = sketcher.hf_param_order(start.model_config) if self.spec.one_backward else None
+        kw = dict(order=order, mesh=start.mesh, param_shardings=start.param_shardings, opt_shardings=start.opt_shardings)
+        self.step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer, self.spec, **kw)
         self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
-                                                     self.shapes, weighted=True, **kw)
+                                                          self.spec, weighted=True, **kw)
         self.data_sharding = sharding.data_sharding(start.mesh)
         self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, config, start.mesh, rates=rates,
                                        sampled=sampled)
@@ -257,7 +259,7 @@ class Replayer:
         n, g = self.shapes.num_rollouts, self.config.grpo
         params = jax.tree.map(jnp.copy, self.start.params)  # the step donates its inputs
         opt_state = jax.tree.map(jnp.copy, self.start.opt_state)
-        ref = jax.tree.map(jnp.copy, self.start.params) if g.loss == "grpo_clip" else None
+        ref = jax.tree.map(jnp.copy, self.start.params) if self.spec.loss_spec.needs_reference else None
         out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": stop}
         if 0 in measure_steps:
             out["behavior"][0] = self.measure.measure(params)
