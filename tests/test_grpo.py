@@ -268,3 +268,19 @@ def test_one_backward_step_equals_two_backward_step(data):
 def test_one_backward_needs_in_run_sketches():
     with pytest.raises(ValueError, match="one_backward"):
         _setup(_single_mesh(), in_run=False, one_backward=True)
+
+
+@pytest.mark.parametrize("name", sorted(grpo_loss.LOSSES))
+def test_declared_rollout_coefficients_reproduce_the_terms(name):
+    """A loss that declares rollout_coefficients has term_i = c_i * (-meanlp_i) exactly."""
+    loss = grpo_loss.get_loss(name)
+    if loss.rollout_coefficients is None:
+        pytest.skip(f"{name} declares no rollout coefficients")
+    rng = np.random.default_rng(1)
+    lp = jnp.asarray(rng.normal(size=(6, 5)) - 2.0, jnp.float32)
+    mask = jnp.asarray(rng.integers(0, 2, (6, 5)), jnp.float32)
+    inp = grpo_loss.LossInputs(lp, lp, lp, mask, jnp.asarray(rng.normal(size=6), jnp.float32), 2, 3)
+    cfg = grpo_loss.LossConfig()
+    want = np.asarray(loss(inp, cfg))
+    got = np.asarray(loss.rollout_coefficients(inp, cfg) * -grpo_loss.masked_mean(lp, mask))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -107,6 +107,11 @@ class Loss:
       mu); a loss without it runs exactly one.
     * ``one_backward``: the per-rollout terms may be differentiated one rollout at a time and summed
       as the update (``grpo.one_backward``; needs one iteration).
+    * ``rollout_coefficients``: for a loss whose term is a parameter-free multiple of SPEC §3.2's
+      rollout loss, ``term_i = c_i * (-masked_mean(logprobs_i))``, the function
+      ``(inputs, cfg) -> c float32 [N]`` (``paper``: ``A_i / (G * B)``). Then one advantage-free
+      gradient per rollout (of ``-meanlp_i``) gives both its direction and, times ``c_i``, its
+      contribution to the update. None for a loss without that form (``grpo_clip``).
     """
 
     name: str
@@ -115,6 +120,7 @@ class Loss:
     needs_old_logprobs: bool = False
     multi_iteration: bool = False
     one_backward: bool = True
+    rollout_coefficients: Callable[[LossInputs, LossConfig], jax.Array] | None = None
 
     def __call__(self, inp: LossInputs, cfg: LossConfig) -> jax.Array:
         return self.fn(inp, cfg)
@@ -124,7 +130,9 @@ LOSSES: dict[str, Loss] = {}
 
 
 def register_loss(name: str, *, needs_reference: bool = False, needs_old_logprobs: bool = False,
-                  multi_iteration: bool = False, one_backward: bool = True) -> Callable[[LossFn], LossFn]:
+                  multi_iteration: bool = False, one_backward: bool = True,
+                  rollout_coefficients: Callable[[LossInputs, LossConfig], jax.Array] | None = None
+                  ) -> Callable[[LossFn], LossFn]:
     """Registers ``fn(inputs: LossInputs, cfg: LossConfig) -> per-rollout terms [N]`` as loss
     ``name`` with its declarations (see :class:`Loss`). Raises ValueError for a duplicate name."""
 
@@ -132,7 +140,8 @@ def register_loss(name: str, *, needs_reference: bool = False, needs_old_logprob
         if name in LOSSES:
             raise ValueError(f"loss {name!r} already registered")
         LOSSES[name] = Loss(name, fn, needs_reference=needs_reference, needs_old_logprobs=needs_old_logprobs,
-                            multi_iteration=multi_iteration, one_backward=one_backward)
+                            multi_iteration=multi_iteration, one_backward=one_backward,
+                            rollout_coefficients=rollout_coefficients)
         return fn
 
     return wrap
@@ -150,7 +159,13 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(x * mask, axis=-1) / (jnp.sum(mask, axis=-1) + 1e-8)
 
 
-@register_loss("paper")
+def paper_coefficients(inp: LossInputs, cfg: LossConfig) -> jax.Array:
+    """``c_i = A_i / (G * B)``: the paper loss's term is ``c_i * (-meanlp_i)`` (SPEC §2.2 g); float32 [N]."""
+    del cfg
+    return inp.advantages / (inp.group_size * inp.num_prompts)
+
+
+@register_loss("paper", rollout_coefficients=paper_coefficients)
 def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     """SPEC §2.2 g: ``term_i = -A_i * meanlp_i / (G * B)``; float32 [N]."""
     del cfg
