@@ -2,14 +2,12 @@
 import importlib.util
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from behaviortrace_jax.stages import compile as compile_stage
 from configs import tiny
-
-try:
-    from behaviortrace_jax.stages import compile as compile_stage
-except ImportError:
-    from behaviortrace_jax import compile_stage
 
 FIELDS = ("name", "compile_s", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
           "generated_code_bytes", "total_bytes", "flops", "bytes_accessed", "analytic_flops_per_chip",
@@ -55,6 +53,18 @@ def test_unknown_target_and_too_many_cpus():
         compile_stage.target_devices("gpu:1")
     with pytest.raises(ValueError, match="CPU device"):
         compile_stage.target_devices("cpu:4096")
+    with pytest.raises(ValueError, match=r"unknown TPU chip 'v9z'.*known: \['v4', 'v5e'"):
+        compile_stage.target_devices("tpu:v9z:2x4")  # before any libtpu call: no silent fits=True
+
+
+def test_fit_is_not_judged_without_a_memory_limit():
+    """A program whose device has no known memory limit gets fits=None (not True), and only
+    fits=False stops the stage."""
+    f = jax.jit(lambda x: x * 2)
+    pr = compile_stage.Program("double", lambda: f.lower(jax.ShapeDtypeStruct((4,), jnp.float32)), 4.0, "x")
+    assert compile_stage.compile_program(pr, None, None, 1)["fits"] is None
+    assert compile_stage.compile_program(pr, None, 1e9, 1)["fits"] is True
+    assert compile_stage.xla_memory_limit(jax.devices("cpu")[0]) is None  # XLA:CPU names no limit
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (pip install -e '.[tpu]')")
@@ -66,6 +76,8 @@ def test_compile_stage_tpu_target_tiny(tmp_path):
     report = json.loads((tmp_path / "compile_report.json").read_text())
     assert report["chip"] == "v5e" and report["n_devices"] == 8
     assert all(p["fits"] and p["roofline_s"] > 0 for p in report["programs"])
+    # fits is judged against what XLA:TPU lets a program use (its own limit), not the nominal 16 GiB
+    assert {p["memory_bytes"] for p in report["programs"]} == {15.75 * compile_stage.GiB}
 
 
 def test_platform_env_and_compile_cpu_devices(monkeypatch):

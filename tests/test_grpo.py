@@ -137,19 +137,20 @@ def _batch(seed=0, advantages=None):
     return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
 
 
-def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, one_backward=False):
+def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, one_backward=False,
+           grad_clip=1.0):
     cfg = _model_cfg()
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     optim = tiny.get_config().optim
-    optim.lr = lr
+    optim.lr, optim.grad_clip = lr, grad_clip
     tx = train_state.make_optimizer(optim)
     p_sh = sharding.param_shardings(params, mesh)
     params = jax.device_put(params, p_sh)
     opt_state = tx.init(params)
     o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=dim, sketch_seed=0,
+    spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=grad_clip, sketch_dim=dim, sketch_seed=0,
                              in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, one_backward=one_backward)
     step = grpo.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg), mesh=mesh,
                                 param_shardings=p_sh, opt_shardings=o_sh)
@@ -216,6 +217,23 @@ def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
     g = jax.grad(total_loss)(params0)
     want = sketcher.sketch_vector(g, sketcher.qwen2_param_order(cfg), 512, 0)
     np.testing.assert_allclose(total, np.asarray(want), rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad_clip", [0.0, -1.0])
+def test_no_clipping_gives_unclipped_step_sketches(grad_clip):
+    """optim.grad_clip <= 0 means no clipping (train_state.make_optimizer): the step sketch is then the
+    sketch of the unclipped gradient (scale 1), not 0 or NaN, and the update is unclipped AdamW."""
+    cfg, graphdef, params, opt_state, step = _setup(_single_mesh(), dim=512, grad_clip=grad_clip)
+    clipped = _setup(_single_mesh(), dim=512, grad_clip=1e-3)[-1]
+    batch = _batch(seed=3)
+    p0 = jax.tree.map(jnp.copy, params)
+    _, _, out = step(params, opt_state, batch, None)
+    total = np.asarray(out["rollout_sketches"]).sum(0)
+    assert np.all(np.isfinite(np.asarray(out["step_sketch"]))) and np.abs(total).max() > 0
+    np.testing.assert_allclose(np.asarray(out["step_sketch"]), total, rtol=2e-4, atol=1e-6)
+    _, _, small = clipped(p0, train_state.make_optimizer(tiny.get_config().optim).init(p0), batch, None)
+    np.testing.assert_allclose(np.asarray(small["step_sketch"]), total * 1e-3 / float(small["grad_norm"]),
+                               rtol=2e-4, atol=1e-9)
 
 
 def test_grpo_clip_rollout_sketches_sum_to_the_prebatch_gradient_sketch():

@@ -206,3 +206,38 @@ def test_length_buckets_and_grouped_batches(tok):
         assert w == min(x for x in data.buckets if x >= b["mask"].sum(1).max())
         full = data.targets[order(s)]
         assert full[:, w:].sum() == 0 and np.array_equal(b["targets"], full[:, :w])  # nothing cut
+
+
+def test_cross_entropy_backward_is_the_gradient_of_its_forward():
+    """The custom backward of softmax_cross_entropy agrees with autodiff of its own forward, for
+    in-range labels and for out-of-range ones (which the packers reject on the host)."""
+    logits = jax.random.normal(jax.random.key(0), (3, 8))
+
+    def autodiff_forward(lg, lb):
+        return jnp.sum(lm_trainer._ce_fwd(lg, lb)[0] * jnp.arange(1.0, 4.0))
+
+    def custom(lg, lb):
+        return jnp.sum(lm_trainer.softmax_cross_entropy(lg, lb) * jnp.arange(1.0, 4.0))
+
+    for labels in ([1, 5, 2], [1, -1, 2], [1, 8, 2]):
+        lb = jnp.asarray(labels, jnp.int32)
+        np.testing.assert_allclose(custom(logits, lb), autodiff_forward(logits, lb), rtol=1e-6)
+        np.testing.assert_allclose(jax.grad(custom)(logits, lb), jax.grad(autodiff_forward)(logits, lb), atol=1e-6)
+        assert np.isfinite(float(custom(logits, lb)))
+    valid = jnp.asarray([1, 5, 2], jnp.int32)
+    want = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, valid[:, None], -1)[:, 0]
+    np.testing.assert_array_equal(lm_trainer.softmax_cross_entropy(logits, valid), want)
+
+
+def test_pack_examples_rejects_token_ids_outside_the_vocabulary(tok):
+    enc = lm_trainer.encode_chat_examples(tok, CHATS[:2], append_eos=True)
+    lm_trainer.pack_examples(enc, None, 0, vocab_size=len(tok))
+    bad = [lm_trainer.EncodedExample(np.array(e.tokens), e.prompt_len) for e in enc]
+    bad[1].tokens[3] = len(tok)
+    with pytest.raises(ValueError, match=rf"pack_examples: example 1: token id {len(tok)} at index \(3,\) is outside"):
+        lm_trainer.pack_examples(bad, None, 0, vocab_size=len(tok))
+    bad[1].tokens[3] = -1
+    with pytest.raises(ValueError, match="token id -1"):
+        lm_trainer.pack_examples(bad, None, 0, vocab_size=len(tok))
+    with pytest.raises(ValueError, match="pad_id"):
+        lm_trainer.pack_examples(enc, None, len(tok), vocab_size=len(tok))

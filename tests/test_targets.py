@@ -208,3 +208,30 @@ def test_context_target_first_responses_contrast_and_fallback(env):
     assert none.ctx_fallback and none.contrast_fallback and none.n_ctx == 0
     np.testing.assert_array_equal(none.t_ctx, fallback)
     np.testing.assert_array_equal(none.t_contrast, fallback)
+
+
+def test_forced_sketcher_rejects_token_ids_outside_the_vocabulary(env):
+    """An id >= vocab_size would be clamped by the embedding (a finite sketch of the wrong token,
+    NaN log-prob); pack refuses it, naming the example and the id."""
+    v = env.cfg.vocab_size
+    good = targets.ForcedExample(np.array([5, 6, 7, 8, 9]), np.array([0, 1, 1, 1, 1], np.float32))
+    bad = targets.ForcedExample(np.array([5, 6, v, 8, 9]), np.array([0, 1, 1, 1, 1], np.float32))
+    env.sk.pack([good])
+    with pytest.raises(ValueError, match=rf"example 1: token id {v} at index \(2,\) is outside \[0, {v}\)"):
+        env.sk(env.params, [good, bad])
+    with pytest.raises(ValueError, match="token id -3"):
+        env.sk.pack([targets.ForcedExample(np.array([5, -3, 7]), np.array([0, 1, 1], np.float32))])
+
+
+def test_load_policy_rejects_a_tokenizer_larger_than_the_model(tmp_path):
+    from behaviortrace_jax.models import loader
+
+    hf_dir = save_random_qwen2(tmp_path / "m", layers=1, vocab=320)
+    cfg = (hf_dir / "config.json")
+    import json as _json
+    d = _json.loads(cfg.read_text())
+    tok = tok_lib.load_tokenizer(hf_dir)
+    d["vocab_size"] = len(tok) - 5  # a checkpoint whose embedding is smaller than its tokenizer
+    cfg.write_text(_json.dumps(d))
+    with pytest.raises(ValueError, match=rf"tokenizer has {len(tok)} ids but config.json's vocab_size is {len(tok) - 5}"):
+        loader.load_policy(hf_dir, param_dtype="float32", compute_dtype="float32")

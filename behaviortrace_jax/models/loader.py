@@ -58,12 +58,16 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str
 
     Raises:
         FileNotFoundError / KeyError / ValueError: as ``hf_io.load_hf_checkpoint`` (naming the file,
-        tensor or key) and ``families.config_from_hf``.
+        tensor or key) and ``families.config_from_hf``; ValueError when the tokenizer has more ids
+        than the model's ``vocab_size`` (ids the embedding cannot hold).
     """
     src = local_dir(hf_dir)  # a gs:// checkpoint is fetched once for the tokenizer, config and weights
     tok = tok_lib.load_tokenizer(src) if tokenizer else None
     cfg = policy_config(src, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family,
                         scan_layers=scan_layers)
+    if tok is not None and len(tok) > cfg.vocab_size:
+        raise ValueError(f"{hf_dir}: the tokenizer has {len(tok)} ids but config.json's vocab_size is "
+                         f"{cfg.vocab_size}: ids >= {cfg.vocab_size} would be clamped by the embedding")
     model = hf_io.load_hf_checkpoint(src, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
                                      family=cfg.model_type, scan_layers=scan_layers)
     graphdef, params = nnx.split(model, nnx.Param)

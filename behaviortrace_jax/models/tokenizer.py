@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
 from behaviortrace_jax.io.files import local_dir, read_json
 from behaviortrace_jax.io.layout import as_path, is_url
 
@@ -127,3 +129,20 @@ def mask_eos_ids(tokenizer: Any, mode: str) -> tuple[int, ...]:
         raise ValueError(f"mask_eos={mode!r} is not one of {MASK_EOS_MODES}")
     ids = eos_ids(tokenizer)
     return ids[:1] if mode == "eos_token_id" else ids
+
+
+def check_token_ids(ids: Any, vocab_size: int, where: str) -> None:
+    """Raises ValueError when a token id of ``ids`` (any int array-like) lies outside
+    ``[0, vocab_size)``, naming the first such id, its index and ``where`` it came from.
+
+    Out-of-range ids must be stopped on the host: on device the embedding clamps them on read (and
+    drops their gradient), and the log-prob of an id >= V is NaN while its sketch stays finite.
+    """
+    a = np.asarray(ids)
+    if a.size == 0:
+        return
+    bad = np.flatnonzero((a.reshape(-1) < 0) | (a.reshape(-1) >= vocab_size))
+    if bad.size:
+        idx = np.unravel_index(int(bad[0]), a.shape)
+        raise ValueError(f"{where}: token id {int(a.reshape(-1)[bad[0]])} at index {tuple(int(i) for i in idx)} is "
+                         f"outside [0, {vocab_size}) (the model's vocab_size); {bad.size} such id(s)")

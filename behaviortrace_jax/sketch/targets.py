@@ -200,7 +200,7 @@ class ForcedSketcher:
                  pad_id: int = 0, use_tables: bool = False, mesh: Any = None):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
-        self.graphdef = graphdef
+        self.graphdef, self.vocab_size = graphdef, int(model_config.vocab_size)
         self.sketcher = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=seed,
                                            chunk_size=chunk_size, param_order=hf_param_order(model_config),
                                            use_tables=use_tables, mesh=mesh)
@@ -230,9 +230,15 @@ class ForcedSketcher:
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],
         ``attention_mask`` int32 [B, T], ``loss_mask`` float32 [B, T] (B = block_size,
-        T = the longest length rounded up to ``length_bucket``). Filler rows have weight 0."""
+        T = the longest length rounded up to ``length_bucket``). Filler rows have weight 0.
+
+        Raises:
+            ValueError: no or too many examples, or a token id outside ``[0, vocab_size)``.
+        """
         if not 0 < len(examples) <= self.block_size:
             raise ValueError(f"pack: need 1..{self.block_size} examples, got {len(examples)}")
+        for r, e in enumerate(examples):
+            tok_lib.check_token_ids(e.ids, self.vocab_size, f"ForcedSketcher.pack: example {r}")
         t = -(-max(e.ids.size for e in examples) // self.length_bucket) * self.length_bucket
         b = self.block_size
         ids = np.full((b, t), self.pad_id, np.int32)

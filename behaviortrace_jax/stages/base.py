@@ -204,7 +204,8 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     t_data = time.perf_counter()
     enc = lm_trainer.encode_chat_examples(tok, [(e.system, e.user, e.assistant) for e in examples],
                                           append_eos=b.append_eos)
-    data = lm_trainer.pack_examples(enc, b.seq_len, tok.pad_token_id or 0, n_buckets=b.length_buckets)
+    data = lm_trainer.pack_examples(enc, b.seq_len, tok.pad_token_id or 0, n_buckets=b.length_buckets,
+                                    vocab_size=cfg.vocab_size)
     logging.info("base: %d chats, %d tokens/chat (max %d), shared prefix %d, %d cut to %d tokens, batch widths %s; "
                  "data %.1f s", len(enc), int(np.mean([len(e.tokens) for e in enc])), max(len(e.tokens) for e in enc),
                  len(data.prefix), data.n_truncated, b.seq_len, data.buckets, time.perf_counter() - t_data)

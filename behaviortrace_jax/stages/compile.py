@@ -50,19 +50,23 @@ GiB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """Peak dense bf16 FLOP/s, HBM bytes and HBM bytes/s of one chip (per chip, not per board)."""
+    """Peak dense bf16 FLOP/s, HBM bytes and HBM bytes/s of one chip (per chip, not per board), and
+    ``xla_limit_bytes``: the bytes XLA lets one program use where it was read from XLA's own
+    out-of-memory message (None: not measured; :func:`xla_memory_limit` asks XLA at compile time)."""
 
     name: str
     peak_flops: float
     hbm_bytes: float
     hbm_bw: float
+    xla_limit_bytes: float | None = None
 
 
 CHIPS: dict[str, Chip] = {
     # https://cloud.google.com/tpu/docs/v4 : 275 TFLOP/s bf16, 32 GiB HBM2, 1,200 GB/s.
     "v4": Chip("v4", 275e12, 32 * GiB, 1200e9),
     # https://cloud.google.com/tpu/docs/v5e : 197 TFLOP/s bf16, 16 GiB HBM2, 819 GB/s.
-    "v5e": Chip("v5e", 197e12, 16 * GiB, 819e9),
+    # XLA:TPU (libtpu 0.0.42) refuses programs over 15.75G on v5e ("exceeds available HBM (15.75G)").
+    "v5e": Chip("v5e", 197e12, 16 * GiB, 819e9, 15.75 * GiB),
     # https://cloud.google.com/tpu/docs/v5p : 459 TFLOP/s bf16, 95 GiB HBM2e, 2,765 GB/s.
     "v5p": Chip("v5p", 459e12, 95 * GiB, 2765e9),
     # https://cloud.google.com/tpu/docs/v6e : 918 TFLOP/s bf16, 32 GiB HBM, 1,640 GB/s.
@@ -93,23 +97,54 @@ def chip_for(kind: str) -> Chip | None:
     return None
 
 
+def xla_memory_limit(device: Any) -> float | None:
+    """Bytes per device that XLA lets one program use on ``device`` (a TPU, also a compile-only
+    topology device), read from the out-of-memory error of a probe program that asks for 1 TiB;
+    None where XLA compiles it anyway (CPU) or names no limit."""
+    probe = jax.jit(lambda: jnp.zeros((1 << 40,), jnp.int8), out_shardings=jax.sharding.SingleDeviceSharding(device))
+    try:
+        probe.lower().compile()
+    except Exception as e:  # noqa: BLE001 - XLA reports the limit in its out-of-memory error
+        need = _hbm_exhausted(e)
+        return float(need[1]) if need and need[1] else None
+    return None
+
+
+def _tpu_chip(target: str, name: str) -> Chip:
+    chip = chip_for(name)
+    if chip is None or not chip.name.startswith("v"):
+        known = sorted(c for c in CHIPS if c.startswith("v"))
+        raise ValueError(f"compile.target={target!r}: unknown TPU chip {name!r}; known: {known} "
+                         "(add its row to stages/compile.py CHIPS)")
+    return chip
+
+
 def target_devices(target: str) -> tuple[list[Any], Chip | None, float | None]:
     """(devices, chip row or None, memory bytes per device or None) of ``config.compile.target``.
 
+    The memory is what XLA lets a program use: for a TPU, XLA's own limit (:func:`xla_memory_limit`,
+    else the chip's measured ``xla_limit_bytes``, else its nominal HBM with a warning); for ``local``,
+    the device's ``bytes_limit``; for ``cpu:<n>``, host memory / n. None: unknown (fits not judged).
+
     Raises:
-        ValueError: for an unknown target, or ``cpu:<n>`` when JAX has fewer CPU devices.
+        ValueError: for an unknown target or TPU chip, or ``cpu:<n>`` when JAX has fewer CPU devices.
         RuntimeError: for ``tpu:...`` without libtpu (install the ``tpu`` extra).
     """
     kind, _, rest = target.partition(":")
     if kind == "tpu":
+        chip = _tpu_chip(target, rest.split(":")[0])
         from jax.experimental import topologies
         try:
             topo = topologies.get_topology_desc(topology_name=rest, platform="tpu")
         except Exception as e:  # noqa: BLE001 - libtpu missing or unknown topology
             raise RuntimeError(f"compile.target={target!r}: no TPU topology ({type(e).__name__}: {e}); "
                                "install the tpu extra: pip install -e '.[tpu]'") from e
-        chip = chip_for(rest.split(":")[0])
-        return list(topo.devices), chip, chip.hbm_bytes if chip else None
+        devs = list(topo.devices)
+        mem = xla_memory_limit(devs[0]) or chip.xla_limit_bytes
+        if mem is None:
+            logging.warning("compile: XLA named no memory limit for %s; judging fit against the nominal %.2f GiB "
+                            "HBM (XLA can use less)", chip.name, chip.hbm_bytes / GiB)
+        return devs, chip, mem or chip.hbm_bytes
     if kind == "cpu":
         n = int(rest)
         devs = jax.devices("cpu")
@@ -127,7 +162,10 @@ def target_devices(target: str) -> tuple[list[Any], Chip | None, float | None]:
             mem = float((devs[0].memory_stats() or {}).get("bytes_limit")) or None
         except Exception:  # noqa: BLE001 - not every backend has memory stats
             pass
-        return devs, chip, mem or (chip.hbm_bytes if chip else None)
+        if mem is None and chip is None:
+            logging.warning("compile: no memory limit known for device kind %r; fits are not judged",
+                            devs[0].device_kind)
+        return devs, chip, mem or (chip.xla_limit_bytes or chip.hbm_bytes if chip else None)
     raise ValueError(f"compile.target={target!r}: expected tpu:<topology>, cpu:<n> or local")
 
 
@@ -398,7 +436,7 @@ def compile_program(pr: Program, chip: Chip | None, memory: float | None, n_chip
     else:
         row["roofline_s"] = None
     row["memory_bytes"] = memory
-    row["fits"] = bool(memory is None or mem.get("total", 0) <= memory)
+    row["fits"] = None if memory is None else bool(mem.get("total", 0) <= memory)  # None: not judged
     return row
 
 
@@ -487,7 +525,7 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     md = report_markdown(report)
     files.atomic_write_text(paths.compile_report_md, md)
     print(md)
-    bad = [r for r in rows if not r["fits"]]
+    bad = [r for r in rows if r["fits"] is False]
     if bad:
         raise DoesNotFit("; ".join(f"{r['name']} needs {_fmt_gib(r['total_bytes'])} GiB per chip, "
                                    f"{_fmt_gib(r['total_bytes'] - r['memory_bytes'])} GiB over the "

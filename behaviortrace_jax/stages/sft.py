@@ -93,7 +93,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     enc = lm_trainer.encode_chat_examples(
         tok, [(behavior.SYSTEM_PROMPT, p, c) for p, c in pairs], append_eos=s.append_eos,
         max_prompt_tokens=s.max_prompt_tokens, max_total_tokens=s.max_prompt_tokens + s.max_completion_tokens)
-    data = lm_trainer.pack_examples(enc, None, tok_lib.pad_id(tok), share_prefix=s.batch_size > 1)
+    data = lm_trainer.pack_examples(enc, None, tok_lib.pad_id(tok), share_prefix=s.batch_size > 1,
+                                    vocab_size=cfg.vocab_size)
     lr = sft_lr(config)
     tx = train_state.make_optimizer(config.optim, lr)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)

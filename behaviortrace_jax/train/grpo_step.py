@@ -20,7 +20,7 @@ from flax import nnx
 
 from behaviortrace_jax.models import decoder, sharding
 from behaviortrace_jax.sketch import sketcher
-from behaviortrace_jax.train import grpo_loss
+from behaviortrace_jax.train import grpo_loss, train_state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,7 +248,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             if it == 0:
                 out["loss"], out["grad_norm"] = loss_value, optax.tree.norm(grads)
                 if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm
-                    scale = grad_clip / jnp.maximum(out["grad_norm"], grad_clip)
+                    scale = train_state.clip_factor(out["grad_norm"], grad_clip)
                     if one_backward:  # CountSketch is linear: sketch(scale * sum_i g_i) = scale * sum_i sketch(g_i)
                         out["step_sketch"] = jnp.sum(res.sketches, axis=0) * scale
                     else:

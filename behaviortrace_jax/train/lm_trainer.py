@@ -152,7 +152,7 @@ class PackedData:
 
 
 def pack_examples(examples: Sequence[EncodedExample], seq_len: int | None, pad_id: int,
-                  share_prefix: bool = True, n_buckets: int = 1) -> PackedData:
+                  share_prefix: bool = True, n_buckets: int = 1, vocab_size: int | None = None) -> PackedData:
     """Pads (or cuts) every sequence to ``seq_len`` and splits off the common prefix.
 
     Args:
@@ -163,15 +163,21 @@ def pack_examples(examples: Sequence[EncodedExample], seq_len: int | None, pad_i
             ``min(prompt_len) - 1`` so that every target is in the per-row part; False = empty prefix.
         n_buckets: batch widths: the ``k / n_buckets`` quantiles of the row lengths rounded up to a
             multiple of 8 (the last = L); 1 = one fixed width. Use with :func:`grouped_batches`.
+        vocab_size: the model's vocabulary; when given, every token id and ``pad_id`` must lie in
+            ``[0, vocab_size)``.
 
     Raises:
-        ValueError: for no examples, ``seq_len < 2``, ``n_buckets < 1`` or a sequence whose targets
-            are all cut.
+        ValueError: for no examples, ``seq_len < 2``, ``n_buckets < 1``, a sequence whose targets
+            are all cut, or (with ``vocab_size``) a token id outside the vocabulary, naming it.
     """
     if not examples:
         raise ValueError("pack_examples: no examples")
     if n_buckets < 1:
         raise ValueError(f"pack_examples: n_buckets={n_buckets} must be >= 1")
+    if vocab_size is not None:
+        tok_lib.check_token_ids([pad_id], vocab_size, "pack_examples: pad_id")
+        for i, e in enumerate(examples):
+            tok_lib.check_token_ids(e.tokens, vocab_size, f"pack_examples: example {i}")
     longest = max(len(e.tokens) for e in examples)
     seq_len = longest if seq_len is None else int(seq_len)
     if seq_len < 2:
@@ -289,16 +295,23 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return _ce_fwd(logits, labels)[0]
 
 
+def _label_hits(logits, labels):
+    """bool [..., V]: position == label (all False for a label outside [0, V))."""
+    return jnp.arange(logits.shape[-1], dtype=jnp.int32) == labels[..., None].astype(jnp.int32)
+
+
 def _ce_fwd(logits, labels):
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    # The label's logit through the same one-hot as the backward, so the two agree for every label
+    # (an out-of-range label picks 0 here and in the gradient; the packers reject such ids on the host).
+    picked = jnp.sum(jnp.where(_label_hits(logits, labels), logits, 0.0), axis=-1)
     return lse - picked, (logits, lse, labels)
 
 
 def _ce_bwd(res, g):
     logits, lse, labels = res
-    hit = jnp.arange(logits.shape[-1], dtype=jnp.int32) == labels[..., None].astype(jnp.int32)
+    hit = _label_hits(logits, labels)
     dlogits = (jnp.exp(logits - lse[..., None]) - hit.astype(logits.dtype)) * g[..., None]
     return dlogits, None
 

@@ -81,6 +81,16 @@ def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | fl
                                          weight_decay=optim_cfg.weight_decay))
 
 
+def clip_factor(grad_norm: jax.Array, grad_clip: float) -> jax.Array:
+    """The factor :func:`make_optimizer`'s clipping multiplies the gradient by (SPEC §2.1, §3.2:
+    the step sketch is of the clipped gradient): ``grad_clip / max(grad_norm, grad_clip)``
+    (``optax.clip_by_global_norm``), and exactly 1 when ``grad_clip <= 0`` (no clipping).
+    ``grad_norm``: float32 scalar, the pre-clip global L2 norm."""
+    if grad_clip <= 0:
+        return jnp.ones_like(grad_norm)
+    return grad_clip / jnp.maximum(grad_norm, grad_clip)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
