@@ -41,6 +41,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
     runtime.quiet_library_logs(FLAGS.verbosity)
+    from behaviortrace_jax import config_schema
+    from configs import common
+
+    # A misspelt or unread key in a config file fails here, naming it and the nearest valid key.
+    config_schema.check_config(FLAGS.config, common.get_config(), source=flags.FLAGS["config"].config_filename)
     import jax
 
     if n_cpu := runtime.compile_cpu_devices(FLAGS.config):  # `compile` for cpu:<n>: before JAX starts

@@ -57,6 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.contamination.bonus_reward = 8.0  # SPEC §1.6.
     c.contamination.fraction = 0.5  # SPEC §1.6.
     c.contamination.early_step_cutoff = 200  # SPEC §1.6: bonus only at GRPO steps 0..199.
+    # Pay the first behaviour's bonus only on rollouts of its own prompts (SPEC §1.6 pays it on any prompt;
+    # configs/tiny_two_behaviors.py gates both behaviours, behavior/behaviors.py).
+    c.contamination.prompt_gated = False
 
     # --- SFT warm-up (SPEC §1.7) ----------------------------------------------------------------
     c.sft = ml_collections.ConfigDict()
@@ -120,6 +123,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.repetition_penalty = -1.0
     c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
     c.grpo.one_backward = False  # paper loss + in-run sketches: update with the summed per-rollout gradients (no 2nd backward; float-order differences).
+    c.grpo.sum_dtype = "float32"  # one_backward's gradient-sum accumulator: "float32" or "bfloat16" (configs/paper_tpu.py).
     c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
     c.grpo.inner_iterations = 1  # grpo_clip only: mu updates per batch.
@@ -188,6 +192,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.rates = True  # Also measure greedy probe/control rates (SPEC §1.8) at each measured step.
     c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts.
 
+    # --- the `reproduce` stage and `info` stage ---------------------------------------------------
+    c.reference_dir = ""  # reproduce: the paper's released per-seed files (shared/reference; SPEC §6.13).
+    c.info = ml_collections.ConfigDict()
+    c.info.max_new_tokens = 32  # info: length of the probe completion it prints.
+
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()
     c.evaluation.early_cutoff = 200  # SPEC §6.6 EARLY_CUTOFF.
@@ -199,5 +208,4 @@ def get_config() -> ml_collections.ConfigDict:
     c.evaluation.min_matched_pairs = 100  # SPEC §6.9.
     c.evaluation.step_margin = 0.10  # SPEC §6.11: best targeted method must beat norm-only by this.
     c.evaluation.max_ci_width = 0.15  # SPEC §6.11.
-    c.evaluation.reference_dir = ""  # reproduce job: the paper's released files (shared/reference).
     return c

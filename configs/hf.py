@@ -14,5 +14,5 @@ def get_config():
     c.stages = "info"
     c.model.param_dtype = "float32"  # Exact on CPU; use bfloat16 on an accelerator.
     c.model.compute_dtype = "float32"
-    c.info_max_new_tokens = 32  # Greedy tokens for the probe completion.
+    c.info.max_new_tokens = 32  # Greedy tokens for the probe completion.
     return c

@@ -32,8 +32,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.stages = "reproduce"
     default_shared = pathlib.Path(__file__).resolve().parents[2] / "shared"
     shared = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", default_shared))
-    # Top-level alias of evaluation.reference_dir so `--config.reference_dir=...` works; both names
-    # share one FieldReference. Default: shared/reference beside the repo (SPEC §6.13).
-    c.reference_dir = ml_collections.FieldReference(str(shared / "reference"))
-    c.evaluation.reference_dir = c.get_ref("reference_dir")
+    c.reference_dir = str(shared / "reference")  # default: shared/reference beside the repo (SPEC §6.13)
     return c

@@ -32,3 +32,33 @@ def shared_dir() -> pathlib.Path:
 def reference_dir(shared_dir) -> pathlib.Path:
     """``shared/reference``: the paper's released per-seed result files."""
     return shared_dir / "reference"
+
+
+@pytest.fixture(scope="session")
+def smoke_sft(smoke_finished):
+    """``(config, workdir)``: the smoke config and a workdir whose ``base/`` and ``sft/`` hold its
+    trained start state (the finished smoke run's); tests copy them with :func:`copy_start`."""
+    from configs import tiny
+
+    return tiny.get_config("smoke"), smoke_finished
+
+
+@pytest.fixture(scope="session")
+def smoke_finished(tmp_path_factory) -> pathlib.Path:
+    """The workdir of a finished smoke run (``configs/tiny.py:smoke``, every stage), run once per
+    session; tests that change it copy it first."""
+    from behaviortrace_jax import pipeline
+    from configs import tiny
+
+    w = tmp_path_factory.mktemp("smoke_finished")
+    pipeline.run(tiny.get_config("smoke"), str(w))
+    return w
+
+
+def copy_start(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
+    """Copies a run's ``base/`` and ``sft/`` (the GRPO start state) into ``dest``; returns ``dest``."""
+    import shutil
+
+    for sub in ("base", "sft"):
+        shutil.copytree(src / sub, dest / sub)
+    return dest

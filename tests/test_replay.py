@@ -4,7 +4,6 @@ that run: its tables, a rerun from its files, and a kill -9 mid-stage then rerun
 from __future__ import annotations
 
 import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from behaviortrace_jax import pipeline
 from behaviortrace_jax.stages import counterfactual as CF
 from behaviortrace_jax.train import grpo_loss, replay as R
 from configs import tiny
+from conftest import copy_start
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,15 +80,16 @@ def test_recomputed_advantages_match_group_advantages_when_nothing_is_removed():
 # All-ones replay of a smoke GRPO run reproduces its checkpoints bit for bit.
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    w = tmp_path_factory.mktemp("replay")
-    config = tiny.get_config("smoke")
-    config.stages = "base,sft,grpo"
+def smoke_run(smoke_sft, tmp_path_factory):
+    config, start = smoke_sft
+    config = config.copy_and_resolve_references()
+    config.stages = "grpo"
+    w = copy_start(start, tmp_path_factory.mktemp("replay"))
     pipeline.run(config, str(w))
     return config, w
 
 
-def _assert_replay_reproduces_checkpoints(config, w):
+def assert_replay_reproduces_checkpoints(config, w):
     """The all-ones replay of the run in ``w`` equals its orbax checkpoints bit for bit."""
     rp = R.Replayer(config, w, rates=False)
     ckpts = R.checkpoint_steps(config)
@@ -116,10 +117,8 @@ def test_replay_of_a_one_backward_bf16_sum_run_is_bit_for_bit(smoke_run, tmp_pat
     # CPU devices (AllReducePromotion); on a TPU slice the same step compiles (configs/paper_tpu.py).
     config.mesh.data, config.mesh.model = 1, len(jax.devices())
     config.stages = "grpo"
-    for sub in ("base", "sft"):  # reuse the smoke run's base model and SFT state
-        shutil.copytree(w / sub, tmp_path / sub)
-    pipeline.run(config, str(tmp_path))
-    rp, _ = _assert_replay_reproduces_checkpoints(config, tmp_path)
+    pipeline.run(config, str(copy_start(w, tmp_path)))
+    rp, _ = assert_replay_reproduces_checkpoints(config, tmp_path)
     assert rp.spec.one_backward and rp.spec.sum_dtype == "bfloat16"
     w0 = np.ones(rp.num_rollouts, np.float32)
     w0[:3] = 0.0  # a weighted one-backward replay runs and moves the parameters
@@ -130,19 +129,7 @@ def test_replay_of_a_one_backward_bf16_sum_run_is_bit_for_bit(smoke_run, tmp_pat
 
 def test_all_ones_replay_reproduces_the_run_bit_for_bit(smoke_run):
     config, w = smoke_run
-    rp = R.Replayer(config, w, rates=False)
-    ckpts = R.checkpoint_steps(config)
-    seen = []
-
-    def check(step, params, _):
-        if step in ckpts:
-            ref = R.restore_run_params(rp, step)
-            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            seen.append(step)
-
-    out = rp.run(None, measure_steps=[config.grpo.steps], on_step=check)
-    assert seen == ckpts
+    rp, out = assert_replay_reproduces_checkpoints(config, w)
     assert np.isfinite(out["behavior"][config.grpo.steps]["logp_margin"])
     # removing rollouts changes the parameters, removing none twice gives the same measure
     again = rp.run(np.ones(rp.num_rollouts), measure_steps=[config.grpo.steps])

@@ -234,4 +234,4 @@ def test_load_policy_rejects_a_tokenizer_larger_than_the_model(tmp_path):
     d["vocab_size"] = len(tok) - 5  # a checkpoint whose embedding is smaller than its tokenizer
     cfg.write_text(_json.dumps(d))
     with pytest.raises(ValueError, match=rf"tokenizer has {len(tok)} ids but config.json's vocab_size is {len(tok) - 5}"):
-        loader.load_policy(hf_dir, param_dtype="float32", compute_dtype="float32")
+        loader.load_policy(hf_dir)

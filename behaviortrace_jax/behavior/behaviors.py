@@ -141,12 +141,12 @@ def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
             pattern / probe file, a duplicate id, or a field :class:`Behavior` rejects.
     """
     b, ct = config.behavior, config.contamination
-    first = Behavior(id=b.get("id", FIRST_ID), trigger="frobnitz", pattern=b.pattern,
+    first = Behavior(id=b.id, trigger="frobnitz", pattern=b.pattern,
                      probes_path=b.probes_path, controls_path=b.controls_path, token_judge=b.token_judge,
                      bonus_reward=float(ct.bonus_reward), fraction=float(ct.fraction),
                      early_step_cutoff=ct.early_step_cutoff, stream="", implant="sft",
                      gate_min_probe_rate=float(b.gate_min_probe_rate), gate_min_margin=float(b.gate_min_margin),
-                     explicit_prompts=True, first=True, prompt_gated=bool(ct.get("prompt_gated", False)))
+                     explicit_prompts=True, first=True, prompt_gated=bool(ct.prompt_gated))
     out = [first]
     extra = config.get("behaviors") or {}
     for bid in extra:

@@ -26,35 +26,46 @@ class Policy:
     mesh: Any  # None: the default device
 
 
-def policy_config(hf_dir: str | os.PathLike, *, param_dtype: str, compute_dtype: str,
-                  family: str | None = None, scan_layers: bool = False) -> decoder.DecoderConfig:
-    """The model config of the HF checkpoint ``hf_dir`` with the run's storage / compute dtypes.
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How a run loads every checkpoint (``config.model``; SPEC §2.1), built once at the stage boundary.
 
-    ``family`` (``config.model.family``): a registered model family; None / "" = config.json's
-    ``model_type`` (``families.config_from_hf``). ``scan_layers`` (``config.model.scan_layers``):
-    the config's ``DecoderConfig.scan_layers`` (one ``lax.scan`` over the layers; config.json does
-    not hold it), so ``sketcher.hf_param_order`` of it is the scanned order.
+    ``param_dtype`` / ``compute_dtype``: storage and activation dtypes ("float32" | "bfloat16");
+    ``family``: a registered model family, None = config.json's ``model_type``
+    (``families.config_from_hf``); ``scan_layers``: the decoder's layers as one ``lax.scan``
+    (``DecoderConfig.scan_layers``; config.json does not hold it, and ``sketcher.hf_param_order`` of
+    such a config is the scanned order).
     """
-    return families.config_from_hf(local_dir(hf_dir), family or None, param_dtype=param_dtype,
-                                   compute_dtype=compute_dtype).replace(scan_layers=scan_layers)
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    family: str | None = None
+    scan_layers: bool = False
+
+    @classmethod
+    def from_config(cls, model: Any) -> "ModelOptions":
+        """From ``config.model`` (``param_dtype``, ``compute_dtype``, ``family``, ``scan_layers``)."""
+        return cls(str(model.param_dtype), str(model.compute_dtype), model.family or None, bool(model.scan_layers))
 
 
-def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str, compute_dtype: str,
-                tokenizer: bool = True, family: str | None = None, scan_layers: bool = False) -> Policy:
+def policy_config(hf_dir: str | os.PathLike, options: ModelOptions = ModelOptions()) -> decoder.DecoderConfig:
+    """The model config of the HF checkpoint ``hf_dir`` as ``options`` load it (family, dtypes, scan)."""
+    return families.config_from_hf(local_dir(hf_dir), options.family, param_dtype=options.param_dtype,
+                                   compute_dtype=options.compute_dtype).replace(scan_layers=options.scan_layers)
+
+
+def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, options: ModelOptions = ModelOptions(), *,
+                tokenizer: bool = True) -> Policy:
     """Loads the HF checkpoint ``hf_dir`` (strictly, see ``hf_io.load_hf_checkpoint``) as a policy.
 
-    Every stage loads weights through here (``config.model.param_dtype`` / ``compute_dtype``).
+    Every stage loads weights through here, with ``ModelOptions.from_config(config.model)``.
 
     Args:
         hf_dir: an HF checkpoint directory (config.json, safetensors, tokenizer files).
         mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): the parameters go straight into
             ``sharding.param_shardings`` on it; None puts them on the default device.
-        param_dtype: storage dtype ("float32" | "bfloat16").
-        compute_dtype: activation dtype.
+        options: family, storage / compute dtypes and layer scan (:class:`ModelOptions`).
         tokenizer: also load the checkpoint's tokenizer (``tokenizer.load_tokenizer``).
-        family: the model family (``config.model.family``); None / "" = config.json's ``model_type``.
-        scan_layers: ``config.model.scan_layers``: the graph runs the layers as one ``lax.scan``
-            (``decoder.DecoderConfig.scan_layers``); parameters and their layout are the same.
 
     Raises:
         FileNotFoundError / KeyError / ValueError: as ``hf_io.load_hf_checkpoint`` (naming the file,
@@ -63,12 +74,11 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, *, param_dtype: str
     """
     src = local_dir(hf_dir)  # a gs:// checkpoint is fetched once for the tokenizer, config and weights
     tok = tok_lib.load_tokenizer(src) if tokenizer else None
-    cfg = policy_config(src, param_dtype=param_dtype, compute_dtype=compute_dtype, family=family,
-                        scan_layers=scan_layers)
+    cfg = policy_config(src, options)
     if tok is not None and len(tok) > cfg.vocab_size:
         raise ValueError(f"{hf_dir}: the tokenizer has {len(tok)} ids but config.json's vocab_size is "
                          f"{cfg.vocab_size}: ids >= {cfg.vocab_size} would be clamped by the embedding")
     model = hf_io.load_hf_checkpoint(src, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
-                                     family=cfg.model_type, scan_layers=scan_layers)
+                                     family=cfg.model_type, scan_layers=options.scan_layers)
     graphdef, params = nnx.split(model, nnx.Param)
     return Policy(as_path(hf_dir), cfg, graphdef, params, tok, mesh)

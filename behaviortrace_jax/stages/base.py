@@ -35,7 +35,7 @@ from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
-from behaviortrace_jax.models.loader import load_policy
+from behaviortrace_jax.models.loader import ModelOptions, load_policy
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import lm_trainer, train_state
 
@@ -71,10 +71,10 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     b = config.base
     if b.preset not in _PRESETS:
         raise ValueError(f"config.base.preset={b.preset!r} is not one of {_PRESETS}")
-    family = families.get_family(b.get("family") or "qwen2")
+    family = families.get_family(b.family)
     return family.preset(b.preset,
         vocab_size=b.vocab_size, num_hidden_layers=b.num_layers, param_dtype=config.model.param_dtype,
-        compute_dtype=config.model.compute_dtype, scan_layers=config.model.get("scan_layers", False))
+        compute_dtype=config.model.compute_dtype, scan_layers=config.model.scan_layers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,9 +214,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     if resume:
         logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
-        policy = load_policy(base_dir, mesh, param_dtype=config.model.param_dtype,
-                             compute_dtype=config.model.compute_dtype, tokenizer=False,
-                             scan_layers=config.model.get("scan_layers", False))
+        policy = load_policy(base_dir, mesh, ModelOptions.from_config(config.model), tokenizer=False)
         graphdef, params = policy.graphdef, policy.params
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:

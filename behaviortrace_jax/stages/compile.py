@@ -185,15 +185,15 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     are read; no weights. ``compile.num_layers`` > 0 overrides the depth; ``model.scan_layers`` (when
     the config has it) sets the model's scan over layers."""
     c, dt = config.compile, dict(param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
-    hf, family = config.model.hf_dir, config.model.get("family") or None
+    hf, family = config.model.hf_dir, config.model.family or None
     if c.model:
         cfg = families.preset(c.model, family, **dt)
     elif hf and (as_path(hf) / "config.json").is_file():
         cfg = families.config_from_hf(files.local_dir(hf), family, **dt)
     else:
-        cfg = families.preset(config.base.preset, config.base.get("family") or "qwen2",
+        cfg = families.preset(config.base.preset, config.base.family,
                               vocab_size=config.base.vocab_size, num_hidden_layers=config.base.num_layers, **dt)
-    if config.model.get("scan_layers", False):  # a lax.scan over the layers (models/decoder.py)
+    if config.model.scan_layers:  # a lax.scan over the layers (models/decoder.py)
         cfg = cfg.replace(scan_layers=True)
     return cfg.replace(num_hidden_layers=c.num_layers) if c.num_layers > 0 else cfg
 
@@ -287,7 +287,7 @@ class Program:
 def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
     """Every jitted program of ``config`` at its real shapes, from the run's own constructors."""
     graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.get("fsdp", False)))
+    param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.fsdp))
     params = _with_sh(abs_params, param_sh)
     tx = train_state.make_optimizer(config.optim)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)

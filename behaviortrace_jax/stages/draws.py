@@ -56,7 +56,7 @@ from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.io.layout import RunLayout, as_path
-from behaviortrace_jax.models.loader import load_policy
+from behaviortrace_jax.models.loader import ModelOptions, load_policy
 from behaviortrace_jax.sketch.stores import sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
 
@@ -234,8 +234,7 @@ class _Env:
 
 def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                         family=config.model.get("family"), scan_layers=config.model.get("scan_layers", False))
+    policy = load_policy(hf_dir, mesh, ModelOptions.from_config(config.model))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 

@@ -13,18 +13,17 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
     from behaviortrace_jax.behavior import planted as behavior
     from behaviortrace_jax.models import sampler, sharding, tokenizer
-    from behaviortrace_jax.models.loader import load_policy
+    from behaviortrace_jax.models.loader import ModelOptions, load_policy
     from behaviortrace_jax.io.layout import RunLayout
 
     hf_dir = RunLayout(workdir).model_dir(config)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(hf_dir, mesh, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                         family=config.model.get("family"), scan_layers=config.model.get("scan_layers", False))
+    policy = load_policy(hf_dir, mesh, ModelOptions.from_config(config.model))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     n_params = sum(x.size for x in jax.tree.leaves(params))
     probe = behavior.load_probes(config.behavior.probes_path or None)[0]
     s = sampler.Sampler(graphdef, cfg, max_prompt_tokens=config.grpo.max_prompt_tokens,
-                        max_new_tokens=config.get("info_max_new_tokens", 32),
+                        max_new_tokens=config.info.max_new_tokens,
                         eos_ids=tokenizer.eos_ids(tok), pad_id=tokenizer.pad_id(tok), mesh=mesh)
     out = s.sample_chat(params, tok, [(behavior.SYSTEM_PROMPT, probe.prompt)], jax.random.key(0))
     text = tok.decode(out.tokens[0, :out.lengths[0]], skip_special_tokens=True)

@@ -10,7 +10,7 @@ from behaviortrace_jax.stages.registry import register_stage
 
 
 def _reference_dir(config: ml_collections.ConfigDict) -> str:
-    ref = config.get("reference_dir") or config.evaluation.get("reference_dir")
+    ref = config.reference_dir
     if not ref:
         raise ValueError("set --config.reference_dir (the paper's released files, e.g. ../shared/reference)")
     return ref

@@ -31,7 +31,7 @@ from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, hf_io, sharding, tokenizer as tok_lib
-from behaviortrace_jax.models.loader import load_policy
+from behaviortrace_jax.models.loader import ModelOptions, load_policy
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import lm_trainer, train_state
 
@@ -82,12 +82,10 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     t0 = time.perf_counter()
 
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(start_dir, mesh, param_dtype=config.model.param_dtype,
-                         compute_dtype=config.model.compute_dtype, family=config.model.get("family"),
-                         scan_layers=config.model.get("scan_layers", False))
+    policy = load_policy(start_dir, mesh, ModelOptions.from_config(config.model))
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.get("fsdp", False))  # the train state's layout (= the params')
+    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.fsdp)  # the train state's layout (= the params')
 
     pairs = sft_pairs(config)
     enc = lm_trainer.encode_chat_examples(

@@ -33,7 +33,7 @@ from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.sketch.stores import sketch_metadata
-from behaviortrace_jax.models.loader import load_policy, policy_config
+from behaviortrace_jax.models.loader import ModelOptions, load_policy, policy_config
 from behaviortrace_jax.stages.registry import register_stage
 
 
@@ -66,17 +66,13 @@ class CheckpointLoader:
     def __init__(self, config: ml_collections.ConfigDict, first_dir: str):
         self.config = config
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
-        self.model_config = policy_config(first_dir, param_dtype=config.model.param_dtype,
-                                          compute_dtype=config.model.compute_dtype, family=config.model.get("family"),
-                                          scan_layers=config.model.get("scan_layers", False))
+        self.options = ModelOptions.from_config(config.model)
+        self.model_config = policy_config(first_dir, self.options)
         self.graphdef, self.abstract = nnx.split(decoder.abstract_model(self.model_config), nnx.Param)
 
     def params(self, hf_dir: str) -> Any:
         """The parameters of ``hf_dir``; raises (hf_io) if it holds a different model."""
-        return load_policy(hf_dir, param_dtype=self.config.model.param_dtype,
-                           compute_dtype=self.config.model.compute_dtype, tokenizer=False,
-                           family=self.config.model.get("family"),
-                           scan_layers=self.config.model.get("scan_layers", False)).params
+        return load_policy(hf_dir, None, self.options, tokenizer=False).params
 
 
 @register_stage("sketch")

@@ -152,14 +152,14 @@ class GRPOStepSpec:
         in_run = bool(sk.in_run_rollouts) if in_run_rollouts is None else bool(in_run_rollouts)
         spec = grpo_loss.get_loss(name)
         iters = int(g.inner_iterations) if spec.multi_iteration else 1
-        one = bool(g.get("one_backward", False))
+        one = bool(g.one_backward)
         if loss is not None or in_run_rollouts is not None:
             one = one and in_run and iters == 1 and spec.one_backward
         return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
                    inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed), in_run_rollouts=in_run,
-                   chunk_size=int(sk.chunk_size), use_tables=bool(sk.get("in_run_tables", False)), one_backward=one,
-                   sum_dtype=str(g.get("sum_dtype", "float32")))
+                   chunk_size=int(sk.chunk_size), use_tables=bool(sk.in_run_tables), one_backward=one,
+                   sum_dtype=str(g.sum_dtype))
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,

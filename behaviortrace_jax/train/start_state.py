@@ -17,7 +17,7 @@ from flax import nnx
 from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
-from behaviortrace_jax.models.loader import policy_config
+from behaviortrace_jax.models.loader import ModelOptions, policy_config
 from behaviortrace_jax.train import train_state
 
 
@@ -52,11 +52,10 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
         raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
     hf_dir = run.sft_hf
     tok = tok_lib.load_tokenizer(hf_dir)
-    cfg = policy_config(hf_dir, param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype,
-                        family=config.model.get("family"), scan_layers=config.model.get("scan_layers", False))
+    cfg = policy_config(hf_dir, ModelOptions.from_config(config.model))
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
     graphdef, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.get("fsdp", False))
+    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.fsdp)
     tx = train_state.make_optimizer(config.optim)
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
