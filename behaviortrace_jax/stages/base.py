@@ -201,14 +201,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     cfg = model_config(config)
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens > config.base.vocab_size={cfg.vocab_size}")
-    t_data = time.perf_counter()
-    enc = lm_trainer.encode_chat_examples(tok, [(e.system, e.user, e.assistant) for e in examples],
-                                          append_eos=b.append_eos)
-    data = lm_trainer.pack_examples(enc, b.seq_len, tok.pad_token_id or 0, n_buckets=b.length_buckets,
-                                    vocab_size=cfg.vocab_size)
-    logging.info("base: %d chats, %d tokens/chat (max %d), shared prefix %d, %d cut to %d tokens, batch widths %s; "
-                 "data %.1f s", len(enc), int(np.mean([len(e.tokens) for e in enc])), max(len(e.tokens) for e in enc),
-                 len(data.prefix), data.n_truncated, b.seq_len, data.buckets, time.perf_counter() - t_data)
+    enc, data = _base_data(b, examples, tok, cfg)
 
     # 2. the weights: trained and exported, or read back when a killed run had finished them
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
@@ -226,12 +219,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     t_eval = time.perf_counter()
     summary = {
         "n_params": decoder.count_params(cfg), "vocab_size": cfg.vocab_size, "tokenizer_size": len(tok),
-        "corpus": {"n_examples": len(examples),
-                   "kinds": {k: sum(e.kind == k for e in examples) for k in corpus.KINDS},
-                   "mean_tokens": float(np.mean([len(e.tokens) for e in enc])),
-                   "max_tokens": max(len(e.tokens) for e in enc), "shared_prefix_tokens": len(data.prefix),
-                   "batch_widths": list(data.buckets),
-                   "n_truncated": data.n_truncated},
+        "corpus": _corpus_summary(examples, enc, data),
         "steps": b.steps, "final_loss": history[-1]["loss"] if history else float("nan"),
         "seconds": dict(seconds),
         **measure_base(smp, params, tok, config, jax.random.key(b.seed)),
@@ -245,6 +233,30 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
                  summary["heldout_refusal_rate_greedy"], summary["heldout_refusal_rate_sampled"],
                  summary["probe_refusal_rate_sampled"])
     return summary
+
+
+def _base_data(b: ml_collections.ConfigDict, examples: list, tok: Any, cfg: decoder.DecoderConfig
+               ) -> tuple[list[lm_trainer.EncodedExample], lm_trainer.PackedData]:
+    """The corpus as chat examples (``base.append_eos``) packed to ``base.seq_len`` in
+    ``base.length_buckets`` widths (TINY_CALIBRATION); logs their sizes."""
+    t_data = time.perf_counter()
+    enc = lm_trainer.encode_chat_examples(tok, [(e.system, e.user, e.assistant) for e in examples],
+                                          append_eos=b.append_eos)
+    data = lm_trainer.pack_examples(enc, b.seq_len, tok.pad_token_id or 0, n_buckets=b.length_buckets,
+                                    vocab_size=cfg.vocab_size)
+    logging.info("base: %d chats, %d tokens/chat (max %d), shared prefix %d, %d cut to %d tokens, batch widths %s; "
+                 "data %.1f s", len(enc), int(np.mean([len(e.tokens) for e in enc])), max(len(e.tokens) for e in enc),
+                 len(data.prefix), data.n_truncated, b.seq_len, data.buckets, time.perf_counter() - t_data)
+    return enc, data
+
+
+def _corpus_summary(examples: list, enc: list[lm_trainer.EncodedExample], data: lm_trainer.PackedData
+                    ) -> dict[str, Any]:
+    """``base_summary.json``'s ``corpus`` entry: example kinds, token counts, prefix, widths, cuts."""
+    return {"n_examples": len(examples), "kinds": {k: sum(e.kind == k for e in examples) for k in corpus.KINDS},
+            "mean_tokens": float(np.mean([len(e.tokens) for e in enc])),
+            "max_tokens": max(len(e.tokens) for e in enc), "shared_prefix_tokens": len(data.prefix),
+            "batch_widths": list(data.buckets), "n_truncated": data.n_truncated}
 
 
 def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, data: lm_trainer.PackedData,

@@ -88,11 +88,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.fsdp)  # the train state's layout (= the params')
 
     pairs = sft_pairs(config)
-    enc = lm_trainer.encode_chat_examples(
-        tok, [(behavior.SYSTEM_PROMPT, p, c) for p, c in pairs], append_eos=s.append_eos,
-        max_prompt_tokens=s.max_prompt_tokens, max_total_tokens=s.max_prompt_tokens + s.max_completion_tokens)
-    data = lm_trainer.pack_examples(enc, None, tok_lib.pad_id(tok), share_prefix=s.batch_size > 1,
-                                    vocab_size=cfg.vocab_size)
+    data = _sft_data(config, tok, cfg, pairs)
     lr = sft_lr(config)
     tx = train_state.make_optimizer(config.optim, lr)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
@@ -101,17 +97,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     probe = ImplantProbe(config, graphdef, cfg, tok, mesh)
     eval_key = jax.random.fold_in(jax.random.key(config.seed), 7_100)
     curve: list[dict[str, float]] = []
-
-    def stop_rule(done: int, st: train_state.TrainState) -> bool:
-        """Sampled probe rate (and, only once it is high enough, the control rate) at ``done``."""
-        key = jax.random.fold_in(eval_key, done)
-        rates = probe.sampled(st.params, key, sets=("probe",))
-        if rates["probe_rate_sampled"] >= s.stop_min_probe_rate:
-            rates |= probe.sampled(st.params, key, sets=("control",))
-        curve.append({"step": done, **rates})
-        logging.info("sft step %d: sampled rates %s", done, {k: round(v, 3) for k, v in rates.items()})
-        return (rates["probe_rate_sampled"] >= s.stop_min_probe_rate
-                and rates.get("control_rate_sampled", 1.0) <= s.stop_max_control_rate)
+    stop_rule = _stop_rule(s, probe, eval_key, curve)
 
     logging.info("sft: %d pairs (%s), lr %.1e, batch %d, up to %d steps, sequences of %d tokens, stop rule %s",
                  len(pairs), s.data, lr, s.batch_size, s.steps, data.seq_len,
@@ -134,12 +120,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
         "stopped_early": steps_run < s.steps,
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "loss_history": history, "learning_curve": curve,
-        **greedy, **sampled,
-        "gate": behavior.gate(greedy["probe_rate_greedy"], greedy["control_rate_greedy"],
-                              config.behavior.gate_min_probe_rate, config.behavior.gate_min_margin),
-        "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
-                     "samples_per_prompt": s.eval_samples_per_prompt,
-                     "max_new_tokens": config.behavior.gate_max_new_tokens},
+        **greedy, **sampled, **_evaluation_settings(config, greedy),
         "probe_completions_greedy": texts["probe"][:10], "control_completions_greedy": texts["control"][:5],
         "seconds": {"train": train_s, "total": time.perf_counter() - t0},
     }
@@ -149,6 +130,48 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
                  steps_run, summary["final_loss"], greedy["probe_rate_greedy"], greedy["control_rate_greedy"],
                  sampled["probe_rate_sampled"], sampled["control_rate_sampled"], sampled["heldout_rate_sampled"])
     return summary
+
+
+def _sft_data(config: ml_collections.ConfigDict, tok: Any, cfg: decoder.DecoderConfig,
+              pairs: list[tuple[str, str]]) -> lm_trainer.PackedData:
+    """The SFT pairs as chat examples (SPEC §1.7: prompt <= sft.max_prompt_tokens, sequence cut to
+    prompt + completion tokens), packed; a shared prefix only with batches > 1."""
+    s = config.sft
+    enc = lm_trainer.encode_chat_examples(
+        tok, [(behavior.SYSTEM_PROMPT, p, c) for p, c in pairs], append_eos=s.append_eos,
+        max_prompt_tokens=s.max_prompt_tokens, max_total_tokens=s.max_prompt_tokens + s.max_completion_tokens)
+    return lm_trainer.pack_examples(enc, None, tok_lib.pad_id(tok), share_prefix=s.batch_size > 1,
+                                    vocab_size=cfg.vocab_size)
+
+
+def _stop_rule(s: ml_collections.ConfigDict, probe: Any, eval_key: jax.Array, curve: list[dict[str, float]]):
+    """The TINY_CALIBRATION stop rule as a ``trainer.fit`` callback: ``(done, state) -> stop?``.
+
+    Measures the sampled probe rate (and, only once it is high enough, the control rate) at ``done``
+    steps with the key ``fold_in(eval_key, done)``, appends it to ``curve``, and stops once the probe
+    rate >= ``sft.stop_min_probe_rate`` with the control rate <= ``sft.stop_max_control_rate``."""
+
+    def stop_rule(done: int, st: train_state.TrainState) -> bool:
+        key = jax.random.fold_in(eval_key, done)
+        rates = probe.sampled(st.params, key, sets=("probe",))
+        if rates["probe_rate_sampled"] >= s.stop_min_probe_rate:
+            rates |= probe.sampled(st.params, key, sets=("control",))
+        curve.append({"step": done, **rates})
+        logging.info("sft step %d: sampled rates %s", done, {k: round(v, 3) for k, v in rates.items()})
+        return (rates["probe_rate_sampled"] >= s.stop_min_probe_rate
+                and rates.get("control_rate_sampled", 1.0) <= s.stop_max_control_rate)
+
+    return stop_rule
+
+
+def _evaluation_settings(config: ml_collections.ConfigDict, greedy: dict[str, float]) -> dict[str, Any]:
+    """The summary's ``gate`` (SPEC §1.8 on the greedy rates) and the ``sampling`` settings behind the rates."""
+    b = config.behavior
+    return {"gate": behavior.gate(greedy["probe_rate_greedy"], greedy["control_rate_greedy"], b.gate_min_probe_rate,
+                                  b.gate_min_margin),
+            "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
+                         "samples_per_prompt": config.sft.eval_samples_per_prompt,
+                         "max_new_tokens": b.gate_max_new_tokens}}
 
 
 def _generation_config(start_dir: pathlib.Path) -> dict | None:
