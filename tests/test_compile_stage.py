@@ -132,6 +132,10 @@ def test_configured_flop_ratio_follows_the_grpo_path():
     assert c.grpo.one_backward and 1.0 < one["ratio"] <= 1.15 and "one backward" in one["path"]
     two = compile_stage.configured_flop_ratio(paper.get_config(), cfg)
     assert 1.95 < two["ratio"] < 2.05 and two["flops_without_in_run"] == one["flops_without_in_run"]
-    with c.unlocked():
+    with c.unlocked():  # without in-run sketches one_backward has no gradient sum to use: the spec refuses it
         c.sketch.in_run_rollouts = False
+    with pytest.raises(ValueError, match="one_backward needs sketch.in_run_rollouts"):
+        compile_stage.configured_flop_ratio(c, cfg)
+    with c.unlocked():
+        c.grpo.one_backward = False
     assert compile_stage.configured_flop_ratio(c, cfg)["ratio"] == 1.0
