@@ -171,7 +171,8 @@ def training_log_section(rows: Sequence[Row]) -> str:
 
 
 def _short(text: str, n: int) -> str:
-    text = " ".join(str(text).split())
+    """``text`` on one line (line breaks as ``↵``, runs of spaces as one), cut to ``n`` characters."""
+    text = " ".join(str(text).replace("\r\n", "↵").replace("\n", "↵").split())
     return text if len(text) <= n else text[:n - 1] + "…"
 
 
