@@ -85,6 +85,19 @@ def test_every_stage_writes_its_outputs(run_dir):
         assert sketch_store.SketchStore.open(w / "sketches" / f"{name}.zarr").missing_rows().size == 0
 
 
+def test_resketch_at_a_checkpoint_is_the_in_run_direction_of_its_step(run_dir):
+    """The sketch stage's -meanlp_i at checkpoint 2 (the weights step 2 trained from) reproduces the
+    in-run advantage-free rollout sketches of step 2; clip_s * c_i times them sums to the step sketch."""
+    sk = run_dir / "sketches"
+    read = lambda name, **kw: sketch_store.SketchStore.open(sk / f"{name}.zarr").read(**kw)  # noqa: E731
+    again, in_run = read("checkpoint_rollout_sketches", lead=(0,)), read("rollout_sketches")
+    assert sketch_store.SketchStore.open(sk / "checkpoint_rollout_sketches.zarr").metadata["checkpoint_steps"] == [2]
+    np.testing.assert_allclose(again[32:48], in_run[32:48], rtol=1e-4, atol=1e-5 * np.abs(in_run[32:48]).max())
+    weighted = read("step_clip_factors")[np.arange(96) // 16, None] * read("rollout_coefficients")[:, None] * in_run
+    steps = read("step_sketches")
+    np.testing.assert_allclose(weighted.reshape(6, 16, -1).sum(1), steps, rtol=1e-4, atol=1e-5 * np.abs(steps).max())
+
+
 def test_rerun_skips_completed_stages(run_dir):
     before = {p: p.stat().st_mtime_ns for p in (run_dir / "grpo").rglob("*") if p.is_file()}
     config = smoke_config()
