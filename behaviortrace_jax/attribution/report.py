@@ -281,9 +281,12 @@ def _save(fig, path: str | os.PathLike) -> epath.Path:
     return as_path(path)
 
 
-def _colors(rows: Sequence[Row]) -> dict[str, str]:
-    """One colour per method name, stable across panels and figures."""
-    return {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r.method for r in rows))}
+def _colors(rows: Sequence[Row]) -> dict[str, object]:
+    """One colour per method name, stable across panels and figures: matplotlib's ten cycle colours
+    first, then the light half of ``tab20`` (so up to 20 methods get distinct colours)."""
+    light = plt.get_cmap("tab20")
+    return {m: f"C{i}" if i < 10 else light((2 * (i - 10) + 1) % 20)
+            for i, m in enumerate(dict.fromkeys(r.method for r in rows))}
 
 
 def _grouped_bars(ax, seeds: list[str], methods: list[str], value, colors: dict[str, str]) -> float:
