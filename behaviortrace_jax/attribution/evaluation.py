@@ -4,11 +4,14 @@ Everything here takes plain arrays / dicts, so the pipeline can call it on its o
 the ``reproduce`` job on the paper's released files:
 
 * :func:`step_level_tables` -> the ``overall`` and ``early_nonzero`` rows (SPEC §6.6);
-* :func:`which_rollout_tables` -> the new rollout-resolution tables (per-rollout in-run sketches);
+* :func:`which_rollout_tables` -> the new rollout-resolution tables (per-rollout in-run sketches,
+  on :func:`which_rollout_population`: early_nonzero without zero-advantage rollouts);
+  :func:`top_ranked` -> a method's top rollouts of a population (the report's top-blamed lists);
 * :func:`rollout_level_tables` -> ``mp_raw``/``mp_residualized``/``mp_matched`` (+ ``_diag``) rows
   with cluster-bootstrap CIs (SPEC §6.7-§6.10);
 * :func:`decision_rules` and :func:`checklist` -> verdicts ``{item, verdict, evidence}`` with
-  verdict ∈ {pass, fail, not-evaluable} (SPEC §6.11, §8);
+  verdict ∈ {pass, fail, not-evaluable} (SPEC §6.11, §8; plus the which-rollout rule: beat
+  norm-only and the reward-only |A_i| ranker);
 * writers (atomic) for ``results_table.csv`` (§7.6) and ``attribution_scores.json`` (§7.1), and
   readers for the paper's ``attribution_scores.json``, ``ground_truth.jsonl``, minimal-pair rows.
 
