@@ -50,10 +50,10 @@ def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: decoder.Dec
         raise ValueError(f"rollout_sketch={rollout_sketch!r}; expected one of {ROLLOUT_SKETCH_KINDS}")
     steps, n, d = config.grpo.steps, config.grpo.prompts_per_step * config.grpo.group_size, config.sketch.dim
     specs = {"step_sketches": (steps, d), "step_grad_norms": (steps,), "step_clip_factors": (steps,)}
+    if config.sketch.in_run_rollouts:  # opened first: a run resumed with another kind fails before creating any
+        specs.update(rollout_sketches=(steps * n, d), rollout_grad_norms=(steps * n,))
     if rollout_sketch == ROLLOUT_DIRECTION:
         specs["rollout_coefficients"] = (steps * n,)
-    if config.sketch.in_run_rollouts:
-        specs.update(rollout_sketches=(steps * n, d), rollout_grad_norms=(steps * n,))
     extra = {"rollout_sketches": {"rollout_sketch": rollout_sketch}}
     return {name: sketch_store.SketchStore.open_or_create(
                 paths.sketch_store(name), shape, chunk_rows=n if shape[0] == steps * n else 1,
