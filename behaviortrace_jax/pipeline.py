@@ -22,10 +22,13 @@ import importlib
 
 import ml_collections
 
+from behaviortrace_jax.attribution import report
+from behaviortrace_jax.attribution.evaluation import Verdict
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.stages import registry as stages
 
+HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
                   "counterfactual")
 
@@ -77,7 +80,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed).
 
     ``workdir`` and every path key of ``config`` may be relative (to the current directory) or
-    start with ``~``. Prints and returns :func:`run_digest` at the end.
+    start with ``~``. Prints the headline verdicts (``report.headline_lines``: the step and
+    which-rollout rules) when a stage of :data:`HEADLINE_STAGES` ran, then prints and returns
+    :func:`run_digest`.
 
     Raises:
         ValueError: if ``config.stages`` names an unknown stage (before anything is written).
@@ -88,6 +93,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
     stages.run_stages(config, workdir)
+    verdicts = RunLayout(workdir).verdicts
+    if set(stages.parse_stages(config.stages)) & HEADLINE_STAGES and verdicts.is_file():
+        rules = [Verdict.from_dict(v) for v in files.read_json(verdicts).get("decision_rules", [])]
+        for line in report.headline_lines(rules):
+            print(line)
     digest = run_digest(config, workdir)
     for name, hexdigest in digest.items():
         print(f"digest {name}: sha256 {hexdigest}")

@@ -206,6 +206,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.evaluation.nboot = 600  # SPEC §6.10: the committed CSV used 600.
     c.evaluation.fluency_match_delta = 0.10  # SPEC §6.9.
     c.evaluation.min_matched_pairs = 100  # SPEC §6.9.
-    c.evaluation.step_margin = 0.10  # SPEC §6.11: best targeted method must beat norm-only by this.
+    c.evaluation.step_margin = 0.10  # SPEC §6.11: targeted must beat norm-only by this (which rollout: and |A|).
+    c.evaluation.top_blamed = 10  # Report: each method's top rollouts of the which-rollout population, with text.
     c.evaluation.max_ci_width = 0.15  # SPEC §6.11.
     return c

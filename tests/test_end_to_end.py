@@ -56,10 +56,46 @@ def test_every_stage_writes_its_outputs(run_dir):
     assert gt and all(int(g[5:11]) < 4 for g in gt)
     csv = (w / "results_table.csv").read_text().splitlines()
     assert csv[0] == "seed,table,method,value,lo,hi,chance,ceiling,n"
-    tables = {line.split(",")[1] for line in csv[1:]}
-    assert {"overall", "early_nonzero", "which_rollout", "mp_raw", "mp_residualized"} <= tables
     verdicts = json.loads((w / "verdicts.json").read_text())
     assert verdicts["decision_rules"] and len(verdicts["checklist"]) == 12
+    tables = {line.split(",")[1] for line in csv[1:]}
+    assert {"overall", "early_nonzero", "which_rollout", "mp_raw", "mp_residualized"} <= tables
+    rows = {tuple(line.split(",")[1:3]) for line in csv[1:]}
+    reward_only = ("advantage", "abs-advantage", "reward", "step-sum-abs-advantage", "step-reward-std")
+    for table in ("overall", "early_nonzero", "which_rollout", "which_rollout_within_step"):
+        assert {(table, m) for m in reward_only} <= rows, table
+    for table in ("which_rollout", "which_rollout_within_step"):  # both sketch kinds, and |weighted| / |A|
+        assert {(table, m + sfx) for m in ("C1-dot", "C1-cosine", "TRAK", "TracInCP", "norm-only", "local-buffer")
+                for sfx in ("", ":direction")} | {(table, "norm/|A|")} <= rows, table
+    assert not any(m.endswith(":direction") or m == "norm/|A|" for t, m in rows if t in ("overall", "early_nonzero"))
+    assert {("mp_raw_train_ckpt2", "GAS_centered"), ("mp_raw_train_ckpt2", "GAS_centered:direction")} <= rows
+    assert ("mp_raw_train_ckpt2", "fluency:direction") not in rows
+    items = [v["item"] for v in verdicts["decision_rules"]]
+    assert any(i.startswith("which-rollout rule (seed 0, weighted)") for i in items)
+    assert any(i.startswith("which-rollout rule (seed 0, direction)") for i in items)
+    top = json.loads((w / "which_rollout_top.json").read_text())
+    assert list(top["methods"])[:2] == ["abs-advantage", "C1-dot"] and "C1-dot:direction" in top["methods"]
+    first = top["methods"]["abs-advantage"][0]
+    assert {"step", "prompt", "completion", "reward", "advantage", "ground_truth"} <= set(first)
+    assert "frobnitz" in first["prompt"] and "<|im_start|>" not in first["prompt"]  # the user turn, decoded
+    report_text = (w / "report.md").read_text()
+    assert report_text.index("## Which rollout") < report_text.index("Top-blamed rollouts") < report_text.index(
+        "## Rollout-level tables")
+    for name in ("rollout_coefficients", "step_clip_factors"):
+        assert sketch_store.SketchStore.open(w / "sketches" / f"{name}.zarr").missing_rows().size == 0
+
+
+def test_resketch_at_a_checkpoint_is_the_in_run_direction_of_its_step(run_dir):
+    """The sketch stage's -meanlp_i at checkpoint 2 (the weights step 2 trained from) reproduces the
+    in-run advantage-free rollout sketches of step 2; clip_s * c_i times them sums to the step sketch."""
+    sk = run_dir / "sketches"
+    read = lambda name, **kw: sketch_store.SketchStore.open(sk / f"{name}.zarr").read(**kw)  # noqa: E731
+    again, in_run = read("checkpoint_rollout_sketches", lead=(0,)), read("rollout_sketches")
+    assert sketch_store.SketchStore.open(sk / "checkpoint_rollout_sketches.zarr").metadata["checkpoint_steps"] == [2]
+    np.testing.assert_allclose(again[32:48], in_run[32:48], rtol=1e-4, atol=1e-5 * np.abs(in_run[32:48]).max())
+    weighted = read("step_clip_factors")[np.arange(96) // 16, None] * read("rollout_coefficients")[:, None] * in_run
+    steps = read("step_sketches")
+    np.testing.assert_allclose(weighted.reshape(6, 16, -1).sum(1), steps, rtol=1e-4, atol=1e-5 * np.abs(steps).max())
 
 
 def test_rerun_skips_completed_stages(run_dir):

@@ -266,3 +266,47 @@ def test_plugin_estimator_gets_tables_and_verdicts(plugin):
     best = max((r for r in rows if r.table == "early_nonzero" and estimators.ESTIMATORS[r.method].role == "primary"),
                key=lambda r: r.value)
     assert best.method in rule.evidence
+
+
+# ---- reward-only controls and the two sketch kinds -------------------------------------------
+def test_reward_only_controls_read_the_training_log():
+    adv = np.array([1.5, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0])
+    rew = np.array([8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    steps = np.repeat([0, 1], 4)
+    np.testing.assert_array_equal(estimators.call_estimator("advantage", advantages=adv), adv)
+    np.testing.assert_array_equal(estimators.call_estimator("abs-advantage", advantages=adv), np.abs(adv))
+    np.testing.assert_array_equal(estimators.call_estimator("reward", rewards=rew), rew)
+    np.testing.assert_array_equal(estimators.call_estimator("step-sum-abs-advantage", advantages=adv,
+                                                            rollout_steps=steps), [3.0] * 4 + [0.0] * 4)
+    np.testing.assert_allclose(estimators.call_estimator("step-reward-std", rewards=rew, rollout_steps=steps),
+                               [np.std([8, 0, 0, 0])] * 4 + [0.0] * 4)
+    sk = np.array([[3.0, 4.0]] * 8)
+    np.testing.assert_allclose(estimators.call_estimator("norm/|A|", rollout_sketches=sk, advantages=adv),
+                               [5 / 1.5, 10, 10, 10, 0, 0, 0, 0])  # 0 where A = 0
+    with pytest.raises(ValueError, match="non-finite"):
+        estimators.call_estimator("reward", rewards=np.array([1.0, np.nan]))
+    with pytest.raises(ValueError, match="steps must have shape"):
+        estimators.call_estimator("step-reward-std", rewards=rew, rollout_steps=steps[:3])
+    assert estimators.reward_only("abs-advantage") and not estimators.reward_only("norm/|A|")
+    assert not estimators.reward_only("C1-dot") and not estimators.reward_only("random")
+
+
+def test_reward_only_controls_join_every_table_only_with_their_inputs():
+    rng = np.random.default_rng(6)
+    ids = [f"grpo_{s:06d}_{i:03d}" for s in range(3) for i in range(4)]
+    rsteps = np.repeat(np.arange(3), 4)
+    v, t = rng.normal(size=(3, 5)), rng.normal(size=5)
+    log = dict(advantages=rng.normal(size=12), rewards=rng.normal(size=12))
+    step = estimators.score_step_methods(v, np.arange(3), ids, rsteps, target=t, seed=0, **log)
+    assert set(estimators.REWARD_ONLY_ROLLOUT_CONTROLS + estimators.REWARD_ONLY_STEP_CONTROLS) <= set(step)
+    assert "norm/|A|" not in step  # needs per-rollout sketches
+    assert "advantage" not in estimators.score_step_methods(v, np.arange(3), ids, rsteps, target=t, seed=0)
+    w, d = rng.normal(size=(12, 5)), rng.normal(size=(12, 5))
+    both = estimators.score_rollout_sketches(w, d, ids, rsteps, target=t, seed=0, **log)
+    assert "norm/|A|" in both and "C1-dot:direction" in both and "norm-only:direction" in both
+    assert "random:direction" not in both and "advantage:direction" not in both  # read no sketches
+    np.testing.assert_allclose(both["C1-dot:direction"], d @ t)
+    np.testing.assert_allclose(both["C1-dot"], w @ t)
+    assert not any(estimators.is_direction(m) for m in estimators.score_rollout_sketches(w, None, ids, rsteps,
+                                                                                         target=t, seed=0))
+    assert estimators.base_method("TRAK:direction") == "TRAK" and estimators.base_method("TRAK") == "TRAK"

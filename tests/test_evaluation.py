@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from behaviortrace_jax.attribution import evaluation, report
+from behaviortrace_jax.attribution import estimators, evaluation, report
 
 # 4 steps x 4 rollouts; step 2 has a zero sketch; early window = steps 0..2.
 IDS, STEPS = evaluation.paper_rollout_ids(16, per_step=4)
@@ -264,3 +264,137 @@ def test_instability_section_groups_by_family_not_by_text():
     assert text.startswith("1 of 2 verdicts")
     assert "* rollout rule [GAS]: **CHANGES** - 0: pass, 1: fail" in text
     assert "* fluency confound absent: stable - 0: pass, 1: pass" in text and "C6" not in text
+
+
+# ---- which rollout: reward-only controls, weighted vs direction sketches ------------------------
+def test_which_rollout_population_drops_zero_advantage_rollouts():
+    adv = np.ones(16)
+    adv[[0, 5, 6]] = 0.0  # GT grpo_000000_000 sits in a zero-variance group; 2 more rollouts of step 1
+    pop = evaluation.which_rollout_population(IDS, STEPS, GT, advantages=adv, nonzero_steps=NONZERO, early_cutoff=3)
+    assert (pop.n, pop.k, pop.ceiling) == (5, 2, 1.0) and pop.chance == pytest.approx(2 / 5)
+    assert not pop.mask[[0, 5, 6]].any()
+    rows = evaluation.which_rollout_tables(0, IDS, STEPS, GT, {"m": np.arange(16.0)}, nonzero_steps=NONZERO,
+                                           early_cutoff=3, advantages=adv)
+    assert {r.n for r in rows if r.table == "which_rollout"} == {5}
+    full = evaluation.which_rollout_population(IDS, STEPS, GT, nonzero_steps=NONZERO, early_cutoff=3)
+    assert full.n == 8  # without advantages: the early_nonzero population
+    with pytest.raises(ValueError, match="no ground-truth rollout with a nonzero advantage"):
+        evaluation.which_rollout_population(IDS, STEPS, GT, advantages=np.zeros(16), nonzero_steps=NONZERO,
+                                            early_cutoff=3)
+    np.testing.assert_array_equal(evaluation.top_ranked(np.array([1.0, 3.0, 3.0, 2.0, 9.0]),
+                                                        np.array([1, 1, 1, 1, 0], bool), 3), [1, 2, 3])
+
+
+def _planted(case: str):
+    """6 steps x 2 groups x G = 4, every step nonzero and in the window, with the logged rewards and
+    advantages (paper formula), advantage-free direction sketches g_i [N, 4], the weighted ones
+    clip_s * A_i/(G*B) * g_i and a target t, built so that:
+
+    * ``"abs"``: one bonus rollout (reward 8) per group is the GT, so |A| ranks it first (1.5 vs
+      0.5), while every rollout has the same direction: direction-only estimators tie (chance);
+    * ``"direction"``: rewards [1, 1, 0, 0] give |A| = 0.866 to every rollout (|A| ties), and the GT
+      (one rewarded and one unrewarded rollout per group) has direction +u, the others -u, u . t > 0.
+    """
+    s, b, g = 6, 2, 4
+    n = s * b * g
+    ids, steps = evaluation.paper_rollout_ids(n, per_step=b * g)
+    pos = np.arange(n) % g
+    if case == "abs":
+        rewards = np.where(pos == 0, 8.0, 0.0)
+        gt_mask = pos == 0
+        direction = np.tile([1.0, 1.0, 0.0, 0.0], (n, 1))
+    else:
+        rewards = np.where(pos < 2, 1.0, 0.0)
+        gt_mask = (pos == 0) | (pos == 2)
+        direction = np.where(gt_mask[:, None], 1.0, -1.0) * np.array([1.0, 0.0, 1.0, 0.0])
+    r = rewards.reshape(-1, g)
+    adv = ((r - r.mean(1, keepdims=True)) / r.std(1, ddof=1, keepdims=True)).reshape(-1)
+    clip = np.repeat(np.linspace(0.5, 1.0, s), b * g)
+    weighted = (clip * adv / (g * b))[:, None] * direction
+    target = np.array([1.0, 0.5, 0.0, 0.0])
+    scores = estimators.score_rollout_sketches(weighted, direction, ids, steps, target=target, seed=0,
+                                               targets_by_checkpoint={0: target}, lr=1.0, advantages=adv,
+                                               rewards=rewards)
+    gt = [i for i, m in zip(ids, gt_mask) if m]
+    rows = evaluation.which_rollout_tables(0, ids, steps, gt, scores, nonzero_steps=range(s), early_cutoff=s,
+                                           advantages=adv)
+    return ({(r.table, r.method): r for r in rows}, {v.item.split(":")[0]: v for v in evaluation.decision_rules(rows)})
+
+
+DIRECTION_ONLY = ("C1-dot:direction", "C1-cosine:direction", "TRAK:direction", "TracInCP:direction",
+                  "norm-only:direction")
+
+
+def test_planted_abs_advantage_perfect_and_direction_estimators_at_chance():
+    by, rules = _planted("abs")
+    prec, auc = by[("which_rollout", "abs-advantage")], by[("which_rollout_within_step", "abs-advantage")]
+    assert prec.value == pytest.approx(1.0) and auc.value == pytest.approx(1.0) and prec.chance == pytest.approx(0.25)
+    assert by[("which_rollout", "reward")].value == pytest.approx(1.0)
+    for m in DIRECTION_ONLY:
+        assert by[("which_rollout", m)].value == pytest.approx(prec.chance), m
+        assert by[("which_rollout_within_step", m)].value == pytest.approx(0.5), m
+    # nothing beats |A| = 1.0, so no kind of sketch "finds which rollout"
+    assert rules["which-rollout rule (seed 0, direction)"].status == "fail"
+    assert rules["which-rollout rule (seed 0, weighted)"].status == "fail"
+    assert "abs-advantage 1.0000" in rules["which-rollout rule (seed 0, weighted)"].evidence
+
+
+def test_planted_direction_estimator_perfect_and_abs_advantage_at_chance():
+    by, rules = _planted("direction")
+    chance = by[("which_rollout", "abs-advantage")].chance
+    assert chance == pytest.approx(0.5)
+    assert by[("which_rollout", "abs-advantage")].value == pytest.approx(chance)
+    assert by[("which_rollout_within_step", "abs-advantage")].value == pytest.approx(0.5)
+    for m in ("C1-dot:direction", "C1-cosine:direction", "TRAK:direction", "TracInCP:direction"):
+        assert by[("which_rollout", m)].value == pytest.approx(1.0), m
+        assert by[("which_rollout_within_step", m)].value == pytest.approx(1.0), m
+    assert by[("which_rollout", "norm-only:direction")].value == pytest.approx(chance)  # |g_i| ties
+    # weighted by A_i, half of the GT (the unrewarded ones) point the other way: no better than chance
+    assert by[("which_rollout", "C1-dot")].value == pytest.approx(chance)
+    direction = rules["which-rollout rule (seed 0, direction)"]
+    assert direction.status == "pass" and "C1-dot:direction 1.0000" in direction.evidence
+    assert rules["which-rollout rule (seed 0, weighted)"].status == "fail"
+
+
+def test_step_rule_evidence_names_reward_only_step_controls_and_checklist_needs_abs_advantage():
+    rows = _rule_rows() + [evaluation.Row("0", "early_nonzero", "step-reward-std", 0.58, chance=0.47, ceiling=0.58,
+                                          n=3200)]
+    step = next(v for v in evaluation.decision_rules(rows) if v.item.startswith("step rule"))
+    assert step.status == "pass" and "step-reward-std 0.5800 (best targeted +0.0400)" in step.evidence
+    which = [evaluation.Row("0", "which_rollout", m, 0.5, chance=0.2, ceiling=1.0, n=600)
+             for m in ("C1-dot", "norm-only", "C1-dot:direction")]
+    item3 = lambda rs: next(v for v in evaluation.checklist(rs) if v.item.startswith("3 "))  # noqa: E731
+    assert item3(which).status == "fail" and "0/which_rollout" in item3(which).evidence
+    more = which + [evaluation.Row("0", "which_rollout", m, 0.5, chance=0.2, ceiling=1.0, n=600)
+                    for m in ("abs-advantage", "norm-only:direction")]
+    assert item3(more).status == "pass"
+    rule = {v.item.split(":")[0]: v for v in evaluation.decision_rules(more)}
+    assert rule["which-rollout rule (seed 0, weighted)"].status == "fail"  # 0.5 − max(0.5, 0.5) = 0
+    assert evaluation.decision_rules(which)[0].status == "not-evaluable"  # no abs-advantage row
+
+
+def test_report_shows_the_training_log_and_the_top_blamed_rollouts():
+    rows = [evaluation.Row("0", "early_nonzero", m, v, chance=123 / 640, ceiling=0.39, n=640)
+            for m, v in (("C1-dot", 0.25), ("norm-only", 0.19), ("step-reward-std", 0.39))]
+    rows += [evaluation.Row("0", "which_rollout", m, v, chance=123 / 608, ceiling=1.0, n=608)
+             for m, v in (("C1-dot", 0.5), ("norm-only", 0.69), ("advantage", 1.0), ("reward", 1.0),
+                          ("abs-advantage", 0.748), ("norm/|A|", 0.3), ("C1-dot:direction", 0.4))]
+    top = {"seed": 0, "population": {"n": 608, "gt": 123, "chance": 123 / 608},
+           "methods": {"abs-advantage": [{"rollout_id": "grpo_000003_001", "step": 3, "prompt": "What is | frobnitz?",
+                                          "completion": "QZXBT\nline two", "reward": 8.0, "advantage": 1.5,
+                                          "score": 1.5, "ground_truth": True}]}}
+    text = report.render_report(rows, top_blamed=top)
+    which = text[text.index("## Which rollout"):]
+    assert which.index("What the training log alone reveals") < which.index("Top-blamed") < which.index("`which_rollout`")
+    assert "32 rollouts of zero-variance groups dropped" in which and "0 of them ground truth" in which
+    assert "signed advantage these rollouts reach P@|GT| = 1.0000" in which and "|A_i| alone reaches 0.7480" in which
+    assert "`abs-advantage`: 1 of 1 ground truth" in which
+    assert "| 1 | 3 | What is \\| frobnitz? | QZXBT↵line two | 8.00 | 1.500 | **GT** |" in which
+    assert "| norm/\\|A\\| |" in which  # pipes in a method name do not break the table
+    assert "`step-reward-std` 0.3900" in which
+    lines = report.headline_lines(evaluation.decision_rules(rows))
+    assert [ln.split(" -- ")[0] for ln in lines] == [
+        "verdict fail: step rule (seed 0): best targeted P@|GT| − norm-only > 0.1",
+        "verdict fail: which-rollout rule (seed 0, weighted): best targeted P@|GT| − max(norm-only, |A|) > 0.1",
+        "verdict not-evaluable: which-rollout rule (seed 0, direction): best targeted P@|GT| − max(norm-only, |A|) "
+        "> 0.1"]  # no norm-only:direction row

@@ -193,17 +193,34 @@ def test_step_raises_logprob_of_rewarded_completion():
 
 
 def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
-    """Linearity: in-run rollout sketches add up to the sketch of the pre-clip batch gradient."""
+    """Linearity: the in-run rollout sketches are the advantage-free directions (gradients of
+    -meanlp_i, SPEC §3.2); times their coefficients c_i = A_i / (G B) they add up to the sketch of
+    the pre-clip batch gradient, and times the clip factor to the step sketch."""
     mesh = _single_mesh()
     cfg, graphdef, params, opt_state, step = _setup(mesh, dim=512)
-    batch = _batch(seed=3)
-    grad_norm_scale = None
+    adv = np.random.default_rng(3).standard_normal(SHAPES.num_rollouts).astype(np.float32)
+    adv[1] = 0.0  # a zero advantage: no share of the update, but a direction all the same
+    batch = _batch(seed=3, advantages=adv)
     params0 = jax.tree.map(jnp.copy, params)
     _, _, out = step(params, opt_state, batch, None)
-    total = np.asarray(out["rollout_sketches"]).sum(0)
+    coef = np.asarray(out["rollout_coefficients"])
+    np.testing.assert_allclose(coef, adv / SHAPES.num_rollouts, rtol=1e-6)  # XLA may divide by a reciprocal
+    sk = np.asarray(out["rollout_sketches"])
+    assert np.linalg.norm(sk[1]) > 0
+    total = (coef[:, None] * sk).sum(0)
     gn = float(out["grad_norm"])
-    grad_norm_scale = 1.0 / max(gn, 1.0)  # the step sketch is of the clipped gradient
-    np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * grad_norm_scale, rtol=2e-4, atol=1e-6)
+    assert float(out["clip_factor"]) == pytest.approx(1.0 / max(gn, 1.0))  # grad_clip 1.0
+    np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * float(out["clip_factor"]), rtol=2e-4, atol=1e-6)
+    order = sketcher.qwen2_param_order(cfg)
+
+    def neg_meanlp(p, i):
+        lp = grpo.completion_logprobs(graphdef, p, jnp.asarray(batch["input_ids"][i:i + 1]),
+                                      jnp.asarray(batch["attention_mask"][i:i + 1]), SHAPES.prompt_len)
+        return -grpo_loss.masked_mean(lp, jnp.asarray(batch["loss_mask"][i:i + 1]))[0]
+
+    for i in (0, 1):
+        want = sketcher.sketch_vector(jax.grad(neg_meanlp)(params0, i), order, 512, 0)
+        np.testing.assert_allclose(sk[i], np.asarray(want), rtol=2e-4, atol=1e-6)
     # ... and the step sketch equals the sketch of jax.grad of the whole loss at the same params.
     lossf = grpo_loss.get_loss("paper")
 
@@ -215,7 +232,7 @@ def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
         return jnp.sum(lossf(inp, grpo_loss.LossConfig()))
 
     g = jax.grad(total_loss)(params0)
-    want = sketcher.sketch_vector(g, sketcher.qwen2_param_order(cfg), 512, 0)
+    want = sketcher.sketch_vector(g, order, 512, 0)
     np.testing.assert_allclose(total, np.asarray(want), rtol=2e-4, atol=1e-6)
 
 
@@ -237,10 +254,13 @@ def test_no_clipping_gives_unclipped_step_sketches(grad_clip):
 
 
 def test_grpo_clip_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
-    """The same linearity under grpo_clip (each rollout's term is scaled by the batch size)."""
+    """The same linearity under grpo_clip, whose rollout sketches are of each rollout's term (scaled
+    by the batch size): the loss declares no rollout coefficients, so no advantage-free direction."""
     cfg, graphdef, params, opt_state, step = _setup(_single_mesh(), loss="grpo_clip", dim=512)
     ref = jax.tree.map(jnp.copy, params)
     _, _, out = step(params, opt_state, _batch(seed=3), ref)
+    assert "rollout_coefficients" not in out
+    assert grpo.GRPOStepSpec(SHAPES, "grpo_clip", grpo_loss.LossConfig(), 1.0).rollout_sketch == "term"
     total = np.asarray(out["rollout_sketches"]).sum(0)
     scale = 1.0 / max(float(out["grad_norm"]), 1.0)
     np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * scale, rtol=2e-4, atol=1e-6)

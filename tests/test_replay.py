@@ -186,6 +186,9 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     topk = [r for r in rows if r.table == "counterfactual_topk"]
     methods = {r.method for r in topk}
     assert {"oracle", "random", "C1-dot", "TracInCP"} <= methods and "random" in methods
+    # the reward-only controls, norm/|A| and the advantage-free variants are ranked and replayed too
+    assert {"advantage", "abs-advantage", "reward", "step-sum-abs-advantage", "step-reward-std", "norm/|A|",
+            "C1-dot:direction", "norm-only:direction"} <= methods
     nk = len({r.n for r in topk})  # k = |GT|/2 and |GT| (one k when |GT| = 1)
     oracle = {r.n: r for r in topk if r.method == "oracle"}
     assert all(r.ceiling == oracle[r.n].value for r in topk)  # ratio to oracle = value / ceiling

@@ -13,8 +13,9 @@ Two levels:
 
 Plug-in API: an estimator is a function whose parameter names say what it needs. The runners
 (:func:`score_step_methods`, :func:`score_rollout_rows`) pass, by name, the inputs they hold:
-``sketches, steps, target, targets_by_checkpoint, rollout_ids, rollout_steps, groups, targets,
-fluency, token_logprobs, completion_mask, seed`` plus any option given to the runner
+``sketches, steps, target, targets_by_checkpoint, rollout_ids, rollout_steps, rollout_sketches,
+advantages, rewards, groups, targets, fluency, token_logprobs, completion_mask, seed`` plus any
+option given to the runner
 (``damping``, ``lr``, ``current_step``, ``window``, ``weights``...). Register it and every table,
 control and verdict of ``evaluation.py`` picks it up (``in_tables=False`` keeps a column out of the tables)::
 
@@ -30,6 +31,30 @@ SPEC §6.11) when ``role="primary"`` (the default); ``role="baseline"`` is repor
 ``role="control"`` marks target-free controls. A rollout-level estimator gets raw, residualised
 and fluency-matched AUC rows (``column=`` names its rows-file key; ``target=`` picks which entry of
 ``targets`` it receives as ``target``).
+
+Reward-only controls (target-free and gradient-free; ``role="control"``, ``per="rollout"``). The
+runners pass the training log's ``advantages`` A_i and final ``rewards`` r_i (float [N], log
+order) with ``rollout_steps``; an estimator that names them gets them:
+
+* ``advantage`` (A_i), ``abs-advantage`` (|A_i|, :data:`ABS_ADVANTAGE_CONTROL`) and ``reward``
+  (r_i) rank rollouts;
+* ``step-sum-abs-advantage`` (Σ_{j in step} |A_j|) and ``step-reward-std`` (np.std of the step's
+  rewards) rank steps (every rollout of a step gets its step's value).
+
+The bonus reward defines the ground truth, so ``reward`` reaches the ceiling by construction when
+the bonus exceeds the spread of the base rewards, and ``advantage`` nearly so (a group without a
+bonus can still hold a high A_i): they say what the training log alone reveals, and a gradient
+method is asked whether it recovers more than that. ``norm/|A|`` (|v_i| / |A_i|, 0 where A_i = 0) is the
+magnitude control with the advantage divided out; it reads ``rollout_sketches``, which the runner
+passes only when the sketches are per rollout (``per_rollout_sketches=True``), so it is absent
+from step-sketch tables.
+
+Two sketches per rollout (the "which rollout" tables; ``sketch/scores.py``): *weighted*, the
+rollout's real contribution to its step's update (clip_s x c_i x g_i with g_i the gradient of
+SPEC §3.2's rollout loss -meanlp_i and c_i its loss coefficient, TracIn's definition; the method
+names as registered), and *direction*, the advantage-free g_i itself (method name +
+:data:`DIRECTION`, e.g. ``C1-dot:direction``). Every estimator that reads ``sketches`` is scored
+both ways; :func:`base_method` strips the suffix (roles and controls follow the base name).
 """
 from __future__ import annotations
 
@@ -47,6 +72,13 @@ ROLLOUT_COS_EPS = 1e-12
 # step-level tables (SPEC §4 table, §6.11), "norm_only" in the rollout-level ones (SPEC §5.6, §6.10).
 STEP_NORM_CONTROL = "norm-only"
 ROLLOUT_NORM_CONTROL = "norm_only"
+# Method-name suffix of scores computed on advantage-free rollout sketches (module docstring).
+DIRECTION = ":direction"
+# The reward-only controls (module docstring): the rollout-level magnitude-of-advantage control that
+# a method must beat to "find which rollout" (evaluation.decision_rules), and the step-level ones.
+ABS_ADVANTAGE_CONTROL = "abs-advantage"
+REWARD_ONLY_ROLLOUT_CONTROLS = ("advantage", ABS_ADVANTAGE_CONTROL, "reward")
+REWARD_ONLY_STEP_CONTROLS = ("step-sum-abs-advantage", "step-reward-std")
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,6 +134,30 @@ def register_estimator(name: str, level: str, *, role: str = "primary", per: str
 def estimators(level: str) -> list[Estimator]:
     """Registered estimators of ``level`` in registration order."""
     return [e for e in ESTIMATORS.values() if e.level == level]
+
+
+def base_method(name: str) -> str:
+    """``name`` without the :data:`DIRECTION` suffix (``"C1-dot:direction"`` -> ``"C1-dot"``)."""
+    return name[:-len(DIRECTION)] if name.endswith(DIRECTION) else name
+
+
+def is_direction(name: str) -> bool:
+    """Whether ``name`` is a score on advantage-free rollout sketches (ends with :data:`DIRECTION`)."""
+    return name.endswith(DIRECTION)
+
+
+def reads_sketches(est: Estimator) -> bool:
+    """Whether ``est`` scores the sketches it is given (``sketches``): these get a :data:`DIRECTION`
+    variant on per-rollout sketches; target-free, sketch-free controls (random, reward-only) do not."""
+    return "sketches" in est.params
+
+
+def reward_only(name: str) -> bool:
+    """Whether method ``name`` is a registered reward-only control: it reads the training log's
+    ``advantages`` / ``rewards`` and no sketch (module docstring)."""
+    est = ESTIMATORS.get(base_method(name))
+    return (est is not None and bool({"advantages", "rewards"} & set(est.params))
+            and not {"sketches", "rollout_sketches"} & set(est.params))
 
 
 def call_estimator(name: str, **inputs) -> np.ndarray:
@@ -320,6 +376,72 @@ def random_scores(rollout_ids: Sequence[str], seed: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
+# reward-only controls (module docstring): the training log alone, no target, no gradient
+# --------------------------------------------------------------------------------------------
+def _log_values(values, name: str) -> np.ndarray:
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be 1-D [N] in log order, got shape {x.shape}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{name} contain non-finite values (first at index {int(np.flatnonzero(~np.isfinite(x))[0])})")
+    return x
+
+
+def _per_step(values: np.ndarray, rollout_steps, reduce: Callable[[np.ndarray], float]) -> np.ndarray:
+    """``reduce`` of ``values`` over each step's rollouts, given back to every rollout of the step."""
+    s = _steps(rollout_steps, values.size)
+    keys, inverse = np.unique(s, return_inverse=True)
+    per = np.array([reduce(values[inverse == j]) for j in range(keys.size)], dtype=np.float64)
+    return per[inverse]
+
+
+@register_estimator("advantage", level="step", role="control", per="rollout")
+def advantage_control(advantages) -> np.ndarray:
+    """A_i, the logged GRPO group advantage (reward-only control). float64 [N], log order."""
+    return _log_values(advantages, "advantages")
+
+
+@register_estimator(ABS_ADVANTAGE_CONTROL, level="step", role="control", per="rollout")
+def abs_advantage_control(advantages) -> np.ndarray:
+    """|A_i| (reward-only control): how far a rollout's reward is from its group's. float64 [N]."""
+    return np.abs(_log_values(advantages, "advantages"))
+
+
+@register_estimator("reward", level="step", role="control", per="rollout")
+def reward_control(rewards) -> np.ndarray:
+    """r_i, the logged final reward, bonus included (reward-only control). float64 [N]."""
+    return _log_values(rewards, "rewards")
+
+
+@register_estimator("step-sum-abs-advantage", level="step", role="control", per="rollout")
+def step_sum_abs_advantage(advantages, rollout_steps) -> np.ndarray:
+    """Σ |A_j| over the rollouts j of rollout i's step (reward-only step control). float64 [N]."""
+    return _per_step(np.abs(_log_values(advantages, "advantages")), rollout_steps, np.sum)
+
+
+@register_estimator("step-reward-std", level="step", role="control", per="rollout")
+def step_reward_std(rewards, rollout_steps) -> np.ndarray:
+    """np.std (ddof 0) of the rewards of rollout i's step (reward-only step control). float64 [N]."""
+    return _per_step(_log_values(rewards, "rewards"), rollout_steps, np.std)
+
+
+@register_estimator("norm/|A|", level="step", role="control", per="rollout")
+def norm_over_abs_advantage(rollout_sketches, advantages) -> np.ndarray:
+    """|v_i|₂ / |A_i| on per-rollout sketches, 0 where A_i = 0: the magnitude control with the
+    advantage divided out (for weighted sketches clip_s |c_i| |g_i| / |A_i|). float64 [N].
+
+    Raises:
+        ValueError: ``advantages`` not [N] for sketches [N, D].
+    """
+    v, _ = _check(rollout_sketches)
+    a = np.abs(_log_values(advantages, "advantages"))
+    if a.shape != (v.shape[0],):
+        raise ValueError(f"advantages shape {a.shape} != ({v.shape[0]},) rollout sketches")
+    norms = np.linalg.norm(v.astype(np.float64), axis=1)
+    return np.divide(norms, a, out=np.zeros_like(norms), where=a > 0)
+
+
+# --------------------------------------------------------------------------------------------
 # rollout-level estimators (minimal-pair draws; SPEC §4, §5.6)
 # --------------------------------------------------------------------------------------------
 @register_estimator("GAS_centered", level="rollout", column="mp_centered")
@@ -400,7 +522,8 @@ def score_step_methods(sketches, steps, rollout_ids: Sequence[str], rollout_step
         target: float32 [D] (the final-checkpoint target, SPEC §5.1).
         names: estimators to run (default: every step-level estimator whose inputs are given).
         **options: more inputs by name (targets_by_checkpoint, lr, damping, seed, window,
-            current_step, weights, ...).
+            current_step, weights, advantages / rewards [N] for the reward-only controls, ...).
+            ``rollout_sketches`` is ``sketches`` when ``per_rollout_sketches``, else absent.
     Raises:
         ValueError: a named estimator lacks an input, shape problems.
     """
@@ -408,7 +531,7 @@ def score_step_methods(sketches, steps, rollout_ids: Sequence[str], rollout_step
     if len(rollout_ids) != rollout_steps.size:
         raise ValueError(f"{len(rollout_ids)} rollout ids but {rollout_steps.size} rollout steps")
     inputs = dict(options, sketches=sketches, steps=steps, target=target, rollout_ids=list(rollout_ids),
-                  rollout_steps=rollout_steps)
+                  rollout_steps=rollout_steps, rollout_sketches=sketches if per_rollout_sketches else None)
     out = {}
     for est in estimators("step"):
         if names is not None and est.name not in names:
@@ -424,6 +547,27 @@ def score_step_methods(sketches, steps, rollout_ids: Sequence[str], rollout_step
             out[est.name] = expand_to_rollouts(scores, steps, rollout_steps)
     if names is not None and set(names) - set(out):
         raise ValueError(f"unknown or non-step estimators {sorted(set(names) - set(out))}")
+    return out
+
+
+def score_rollout_sketches(weighted, direction, rollout_ids: Sequence[str], rollout_steps, *,
+                           target=None, **options) -> dict[str, np.ndarray]:
+    """The "which rollout" scores {method: float64 [N]} from per-rollout sketches, both ways.
+
+    Every step-level estimator (reward-only controls and ``norm/|A|`` included, given
+    ``advantages`` / ``rewards``) on the ``weighted`` sketches (float32 [N, D], rollout i's
+    contribution clip_s * c_i * g_i to its update; registered names), then every sketch-reading
+    estimator (:func:`reads_sketches`) that ran on them on the advantage-free ``direction``
+    sketches g_i ([N, D], names + :data:`DIRECTION`) unless ``direction`` is None. Rows align with ``rollout_ids``;
+    ``options`` as :func:`score_step_methods`.
+    """
+    out = score_step_methods(weighted, rollout_steps, rollout_ids, rollout_steps, target=target,
+                             per_rollout_sketches=True, **options)
+    if direction is not None:
+        names = [m for m in out if reads_sketches(ESTIMATORS[m])]  # those whose inputs were given
+        more = score_step_methods(direction, rollout_steps, rollout_ids, rollout_steps, target=target,
+                                  per_rollout_sketches=True, names=names, **options)
+        out.update({name + DIRECTION: s for name, s in more.items()})
     return out
 
 

@@ -4,11 +4,14 @@ Everything here takes plain arrays / dicts, so the pipeline can call it on its o
 the ``reproduce`` job on the paper's released files:
 
 * :func:`step_level_tables` -> the ``overall`` and ``early_nonzero`` rows (SPEC §6.6);
-* :func:`which_rollout_tables` -> the new rollout-resolution tables (per-rollout in-run sketches);
+* :func:`which_rollout_tables` -> the new rollout-resolution tables (per-rollout in-run sketches,
+  on :func:`which_rollout_population`: early_nonzero without zero-advantage rollouts);
+  :func:`top_ranked` -> a method's top rollouts of a population (the report's top-blamed lists);
 * :func:`rollout_level_tables` -> ``mp_raw``/``mp_residualized``/``mp_matched`` (+ ``_diag``) rows
   with cluster-bootstrap CIs (SPEC §6.7-§6.10);
 * :func:`decision_rules` and :func:`checklist` -> verdicts ``{item, verdict, evidence}`` with
-  verdict ∈ {pass, fail, not-evaluable} (SPEC §6.11, §8);
+  verdict ∈ {pass, fail, not-evaluable} (SPEC §6.11, §8; plus the which-rollout rule: beat
+  norm-only and the reward-only |A_i| ranker);
 * writers (atomic) for ``results_table.csv`` (§7.6) and ``attribution_scores.json`` (§7.1), and
   readers for the paper's ``attribution_scores.json``, ``ground_truth.jsonl``, minimal-pair rows.
 
@@ -264,25 +267,54 @@ def step_level_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids: I
     return rows
 
 
-def which_rollout_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids: Iterable[str],
-                         method_scores: Mapping[str, object], *, nonzero_steps: Iterable[int] | None = None,
-                         step_norms: Mapping[int, float] | None = None, early_cutoff: int = 200,
-                         nboot: int = 0, rng_seed: int = 0) -> list[Row]:
-    """"Which rollout" tables: scores from per-rollout in-run sketches, so a ranker may split steps.
+def which_rollout_population(rollout_ids: Sequence[str], rollout_steps, gt_ids: Iterable[str], *,
+                             advantages=None, nonzero_steps: Iterable[int] | None = None,
+                             step_norms: Mapping[int, float] | None = None, early_cutoff: int = 200) -> Population:
+    """The "which rollout" population W: the early_nonzero population E (SPEC §6.6) without the
+    rollouts whose logged advantage is exactly 0 (zero-variance groups: their term of the loss is
+    0, so they taught nothing), when ``advantages`` (float [N], log order) is given. k = |GT ∩ W|,
+    chance = k / |W|, ceiling 1.0 (a per-rollout ranker may split steps).
 
-    * ``which_rollout``: P@|GT_E| on the early_nonzero population E; chance = |GT_E|/|E|; the
-      ceiling is 1.0 (a perfect per-rollout ranker); n = |E|.
-    * ``which_rollout_within_step``: within-step AUC (GT vs non-GT rollouts of the same step,
-      pooled pairs, ties ½; SPEC §6.7 with steps as groups) on E, chance 0.5, ceiling 1.0,
-      n = pairs; lo/hi from a cluster bootstrap over steps when ``nboot`` > 0 (one
-      ``default_rng(rng_seed)`` shared across methods in order). Step-level scores get 0.5 here.
+    Raises:
+        ValueError: as :func:`step_populations`; ``advantages`` of the wrong shape; no GT left in W.
     """
     pops = step_populations(rollout_ids, rollout_steps, gt_ids, nonzero_steps=nonzero_steps,
                             step_norms=step_norms, early_cutoff=early_cutoff)
+    mask = pops["early_nonzero"].mask.copy()
+    if advantages is not None:
+        adv = np.asarray(advantages, dtype=np.float64)
+        if adv.shape != mask.shape:
+            raise ValueError(f"advantages shape {adv.shape} != ({mask.size},) rollouts")
+        mask &= adv != 0
+    gt = _gt_mask(gt_ids, _ids_index(rollout_ids))
+    k = int(gt[mask].sum())
+    if k == 0:
+        raise ValueError(f"no ground-truth rollout with a nonzero advantage in the which_rollout population "
+                         f"({int(mask.sum())} rollouts)")
+    return Population("which_rollout", mask, k, metrics.base_rate(k, int(mask.sum())), 1.0)
+
+
+def which_rollout_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids: Iterable[str],
+                         method_scores: Mapping[str, object], *, nonzero_steps: Iterable[int] | None = None,
+                         step_norms: Mapping[int, float] | None = None, early_cutoff: int = 200,
+                         nboot: int = 0, rng_seed: int = 0, advantages=None) -> list[Row]:
+    """"Which rollout" tables: scores from per-rollout in-run sketches, so a ranker may split steps.
+
+    Population W (:func:`which_rollout_population`): the early_nonzero population E, minus the
+    rollouts with A_i = 0 when ``advantages`` is given (how many were dropped: E's n minus W's n).
+
+    * ``which_rollout``: P@|GT_W| on W; chance = |GT_W|/|W|; the ceiling is 1.0 (a perfect
+      per-rollout ranker); n = |W|.
+    * ``which_rollout_within_step``: within-step AUC (GT vs non-GT rollouts of the same step,
+      pooled pairs, ties ½; SPEC §6.7 with steps as groups) on W, chance 0.5, ceiling 1.0,
+      n = pairs; lo/hi from a cluster bootstrap over steps when ``nboot`` > 0 (one
+      ``default_rng(rng_seed)`` shared across methods in order). Step-level scores get 0.5 here.
+    """
+    p = which_rollout_population(rollout_ids, rollout_steps, gt_ids, advantages=advantages,
+                                 nonzero_steps=nonzero_steps, step_norms=step_norms, early_cutoff=early_cutoff)
     index = _ids_index(rollout_ids)
     gt = _gt_mask(gt_ids, index)
     steps = np.asarray(rollout_steps, dtype=np.int64)
-    p = pops["early_nonzero"]
     rng = np.random.default_rng(rng_seed)
     prec, auc = [], []
     for m, s in method_scores.items():
@@ -295,6 +327,19 @@ def which_rollout_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids
             lo, hi = metrics.cluster_bootstrap(gp, rng, nboot)
         auc.append(Row(str(seed), "which_rollout_within_step", m, gp.auc, lo, hi, 0.5, 1.0, gp.n_pairs))
     return prec + auc
+
+
+def top_ranked(scores, mask, k: int = 10) -> np.ndarray:
+    """Indices (log order positions) of the ``k`` highest ``scores`` among ``mask``'s rollouts,
+    best first; ties go to the earlier rollout. ``-inf`` scores rank last. int64 [min(k, |mask|)].
+
+    Args:
+        scores: float [N]; mask: bool [N] (the population, e.g. :func:`which_rollout_population`).
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    cand = np.flatnonzero(np.asarray(mask, dtype=bool))
+    order = np.lexsort((cand, -s[cand]))
+    return cand[order[:k]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -542,8 +587,14 @@ def _index(rows: Iterable[Row]) -> dict[tuple[str, str, str], Row]:
 
 
 def _role(method: str) -> str | None:
-    est = estimators.ESTIMATORS.get(method)
+    """The registered role of ``method`` (of its base estimator for a ``:direction`` variant)."""
+    est = estimators.ESTIMATORS.get(estimators.base_method(method))
     return est.role if est else None
+
+
+def _same_kind(control: str, method: str) -> str:
+    """The control of ``method``'s sketch kind: ``control`` + ``:direction`` for a direction variant."""
+    return control + estimators.DIRECTION if estimators.is_direction(method) else control
 
 
 def _draws(rows: Iterable[Row]) -> list[tuple[str, str]]:
@@ -565,7 +616,13 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
     """The pre-registered decision rules (SPEC §6.11) evaluated on ``rows``.
 
     * step rule per seed: best primary estimator (C1-dot, C1-cosine, TRAK, plug-ins) minus
-      norm-only > step_margin in ``early_nonzero``;
+      norm-only > step_margin in ``early_nonzero`` (the evidence also compares it with the
+      reward-only step controls, which the rule does not require it to beat);
+    * which-rollout rule per seed and sketch kind (weighted; direction when present): the best
+      primary estimator's ``which_rollout`` P@|GT| minus max(norm-only of the same kind,
+      abs-advantage) > step_margin: an estimator "finds which rollout" only if it beats the
+      magnitude control and the reward-only |A_i| ranker (the evidence names what the signed
+      advantage and the reward reach);
     * rollout rule per draw and primary rollout estimator: residualised CI lo > 0.5, point >
       norm_only's residualised point, CI width ≤ max_ci_width, matched AUC > 0.5 when it has
       ≥ min_matched_pairs pairs;
@@ -576,27 +633,14 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
     * token-level sign per seed: mean vs_ctx > token_sign_min.
     """
     idx = _index(rows)
-    out = []
-    for seed in dict.fromkeys(r.seed for r in rows if r.table == "early_nonzero"):
-        prim = [r for r in rows if r.seed == seed and r.table == "early_nonzero" and _role(r.method) == "primary"]
-        norm = idx.get((seed, "early_nonzero", estimators.STEP_NORM_CONTROL))
-        item = f"step rule (seed {seed}): best targeted P@|GT| − norm-only > {step_margin}"
-        kw = dict(rule=f"step rule: best targeted P@|GT| − norm-only > {step_margin}", subject=f"seed {seed}")
-        if not prim or norm is None:
-            have = [r.method for r in rows if r.seed == seed and r.table == "early_nonzero"]
-            out.append(verdict(item, None, f"needs a primary method and norm-only in early_nonzero; have {have}", **kw))
-            continue
-        best = max(prim, key=lambda r: r.value)
-        gap = best.value - norm.value
-        out.append(verdict(item, gap > step_margin, f"best {best.method} {_f(best.value)} − norm-only "
-                                                     f"{_f(norm.value)} = {gap:+.4f}", **kw))
+    out = _step_rules(rows, idx, step_margin) + _which_rollout_rules(rows, idx, step_margin)
     draws = _draws(rows)
     for seed, sfx in draws:
-        res_norm = idx.get((seed, "mp_residualized" + sfx, estimators.ROLLOUT_NORM_CONTROL))
         flu = idx.get((seed, "mp_raw" + sfx, "fluency"))
         prim = [r for r in rows
                 if r.seed == seed and r.table == "mp_residualized" + sfx and _role(r.method) == "primary"]
         for r in prim:
+            res_norm = idx.get((seed, "mp_residualized" + sfx, _same_kind(estimators.ROLLOUT_NORM_CONTROL, r.method)))
             tag = f"({seed}{sfx}, {r.method})"
             kw = dict(subject=f"{seed}{sfx}", method=r.method)
             if r.lo is None or res_norm is None or math.isnan(r.value):
@@ -654,6 +698,65 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
     return out
 
 
+def _step_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str], Row], margin: float) -> list[Verdict]:
+    """The step rule of every seed with ``early_nonzero`` rows (see :func:`decision_rules`)."""
+    out = []
+    for seed in dict.fromkeys(r.seed for r in rows if r.table == "early_nonzero"):
+        prim = [r for r in rows if r.seed == seed and r.table == "early_nonzero" and _role(r.method) == "primary"]
+        norm = idx.get((seed, "early_nonzero", estimators.STEP_NORM_CONTROL))
+        item = f"step rule (seed {seed}): best targeted P@|GT| − norm-only > {margin}"
+        kw = dict(rule=f"step rule: best targeted P@|GT| − norm-only > {margin}", subject=f"seed {seed}")
+        if not prim or norm is None:
+            have = [r.method for r in rows if r.seed == seed and r.table == "early_nonzero"]
+            out.append(verdict(item, None, f"needs a primary method and norm-only in early_nonzero; have {have}", **kw))
+            continue
+        best = max(prim, key=lambda r: r.value)
+        gap = best.value - norm.value
+        controls = [idx[(seed, "early_nonzero", m)] for m in estimators.REWARD_ONLY_STEP_CONTROLS
+                    if (seed, "early_nonzero", m) in idx]
+        note = ("; reward-only step controls (not part of the rule): "
+                + ", ".join(f"{c.method} {_f(c.value)} (best targeted {best.value - c.value:+.4f})" for c in controls)
+                if controls else "")
+        out.append(verdict(item, gap > margin, f"best {best.method} {_f(best.value)} − norm-only "
+                                               f"{_f(norm.value)} = {gap:+.4f}{note}", **kw))
+    return out
+
+
+def _which_rollout_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str], Row],
+                         margin: float) -> list[Verdict]:
+    """The which-rollout rule of every seed with ``which_rollout`` rows, per sketch kind (weighted,
+    and direction when its rows are present; see :func:`decision_rules`)."""
+    out = []
+    rule = f"which-rollout rule: best targeted P@|GT| − max(norm-only, |A|) > {margin}"
+    for seed in dict.fromkeys(r.seed for r in rows if r.table == "which_rollout"):
+        sel = [r for r in rows if r.seed == seed and r.table == "which_rollout"]
+        for kind in ("weighted", "direction"):
+            direction = kind == "direction"
+            prim = [r for r in sel if _role(r.method) == "primary" and estimators.is_direction(r.method) == direction]
+            if direction and not prim:
+                continue
+            norm_name = estimators.STEP_NORM_CONTROL + (estimators.DIRECTION if direction else "")
+            norm, absa = idx.get((seed, "which_rollout", norm_name)), idx.get((seed, "which_rollout",
+                                                                              estimators.ABS_ADVANTAGE_CONTROL))
+            item = f"which-rollout rule (seed {seed}, {kind}): best targeted P@|GT| − max(norm-only, |A|) > {margin}"
+            kw = dict(rule=rule, subject=f"seed {seed}", method=kind)
+            if not prim or norm is None or absa is None:
+                out.append(verdict(item, None, f"needs a primary method, {norm_name} and "
+                                               f"{estimators.ABS_ADVANTAGE_CONTROL} in which_rollout; have "
+                                               f"{[r.method for r in sel]}", **kw))
+                continue
+            best = max(prim, key=lambda r: r.value)
+            gap = best.value - max(norm.value, absa.value)
+            log = [idx[(seed, "which_rollout", m)] for m in ("advantage", "reward")
+                   if (seed, "which_rollout", m) in idx]
+            note = ("; the training log alone: " + ", ".join(f"{r.method} {_f(r.value)}" for r in log)
+                    + f" (ceiling 1.0, chance {_f(best.chance)})") if log else ""
+            out.append(verdict(item, gap > margin, f"best {best.method} {_f(best.value)} − max({norm_name} "
+                                                   f"{_f(norm.value)}, {absa.method} {_f(absa.value)}) = "
+                                                   f"{gap:+.4f}{note}", **kw))
+    return out
+
+
 def checklist(rows: Sequence[Row], *, gt_sizes: Mapping[str, int] | None = None,
               gt_in_zero_step: Mapping[str, int] | None = None, row_files: Sequence[str] | None = None,
               preregistered: Mapping[str, float] | None = None, max_ci_width: float = 0.15,
@@ -686,12 +789,20 @@ def checklist(rows: Sequence[Row], *, gt_sizes: Mapping[str, int] | None = None,
                if gt_in_zero_step else verdict(item, None, "no sketch norms given"))
 
     with_ctrl, without = [], []
-    for seed, table in dict.fromkeys((r.seed, r.table) for r in step_rows + roll_rows if _role(r.method) == "primary"):
-        ctrl = estimators.STEP_NORM_CONTROL if table in STEP_TABLES else estimators.ROLLOUT_NORM_CONTROL
-        (with_ctrl if (seed, table, ctrl) in has else without).append(f"{seed}/{table}")
+    which_rows = [r for r in rows if r.table == "which_rollout"]
+    targeted = dict.fromkeys((r.seed, r.table, estimators.is_direction(r.method))
+                             for r in step_rows + roll_rows + which_rows if _role(r.method) == "primary")
+    for seed, table, direction in targeted:
+        ctrl = estimators.ROLLOUT_NORM_CONTROL if table.startswith("mp_") else estimators.STEP_NORM_CONTROL
+        need = [ctrl + (estimators.DIRECTION if direction else "")]
+        if table == "which_rollout":  # at rollout resolution the reward-only |A_i| ranker is a control too
+            need.append(estimators.ABS_ADVANTAGE_CONTROL)
+        name = f"{seed}/{table}" + (estimators.DIRECTION if direction else "")
+        (with_ctrl if all((seed, table, c) in has for c in need) else without).append(name)
     out.append(verdict("3 gradient-magnitude control reported next to every targeted method",
                        not without if (with_ctrl or without) else None,
-                       f"with norm control: {with_ctrl or 'none'}; without: {without or 'none'}"))
+                       f"with norm control{' (and |A| in which_rollout)' if which_rows else ''}: "
+                       f"{with_ctrl or 'none'}; without: {without or 'none'}"))
 
     seeds_overall = sorted({r.seed for r in step_rows if r.table == "overall"})
     seeds_early = sorted({r.seed for r in step_rows if r.table == "early_nonzero"})

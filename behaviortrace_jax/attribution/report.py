@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from etils import epath  # noqa: E402
 
-from behaviortrace_jax.attribution import metrics  # noqa: E402
+from behaviortrace_jax.attribution import estimators, metrics  # noqa: E402
 from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row, Verdict  # noqa: E402
 from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
 from behaviortrace_jax.io.layout import as_path  # noqa: E402
@@ -34,8 +34,17 @@ HOW_TO_READ = """\
 * `overall` ranks all rollouts, where zero-gradient steps hand the magnitude control a free win
   (the "cliff"); `early_nonzero` (PRIMARY) keeps rollouts of nonzero steps in the contamination
   window (SPEC §6.6).
-* `which_rollout`: scores from per-rollout in-run sketches, so steps can be split: ceiling 1.0.
-  `which_rollout_within_step`: AUC of GT vs non-GT rollouts of the same step (chance 0.5).
+* `which_rollout`: scores from per-rollout in-run sketches, so steps can be split: ceiling 1.0; the
+  population is early_nonzero without the rollouts whose advantage is 0 (zero-variance groups, which
+  taught nothing). `which_rollout_within_step`: AUC of GT vs non-GT rollouts of the same step
+  (chance 0.5). A method's plain name scores the *weighted* rollout sketch clip_s x c_i x g_i (its
+  real share of the update; c_i = A_i/(G·B) for the paper loss), `:direction` the advantage-free
+  g_i = ∇(−mean log-prob_i) (SPEC §3.2's rollout loss); `norm/|A|` = |weighted sketch| / |A_i|.
+* Reward-only controls read only the training log (no target, no gradient): `advantage` (A_i),
+  `abs-advantage` (|A_i|), `reward`, and per step `step-sum-abs-advantage`, `step-reward-std`. The
+  bonus defines the ground truth, so `reward` and `advantage` sit at (or near) the ceiling by
+  construction; rollout-level rankers are not bound by the step-level ceiling either. An
+  estimator "finds which rollout" only if it beats norm-only and |A_i| by the step margin.
 * Rollout level: within-group AUC over (positive, negative) pairs of the same prompt draw, ties ½,
   pairs pooled (n = pairs). `mp_residualized` removes one pooled within-group fluency slope;
   `mp_matched` keeps pairs with |Δfluency| ≤ 0.10 (counts only with ≥ 100 pairs). [lo, hi] = 95 %
@@ -55,17 +64,21 @@ def _ci(r: Row) -> str:
     return f"{_f(r.value)} [{_f(r.lo)}, {_f(r.hi)}]" if r.lo is not None else _f(r.value)
 
 
+def _cell(c) -> str:
+    """A markdown table cell: ``|`` escaped, line breaks shown as ``↵``."""
+    return str(c).replace("|", "\\|").replace("\r\n", "↵").replace("\n", "↵")
+
+
 def _md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    lines = ["| " + " | ".join(map(_cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in body]
     return "\n".join(lines)
 
 
-def step_section(rows: Sequence[Row]) -> str:
-    """Markdown tables of the step-level (and which-rollout) rows, one per (seed, table)."""
+def step_section(rows: Sequence[Row], tables: Sequence[str] = STEP_TABLES) -> str:
+    """Markdown tables of the step-level rows (or those of ``tables``), one per (seed, table)."""
     parts = []
-    keys = list(dict.fromkeys((r.seed, r.table) for r in rows
-                              if r.table in STEP_TABLES or r.table.startswith("which_rollout")))
+    keys = list(dict.fromkeys((r.seed, r.table) for r in rows if r.table in tables))
     for seed, table in keys:
         sel = [r for r in rows if r.seed == seed and r.table == table]
         ch, ce = sel[0].chance, sel[0].ceiling
@@ -106,6 +119,92 @@ def rollout_section(rows: Sequence[Row]) -> str:
     return "\n\n".join(parts)
 
 
+WHICH_TABLES = ("which_rollout", "which_rollout_within_step")
+
+
+def _best(rows: Sequence[Row], direction: bool) -> Row | None:
+    """The best targeted (role primary) row of one (seed, table), weighted or ``:direction``."""
+    prim = [r for r in rows if estimators.is_direction(r.method) == direction
+            and getattr(estimators.ESTIMATORS.get(estimators.base_method(r.method)), "role", None) == "primary"]
+    return max(prim, key=lambda r: r.value) if prim else None
+
+
+def training_log_section(rows: Sequence[Row]) -> str:
+    """Per seed, what the training log alone reveals next to the gradient methods: the which-rollout
+    population (how many zero-advantage rollouts it drops), what ``advantage``, ``reward`` and
+    ``abs-advantage`` reach there and what the reward-only step controls reach in ``early_nonzero``."""
+    parts = []
+    for seed in dict.fromkeys(r.seed for r in rows if r.table == "which_rollout"):
+        w = {r.method: r for r in rows if r.seed == seed and r.table == "which_rollout"}
+        auc = {r.method: r for r in rows if r.seed == seed and r.table == "which_rollout_within_step"}
+        e = {r.method: r for r in rows if r.seed == seed and r.table == "early_nonzero"}
+        if not {"advantage", "reward", estimators.ABS_ADVANTAGE_CONTROL} <= set(w):
+            continue
+        any_w, any_e = next(iter(w.values())), next(iter(e.values()), None)
+        k = round(any_w.chance * any_w.n)
+        pop = f"{any_w.n} rollouts with A_i ≠ 0, |GT| = {k}, chance {_f(any_w.chance)}"
+        if any_e is not None:
+            pop += (f"; {any_e.n - any_w.n} rollouts of zero-variance groups dropped from the early_nonzero "
+                    f"population, {round(any_e.chance * any_e.n) - k} of them ground truth")
+        a = w[estimators.ABS_ADVANTAGE_CONTROL]
+        text = (f"**What the training log alone reveals (seed {seed}).** The which-rollout population: {pop}. "
+                f"Ranked by the signed advantage these rollouts reach P@|GT| = {_f(w['advantage'].value)}, by the "
+                f"reward {_f(w['reward'].value)} (ceiling 1.0): the bonus defines the ground truth, so the log "
+                "already shows which rollouts earned it, and this benchmark asks whether gradient methods "
+                f"recover what the log already shows. |A_i| alone reaches {_f(a.value)}"
+                + (f" (within-step AUC {_f(auc[a.method].value)})" if a.method in auc else "") + ".")
+        best = [(kind, b) for kind, b in (("weighted", _best(list(w.values()), False)),
+                                          ("direction", _best(list(w.values()), True))) if b is not None]
+        if best:
+            text += " The best targeted method reaches " + " and ".join(
+                f"{_f(b.value)} on {kind} sketches (`{b.method}`)" for kind, b in best)
+            norm = w.get(estimators.STEP_NORM_CONTROL)
+            text += f"; norm-only {_f(norm.value)}." if norm else "."
+        steps = [e[m] for m in estimators.REWARD_ONLY_STEP_CONTROLS if m in e]
+        if steps:
+            b = _best(list(e.values()), False)
+            text += (f" At step level (`early_nonzero`, ceiling {_f(steps[0].ceiling)}): "
+                     + ", ".join(f"`{r.method}` {_f(r.value)}" for r in steps)
+                     + (f"; the best targeted method (`{b.method}`) {_f(b.value)}." if b else "."))
+        parts.append(text)
+    return "\n\n".join(parts)
+
+
+def _short(text: str, n: int) -> str:
+    """``text`` on one line (line breaks as ``↵``, runs of spaces as one), cut to ``n`` characters."""
+    text = " ".join(str(text).replace("\r\n", "↵").replace("\n", "↵").split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def top_blamed_section(top: dict | None, prompt_chars: int = 48, completion_chars: int = 72) -> str:
+    """What each method blames (``which_rollout_top.json`` of the evaluate stage): per method its
+    top rollouts of the which-rollout population with step, prompt, completion (shortened),
+    reward, advantage and whether it is ground truth. "" without data."""
+    if not top or not top.get("methods"):
+        return ""
+    pop = top.get("population", {})
+    parts = [f"**Top-blamed rollouts (seed {top.get('seed')})**: each method's highest-scored rollouts of the "
+             f"which-rollout population (n = {pop.get('n')}, |GT| = {pop.get('gt')}, so a random pick is ground "
+             f"truth with probability {_f(pop.get('chance'), 3)}). GT = earned the bonus."]
+    for method, entries in top["methods"].items():
+        hits = sum(bool(x["ground_truth"]) for x in entries)
+        body = [[i + 1, x["step"], _short(x["prompt"], prompt_chars), _short(x["completion"], completion_chars),
+                 _f(x["reward"], 2), _f(x["advantage"], 3), "**GT**" if x["ground_truth"] else ""]
+                for i, x in enumerate(entries)]
+        parts.append(f"`{method}`: {hits} of {len(entries)} ground truth\n\n"
+                     + _md_table(["#", "step", "prompt", "completion", "reward", "A", "GT"], body))
+    return "\n\n".join(parts)
+
+
+def which_rollout_section(rows: Sequence[Row], top: dict | None = None) -> str:
+    """The "which rollout" section: what the training log alone reveals, the top-blamed rollouts
+    (``top``), then the which_rollout and which_rollout_within_step tables. "" without those rows."""
+    tables = step_section(rows, WHICH_TABLES)
+    if not tables:
+        return ""
+    return "\n\n".join(x for x in (training_log_section(rows), top_blamed_section(top), tables) if x)
+
+
 def other_section(rows: Sequence[Row]) -> str:
     """Generic table of the remaining rows (token-level means and any custom table)."""
     rest = [r for r in rows if not (r.table in STEP_TABLES or r.table.startswith(("which_rollout", "mp_")))]
@@ -115,12 +214,23 @@ def other_section(rows: Sequence[Row]) -> str:
                      [[r.seed, r.table, r.method, _ci(r), r.n] for r in rest])
 
 
+HEADLINE_RULES = ("step rule (", "which-rollout rule (")
+
+
+def headline_lines(decision_rules: Sequence[Verdict]) -> list[str]:
+    """The console's closing lines of a run (``pipeline.run``, before the digests): every step-rule
+    and which-rollout-rule verdict (SPEC §6.11 and its which-rollout analogue) with its evidence,
+    which names the best targeted method, norm-only, |A_i| and what the reward alone reaches."""
+    return [f"verdict {v.status}: {v.item} -- {v.evidence}" for v in decision_rules
+            if v.item.startswith(HEADLINE_RULES)]
+
+
 def verdict_section(verdicts: Sequence[Verdict]) -> str:
     """Markdown table of verdicts plus a pass/fail/not-evaluable count."""
     if not verdicts:
         return "_no verdicts_"
     counts = {k: sum(v.status == k for v in verdicts) for k in ("pass", "fail", "not-evaluable")}
-    body = [[v.item.replace("|", "\\|"), f"**{v.status}**", v.evidence.replace("|", "\\|")] for v in verdicts]
+    body = [[v.item, f"**{v.status}**", v.evidence] for v in verdicts]
     return (", ".join(f"{n} {k}" for k, n in counts.items()) + "\n\n"
             + _md_table(["item", "verdict", "evidence"], body))
 
@@ -128,16 +238,19 @@ def verdict_section(verdicts: Sequence[Verdict]) -> str:
 def render_report(rows: Sequence[Row], *, title: str = "BehaviorTrace-JAX evaluation", intro: str = "",
                   rules: Sequence[Verdict] = (), checklist: Sequence[Verdict] = (),
                   figures: Sequence[str | os.PathLike] = (), extra: Sequence[tuple[str, str]] = (),
-                  base_dir: str | os.PathLike | None = None) -> str:
+                  base_dir: str | os.PathLike | None = None, top_blamed: dict | None = None) -> str:
     """The text of ``report.md``: intro, how to read, tables, verdicts, figures, extra sections.
 
     Args:
         rows: evaluation rows; rules / checklist: :class:`evaluation.Verdict` lists; figures: image paths (linked
-            relative to ``base_dir``); extra: (heading, markdown) sections appended at the end.
+            relative to ``base_dir``); extra: (heading, markdown) sections appended at the end;
+            top_blamed: ``which_rollout_top.json`` (:func:`top_blamed_section`), shown at the top of
+            the which-rollout section.
     """
     out = [f"# {title}", intro.strip(), "## How to read\n\n" + HOW_TO_READ.strip()]
-    for heading, body in (("Step-level tables", step_section(rows)), ("Rollout-level tables", rollout_section(rows)),
-                          ("Other rows", other_section(rows))):
+    for heading, body in (("Step-level tables", step_section(rows)),
+                          ("Which rollout", which_rollout_section(rows, top_blamed)),
+                          ("Rollout-level tables", rollout_section(rows)), ("Other rows", other_section(rows))):
         if body:
             out.append(f"## {heading}\n\n{body}")
     if rules:
@@ -168,9 +281,12 @@ def _save(fig, path: str | os.PathLike) -> epath.Path:
     return as_path(path)
 
 
-def _colors(rows: Sequence[Row]) -> dict[str, str]:
-    """One colour per method name, stable across panels and figures."""
-    return {m: f"C{i % 10}" for i, m in enumerate(dict.fromkeys(r.method for r in rows))}
+def _colors(rows: Sequence[Row]) -> dict[str, object]:
+    """One colour per method name, stable across panels and figures: matplotlib's ten cycle colours
+    first, then the light half of ``tab20`` (so up to 20 methods get distinct colours)."""
+    light = plt.get_cmap("tab20")
+    return {m: f"C{i}" if i < 10 else light((2 * (i - 10) + 1) % 20)
+            for i, m in enumerate(dict.fromkeys(r.method for r in rows))}
 
 
 def _grouped_bars(ax, seeds: list[str], methods: list[str], value, colors: dict[str, str]) -> float:
@@ -353,7 +469,8 @@ def behavior_sections(rows: Sequence[Row], behavior_ids: Sequence[str], summary:
                           f"behaviour's (`{behavior_ids[0]}`).\n\n" + "\n".join(lines))]
     for bid in behavior_ids[1:]:
         sel = behavior_rows(rows, bid)
-        body = "\n\n".join(x for x in (step_section(sel), rollout_section(sel), other_section(sel)) if x)
+        body = "\n\n".join(x for x in (step_section(sel), which_rollout_section(sel), rollout_section(sel),
+                                      other_section(sel)) if x)
         v = verdicts.get("behaviors", {}).get(bid, {})
         rules = [Verdict.from_dict(d) for d in v.get("decision_rules", [])]
         if rules:

@@ -36,8 +36,8 @@ def as_path(path: str | os.PathLike) -> epath.Path:
 
 # The tensorstore arrays under ``sketches/`` (io/sketch_store.py): the in-run stores of the grpo
 # stage (sketch/stores.py) and the sketch stage's targets and per-checkpoint rollout sketches.
-SKETCH_STORES = ("step_sketches", "step_grad_norms", "rollout_sketches", "rollout_grad_norms",
-                 "targets_continuation", "checkpoint_rollout_sketches", "checkpoint_rollout_fluency",
+SKETCH_STORES = ("step_sketches", "step_grad_norms", "step_clip_factors", "rollout_sketches",
+                 "rollout_grad_norms", "rollout_coefficients", "targets_continuation", "checkpoint_rollout_sketches", "checkpoint_rollout_fluency",
                  "checkpoint_rollout_norms")
 
 
@@ -52,7 +52,7 @@ class RunLayout:
     | ``grpo`` | ``grpo/``: ``rollouts/``, ``ground_truth.jsonl``, ``checkpoints/``, ``registry.json``, ``state/``, ``learning_curve.json``, ``summary.json``, ``tb/`` |
     | ``grpo``, ``sketch`` | ``sketches/`` (tensorstore arrays) |
     | ``draws`` | ``draws/`` |
-    | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json`` |
+    | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``, ``which_rollout_top.json`` |
     | ``report`` | ``report.md``, ``figures/`` |
     | ``counterfactual`` | ``counterfactual/``: ``replays/*.json``, ``report_section.md``; rows of ``results_table.csv``, a section of ``report.md``, ``figures/counterfactual_topk.png`` |
     | ``compile`` | ``compile_report.json``, ``compile_report.md`` |
@@ -102,6 +102,7 @@ class RunLayout:
     results_table = property(lambda self: self.workdir / "results_table.csv")
     attribution_scores = property(lambda self: self.workdir / "attribution_scores.json")
     verdicts = property(lambda self: self.workdir / "verdicts.json")
+    which_rollout_top = property(lambda self: self.workdir / "which_rollout_top.json")  # what each method blames
     report = property(lambda self: self.workdir / "report.md")
     figures = property(lambda self: self.workdir / "figures")
     # optional stages

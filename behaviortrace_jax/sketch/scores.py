@@ -5,17 +5,26 @@ One reader for the stages that score rollouts (``evaluate`` for its tables and r
 (``attribution.estimators``) reaches both with no other change. It sits in the sketch layer, not in
 ``attribution/``, because it opens tensorstore sketch stores (``attribution`` imports only
 ``io.files`` / ``io.layout``; tests/test_layers.py).
+
+Every call also hands the estimators the training log's ``advantages`` and ``rewards`` (log
+order), so the reward-only controls score next to the gradient methods. With the in-run rollout
+sketches (``per_rollout``) each sketch-reading estimator is scored twice (``sketch/stores.py``):
+on the *weighted* sketches ``clip_s * c_i * g_i`` (the rollout's contribution to its update;
+the registered names) and on the advantage-free *direction* sketches ``g_i`` (names +
+``estimators.DIRECTION``; only when the loss declares rollout coefficients).
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import ml_collections
 import numpy as np
 
 from behaviortrace_jax.attribution import estimators
-from behaviortrace_jax.io import sketch_store
+from behaviortrace_jax.io import rollout_log, sketch_store
 from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.sketch import stores
 
 
 def read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
@@ -33,31 +42,118 @@ def read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
     return store
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutSketches:
+    """The in-run rollout sketches of a run, both ways (``sketch/stores.py``), rows in log order.
+
+    weighted: float32 [N, D] ``clip_s * c_i * g_i``, rollout i's contribution to its step's
+        update (TracIn's training-side gradient); sums over a step to the step sketch.
+    direction: float32 [N, D] ``g_i``, the sketch of the advantage-free -meanlp_i; None when the
+        loss has no rollout coefficients (``kind == "term"``).
+    kind: the store's ``rollout_sketch`` metadata.
+    """
+
+    weighted: np.ndarray
+    direction: np.ndarray | None
+    kind: str
+
+
+def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -> RolloutSketches:
+    """Reads the in-run rollout sketches with their coefficients and step clip factors.
+
+    Raises:
+        FileNotFoundError / ValueError: a store is absent or incomplete, or the rollout store has no
+            ``rollout_sketch`` metadata (written before rollout sketches were advantage-free; the
+            grpo stage must be rerun).
+    """
+    store = read_complete(paths.sketch_store("rollout_sketches"))
+    kind = store.metadata.get("rollout_sketch")
+    if kind not in stores.ROLLOUT_SKETCH_KINDS:
+        raise ValueError(f"{store.path}: metadata 'rollout_sketch' is {kind!r}, expected one of "
+                         f"{stores.ROLLOUT_SKETCH_KINDS}; the store predates advantage-free rollout sketches, "
+                         "rerun the `grpo` stage")
+    sk = store.read()
+    scale = rollout_scales(config, paths, sk.shape[0], coefficients=kind == stores.ROLLOUT_DIRECTION)
+    if scale is None:
+        raise FileNotFoundError(f"{paths.sketch_store('rollout_coefficients')}: not found, but {store.path} holds "
+                                "direction sketches; rerun the `grpo` stage")
+    weighted = (sk * scale[:, None]).astype(np.float32)
+    return RolloutSketches(weighted, sk if kind == stores.ROLLOUT_DIRECTION else None, kind)
+
+
+def rollout_scales(config: ml_collections.ConfigDict, paths: RunLayout, n_rows: int, *,
+                   coefficients: bool = True) -> np.ndarray | None:
+    """float32 [n_rows]: ``clip_s * c_i`` of the first ``n_rows`` rollouts of the log (row i of
+    step i // N), what turns the sketch of rollout i's advantage-free -meanlp_i into its
+    contribution to the update. ``coefficients=False``: ``clip_s`` alone (for term sketches).
+    None when the run logged no ``rollout_coefficients`` (its loss declares none).
+
+    Raises:
+        FileNotFoundError / ValueError: ``step_clip_factors`` absent or incomplete.
+    """
+    n = config.grpo.prompts_per_step * config.grpo.group_size
+    scale = read_complete(paths.sketch_store("step_clip_factors")).read()[np.arange(n_rows) // n]
+    if coefficients:
+        path = paths.sketch_store("rollout_coefficients")
+        if not (path / "metadata.json").exists():
+            return None
+        scale = scale * read_complete(path).read()[:n_rows]
+    return scale.astype(np.float32)
+
+
+def training_log_inputs(records: list, rollout_ids: list[str]) -> dict[str, np.ndarray]:
+    """``{"advantages", "rewards"}`` float64 [N] of the rollout log ``records``, in the order of
+    ``rollout_ids``: the reward-only controls' inputs (``attribution.estimators``).
+
+    Raises:
+        ValueError: the records are not the rollouts ``rollout_ids`` in that order.
+    """
+    ids = [r.rollout_id for r in records]
+    if ids != list(rollout_ids):
+        raise ValueError(f"rollout log holds {len(ids)} records that are not the {len(rollout_ids)} scored rollouts "
+                         "in log order")
+    return {"advantages": np.array([float(r.advantage) for r in records]),
+            "rewards": np.array([float(r.reward) for r in records])}
+
+
 def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
                        rollout_steps: np.ndarray, *, per_rollout: bool = False,
-                       step_sketches: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Every step-level estimator's per-rollout scores (log order), SPEC §4.
+                       step_sketches: np.ndarray | None = None, records: list | None = None) -> dict[str, np.ndarray]:
+    """Every step-level estimator's per-rollout scores (log order), SPEC §4, with the reward-only
+    controls of the training log.
 
     With ``per_rollout`` the in-run rollout sketches replace the step sketches (the "which rollout"
-    scores). Targets: the final checkpoint's continuation target (C1, TRAK, local-buffer) and one
-    per checkpoint (TracInCP). ``step_sketches`` (float32 [steps, D]) saves re-reading
-    ``step_sketches.zarr`` when the caller already holds it.
+    scores, weighted and direction, :func:`rollout_method_scores`). Targets: the final checkpoint's
+    continuation target (C1, TRAK, local-buffer) and one per checkpoint (TracInCP).
+    ``step_sketches`` (float32 [steps, D]) and ``records`` (the rollout log) save re-reading them
+    when the caller already holds them.
     """
+    records = list(rollout_log.read_rollouts(paths.rollouts)) if records is None else records
+    log = training_log_inputs(records, rollout_ids)
+    target_path = paths.sketch_store("targets_continuation")
     if per_rollout:
-        sketches = read_complete(paths.sketch_store("rollout_sketches")).read()
-    else:
-        sketches = (step_sketches if step_sketches is not None
-                    else read_complete(paths.sketch_store("step_sketches")).read())
-    return target_store_scores(config, paths.sketch_store("targets_continuation"), sketches, rollout_ids,
-                               rollout_steps, per_rollout=per_rollout)
+        return rollout_method_scores(config, target_path, read_rollout_sketches(config, paths), rollout_ids,
+                                     rollout_steps, **log)
+    sketches = (step_sketches if step_sketches is not None
+                else read_complete(paths.sketch_store("step_sketches")).read())
+    return target_store_scores(config, target_path, sketches, rollout_ids, rollout_steps, **log)
 
 
-def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
-                        rollout_ids: list[str], rollout_steps: np.ndarray, *,
-                        per_rollout: bool = False) -> dict[str, np.ndarray]:
-    """:func:`step_method_scores` with the targets of ``target_path`` (another behaviour's
-    ``targets_continuation_<id>.zarr``, issue 16) and sketches the caller has read: float32
-    [steps, D] step sketches, or [N, D] in-run rollout sketches with ``per_rollout``.
+def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: RolloutSketches,
+                          rollout_ids: list[str], rollout_steps: np.ndarray, *, advantages=None,
+                          rewards=None) -> dict[str, np.ndarray]:
+    """The "which rollout" scores (``estimators.score_rollout_sketches``): every step-level estimator
+    on the weighted rollout sketches (registered names; the reward-only controls and ``norm/|A|``
+    included), then every sketch-reading one on the direction sketches (names +
+    ``estimators.DIRECTION``) when present, with the targets of ``target_path``."""
+    return estimators.score_rollout_sketches(sketches.weighted, sketches.direction, rollout_ids, rollout_steps,
+                                             advantages=advantages, rewards=rewards,
+                                             **estimator_options(config, target_path))
+
+
+def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Path) -> dict:
+    """The estimators' targets and options: ``target`` (the last checkpoint's continuation target),
+    ``targets_by_checkpoint`` (TracInCP), ``lr``, ``damping``, ``seed``, ``window``, ``current_step``.
 
     Raises:
         FileNotFoundError / ValueError: the target store is absent or incomplete (names it).
@@ -66,8 +162,22 @@ def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.
     t_store = read_complete(target_path)
     targets = t_store.read()
     by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
+    return dict(target=targets[-1], targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping,
+                seed=int(config.seed), window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+
+
+def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
+                        rollout_ids: list[str], rollout_steps: np.ndarray, *, per_rollout: bool = False,
+                        advantages=None, rewards=None) -> dict[str, np.ndarray]:
+    """:func:`step_method_scores` with the targets of ``target_path`` (another behaviour's
+    ``targets_continuation_<id>.zarr``) and sketches the caller has read: float32
+    [steps, D] step sketches, or [N, D] per-rollout sketches with ``per_rollout``.
+    ``advantages`` / ``rewards`` (float [N], log order) feed the reward-only controls.
+
+    Raises:
+        FileNotFoundError / ValueError: the target store is absent or incomplete (names it).
+    """
     steps = np.asarray(rollout_steps) if per_rollout else np.arange(sketches.shape[0])
-    return estimators.score_step_methods(
-        sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
-        targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
-        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+    return estimators.score_step_methods(sketches, steps, rollout_ids, rollout_steps, per_rollout_sketches=per_rollout,
+                                         advantages=advantages, rewards=rewards,
+                                         **estimator_options(config, target_path))

@@ -1,4 +1,20 @@
-"""The run's sketch arrays: the metadata every sketch array carries and the in-run stores."""
+"""The run's sketch arrays: the metadata every sketch array carries and the in-run stores (SPEC §3.2).
+
+The in-run stores of the ``grpo`` stage (rollout row = ``step * N + index``, log order):
+
+* ``step_sketches`` [steps, D] (CountSketch of the clipped step gradient), ``step_grad_norms``
+  [steps] (its pre-clip global norm) and ``step_clip_factors`` [steps] (``grad_clip / max(norm,
+  grad_clip)``, the scale the clip applied);
+* ``rollout_coefficients`` [steps*N]: c_i of a loss whose term is ``c_i * (-meanlp_i)``
+  (``grpo_loss.Loss.rollout_coefficients``; the paper loss: A_i / (G*B)); absent for other losses;
+* with ``sketch.in_run_rollouts``, ``rollout_sketches`` [steps*N, D] and ``rollout_grad_norms``
+  [steps*N]: metadata ``rollout_sketch`` says what they sketch: :data:`ROLLOUT_DIRECTION` (the
+  gradient of the advantage-free rollout loss -meanlp_i at the step's weights, when the loss
+  declares coefficients) or :data:`ROLLOUT_TERM` (the gradient of the rollout's term of the loss,
+  pre-clip). Either way ``step_clip_factors[s] * c_i * rollout_sketches[i]`` (c_i = 1 for a term
+  sketch) is rollout i's contribution to step s's update; they sum over the step to
+  ``step_sketches[s]`` (CountSketch is linear; float rounding aside).
+"""
 from __future__ import annotations
 
 import ml_collections
@@ -7,6 +23,10 @@ from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, hf_io
 from behaviortrace_jax.sketch import countsketch
+
+ROLLOUT_DIRECTION = "direction"  # rollout_sketches = sketch of grad(-meanlp_i): advantage-free
+ROLLOUT_TERM = "term"  # rollout_sketches = sketch of grad(term_i): the loss has no rollout coefficients
+ROLLOUT_SKETCH_KINDS = (ROLLOUT_DIRECTION, ROLLOUT_TERM)
 
 
 def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
@@ -17,15 +37,25 @@ def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: decoder.Decode
             "run_seed": int(config.seed)}
 
 
-def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig,
-                       paths: RunLayout) -> dict[str, sketch_store.SketchStore]:
-    """The in-run sketch arrays: step sketches [steps, D], step grad norms [steps], rollout sketches
-    [steps*N, D] and rollout grad norms [steps*N] (rollout row = step * N + index)."""
+def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, paths: RunLayout,
+                       rollout_sketch: str = ROLLOUT_DIRECTION) -> dict[str, sketch_store.SketchStore]:
+    """The in-run sketch arrays of the module docstring. ``rollout_sketch``: what the step's rollout
+    sketches are (``GRPOStepSpec.rollout_sketch``): :data:`ROLLOUT_DIRECTION` also opens
+    ``rollout_coefficients``.
+
+    Raises:
+        ValueError: an unknown ``rollout_sketch``; a reopened store of another kind (sketch_store).
+    """
+    if rollout_sketch not in ROLLOUT_SKETCH_KINDS:
+        raise ValueError(f"rollout_sketch={rollout_sketch!r}; expected one of {ROLLOUT_SKETCH_KINDS}")
     steps, n, d = config.grpo.steps, config.grpo.prompts_per_step * config.grpo.group_size, config.sketch.dim
-    specs = {"step_sketches": (steps, d), "step_grad_norms": (steps,)}
-    if config.sketch.in_run_rollouts:
+    specs = {"step_sketches": (steps, d), "step_grad_norms": (steps,), "step_clip_factors": (steps,)}
+    if config.sketch.in_run_rollouts:  # opened first: a run resumed with another kind fails before creating any
         specs.update(rollout_sketches=(steps * n, d), rollout_grad_norms=(steps * n,))
+    if rollout_sketch == ROLLOUT_DIRECTION:
+        specs["rollout_coefficients"] = (steps * n,)
+    extra = {"rollout_sketches": {"rollout_sketch": rollout_sketch}}
     return {name: sketch_store.SketchStore.open_or_create(
                 paths.sketch_store(name), shape, chunk_rows=n if shape[0] == steps * n else 1,
-                metadata=sketch_metadata(config, model_cfg, name))
+                metadata=dict(sketch_metadata(config, model_cfg, name), **extra.get(name, {})))
             for name, shape in specs.items()}

@@ -31,6 +31,7 @@ the files, so the rerun's table is bit-identical.
 from __future__ import annotations
 
 import io
+import urllib.parse
 
 import ml_collections
 import numpy as np
@@ -198,6 +199,13 @@ def plot(rows: list[V.Row], path: epath.Path) -> epath.Path | None:
     return path
 
 
+def replay_path(out_dir: epath.Path, key: str) -> epath.Path:
+    """``out_dir/<key>.json`` with the key percent-encoded (``urllib.parse.quote``), so a method
+    name such as ``norm/|A|`` or ``C1-dot:direction`` names one file in ``out_dir`` (plain keys
+    keep their names)."""
+    return out_dir / f"{urllib.parse.quote(key, safe='-_.')}.json"
+
+
 def measure_step(config: ml_collections.ConfigDict) -> int:
     """The step whose behaviour the tables report (``counterfactual.measure``): "window" = the end of
     the contamination window (``contamination.early_step_cutoff``, capped at the run's length; the
@@ -233,7 +241,7 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     removed = plan(config, rp.rollout_ids, steps, gt_ids, scores)
     at = measure_step(config)
     for i, (key, rem) in enumerate(removed.items()):
-        path = out_dir / f"{key}.json"
+        path = replay_path(out_dir, key)
         if path.exists():
             continue
         res = rp.run(removal_weights(rp.num_rollouts, rem),
@@ -244,7 +252,7 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
                           "behavior": beh, "seconds_per_step": res["seconds_per_step"]})
         logging.info("counterfactual: %d/%d %s -> %.4f (%.3f s/step)", i + 1, len(removed), key,
                      beh[str(at)]["logp_margin"], res["seconds_per_step"])
-    results = {k: read_json(out_dir / f"{k}.json") for k in removed}
+    results = {k: read_json(replay_path(out_dir, k)) for k in removed}
     window = np.flatnonzero(steps < config.contamination.early_step_cutoff)
     rows = tables(str(int(config.seed)), results, removed, scores, window, nboot=int(config.evaluation.nboot))
     table = w.results_table

@@ -24,25 +24,36 @@ from absl import logging
 
 from behaviortrace_jax.attribution import estimators, evaluation, metrics, release as reproduce, report, specificity
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
-from behaviortrace_jax.behavior import behaviors as behaviors_lib
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
 from behaviortrace_jax.io import files, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.sketch.scores import read_complete, step_method_scores, target_store_scores
+from behaviortrace_jax.models import tokenizer as tok_lib
+from behaviortrace_jax.sketch.scores import (read_complete, read_rollout_sketches, rollout_method_scores,
+                                             rollout_scales, step_method_scores, target_store_scores,
+                                             training_log_inputs)
 from behaviortrace_jax.stages.registry import register_stage
 
 
-def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: pathlib.Path) -> dict:
-    """Writes ``release/seed{S}/`` in the paper's format (SPEC §7); returns the score-file header."""
+def read_records(config: ml_collections.ConfigDict, paths: RunLayout) -> list[rollout_log.RolloutRecord]:
+    """The rollout log of a complete run (log order). Raises ValueError on a wrong record count."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
     n_expected = config.grpo.steps * config.grpo.prompts_per_step * config.grpo.group_size
     if len(records) != n_expected:
         raise ValueError(f"{paths.rollouts}: {len(records)} rollout records, expected {n_expected}")
+    return records
+
+
+def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: pathlib.Path,
+                  records: list | None = None) -> dict:
+    """Writes ``release/seed{S}/`` in the paper's format (SPEC §7); returns the score-file header.
+    Its score file holds every step-level estimator and the reward-only controls."""
+    records = read_records(config, paths) if records is None else records
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in evaluation.read_ground_truth(paths.ground_truth)]
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk)
+    scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk, records=records)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     header = evaluation.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
                                  final_rewards=np.array([r.reward for r in records]),
@@ -80,7 +91,8 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     paths = RunLayout(workdir)
     ev = config.evaluation
     release = paths.release
-    write_release(config, paths, release)
+    records = read_records(config, paths)
+    write_release(config, paths, release, records)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     rep = reproduce.reproduce(release, nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
                               step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
@@ -88,10 +100,14 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows = list(rep.rows)
     if config.sketch.in_run_rollouts:
         sd = next(s for s in rep.seeds if s.label == str(int(config.seed)))
-        scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, per_rollout=True)
+        scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, per_rollout=True,
+                                    records=records)
+        adv = np.array([r.advantage for r in records], np.float64)
+        kw = dict(advantages=adv, nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff)
         rows += evaluation.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
-                                       nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff,
-                                       nboot=ev.nboot, rng_seed=int(config.seed))
+                                                nboot=ev.nboot, rng_seed=int(config.seed), **kw)
+        pop = evaluation.which_rollout_population(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, **kw)
+        write_json(paths.which_rollout_top, top_blamed(config, paths, records, scores, pop, set(sd.gt_ids)))
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
     verdicts = evaluation.verdicts_json(rules, check)
@@ -110,10 +126,14 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
                             target_path: pathlib.Path | None = None) -> list[evaluation.Row]:
     """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
 
-    Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C: within each GRPO
-    group (same step and prompt), ground-truth (bonus) rollouts are the positives; the target is the
-    continuation target at C. Tables ``mp_raw_train_ckpt{C}`` etc., in the layout of SPEC §6.7-§6.10
-    (GAS_centered = cos(g - group mean, t), C1_plain, norm_only, fluency; bootstrap rng = seed).
+    Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C (g_i: the gradient of
+    the advantage-free -meanlp_i at C): within each GRPO group (same step and prompt), ground-truth
+    (bonus) rollouts are the positives; the target is the continuation target at C. Tables
+    ``mp_raw_train_ckpt{C}`` etc., in the layout of SPEC §6.7-§6.10 (GAS_centered = cos(g - group
+    mean, t), C1_plain, norm_only, fluency; bootstrap rng = seed), twice: on the weighted sketches
+    ``clip_s * c_i * g_i`` (the logged coefficients and clip factors, ``sketch.scores.rollout_scales``;
+    the methods' own names; absent when the run logged no coefficients) and on g_i (method names
+    + ``:direction``; fluency once).
     Empty when no checkpoint was re-sketched. ``gt_path`` / ``target_path``: another behaviour's
     ground truth and continuation targets (issue 16; pass its ``behavior_config`` view for its window).
     """
@@ -121,6 +141,7 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     if not (path / "metadata.json").exists():
         return []
     store = sketch_store.SketchStore.open(path)
+    scale = rollout_scales(config, paths, store.shape[1])  # clip_s * c_i: the weighted variant
     fluency = sketch_store.SketchStore.open(paths.sketch_store("checkpoint_rollout_fluency"))
     t_store = sketch_store.SketchStore.open(paths.sketch_store("targets_continuation"))
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
@@ -138,10 +159,55 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
         target = t_store.read(rows=[t_steps.index(int(step))])[0]
         sk = store.read(lead=(c,))[early]
         fl = fluency.read(lead=(c,))[early, 0]
-        mp_rows = estimators.score_rollout_rows(sk, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
-        rows += evaluation.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
-                                       suffix=f"_train_ckpt{int(step)}", source=str(path))
+        kinds = ([("", sk * scale[early][:, None])] if scale is not None else []) + [(estimators.DIRECTION, sk)]
+        for kind, x in kinds:
+            mp_rows = estimators.score_rollout_rows(x, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
+            t = evaluation.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
+                                                suffix=f"_train_ckpt{int(step)}", source=str(path))
+            rows += [dataclasses.replace(r, method=r.method + kind) for r in t if not (kind and r.method == "fluency")]
     return rows
+
+
+TEXT_CHARS = 160  # characters of prompt / completion text kept in which_rollout_top.json
+
+
+def user_prompt_text(tok, prompt_ids: list[int]) -> str:
+    """The user turn of a logged chat prompt (token ids of ``tokenizer.encode_chat``): the decoded
+    prompt with the chat template around ``behavior.SYSTEM_PROMPT`` and the user text cut off; the
+    whole decoded prompt (special tokens skipped) when it does not have that shape (e.g. truncated)."""
+    text = tok.decode(prompt_ids, skip_special_tokens=False)
+    head, sep, tail = tok_lib.chat_prompt(tok, behavior.SYSTEM_PROMPT, "\x00").partition("\x00")
+    if sep and text.startswith(head) and text.endswith(tail) and len(text) >= len(head) + len(tail):
+        return text[len(head):len(text) - len(tail)]
+    return tok.decode(prompt_ids, skip_special_tokens=True)
+
+
+def top_blamed(config: ml_collections.ConfigDict, paths: RunLayout, records: list, scores: dict[str, np.ndarray],
+               pop: evaluation.Population, gt_ids: set[str]) -> dict:
+    """What each method blames: for the |A| control and every sketch-reading estimator (weighted and
+    ``:direction``), its ``evaluation.top_blamed`` highest-scored rollouts of the which-rollout population
+    ``pop`` (``evaluation.top_ranked``), each with step, prompt and completion text (decoded with
+    the run's tokenizer, cut at :data:`TEXT_CHARS`), reward, advantage, score and whether it is
+    ground truth. The content of ``which_rollout_top.json`` (read by the report stage)."""
+    tok = tok_lib.load_tokenizer(paths.sft_hf)
+    est = lambda m: estimators.ESTIMATORS.get(estimators.base_method(m))  # noqa: E731
+    methods = [estimators.ABS_ADVANTAGE_CONTROL] + [m for m in scores if est(m) and estimators.reads_sketches(est(m))]
+    prompts: dict[tuple[int, ...], str] = {}
+
+    def entry(i: int, score: float) -> dict:
+        r = records[i]
+        key = tuple(r.prompt_token_ids)
+        if key not in prompts:
+            prompts[key] = user_prompt_text(tok, r.prompt_token_ids)[:TEXT_CHARS]
+        return {"rollout_id": r.rollout_id, "step": r.step, "prompt": prompts[key],
+                "completion": tok.decode(r.completion_token_ids, skip_special_tokens=True)[:TEXT_CHARS],
+                "reward": r.reward, "advantage": r.advantage, "score": score, "ground_truth": r.rollout_id in gt_ids}
+
+    k = int(config.evaluation.top_blamed)
+    top = {m: [entry(int(i), float(scores[m][i])) for i in evaluation.top_ranked(scores[m], pop.mask, k)]
+           for m in methods if m in scores}
+    return {"seed": int(config.seed), "population": {"n": pop.n, "gt": pop.k, "chance": pop.chance},
+            "methods": top}
 
 
 def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
@@ -179,8 +245,9 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         extra = report.behavior_sections(all_rows, ids, summary, verdicts, base)
         fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
         figs += [fig] if fig is not None else []
+    top = read_json(w.which_rollout_top) if w.which_rollout_top.exists() else None
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
-                   intro=run_intro(config, summary),
+                   intro=run_intro(config, summary), top_blamed=top,
                    rules=[evaluation.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
                    checklist=[evaluation.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
                    extra=extra)
@@ -243,9 +310,9 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     records = list(rollout_log.read_rollouts(paths.rollouts))
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
+    log = training_log_inputs(records, ids)
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    roll_sk = (read_complete(paths.sketch_store("rollout_sketches")).read()
-               if config.sketch.in_run_rollouts else None)
+    roll_sk = read_rollout_sketches(config, paths) if config.sketch.in_run_rollouts else None
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     nonzero = np.isin(steps, np.asarray(evaluation.nonzero_steps_from_norms(step_norms), np.int64))
     rows: list[evaluation.Row] = []
@@ -256,9 +323,9 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
         gt_ids = {e["rollout_id"] for e in evaluation.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
         gt[beh.id] = np.array([i in gt_ids for i in ids])
         pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
-        step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps)
+        step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps, **log)
         if roll_sk is not None:
-            roll_scores[beh.id] = target_store_scores(config, target_path, roll_sk, ids, steps, per_rollout=True)
+            roll_scores[beh.id] = rollout_method_scores(config, target_path, roll_sk, ids, steps, **log)
         if gt[beh.id][pops[beh.id]].any():
             p = pops[beh.id]
             ceilings[beh.id] = metrics.precision_ceiling_fractional(steps[p], gt[beh.id][p],
@@ -281,7 +348,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
             b_rows += evaluation.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores[beh.id],
                                                       nonzero_steps=sd.header["nonzero_steps"],
                                                       early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
-                                                      rng_seed=int(config.seed))
+                                                      rng_seed=int(config.seed), advantages=log["advantages"])
         b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
                                           target_path=target_path)
         b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
@@ -292,10 +359,15 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     if len(usable) >= 2:
         label = str(int(config.seed))
         sub = lambda d: {k: d[k] for k in usable}  # noqa: E731
-        spec_rows += specificity.specificity_rows(label, "step", steps, sub(pops), sub(gt), sub(step_scores),
+        # one method's scores under two targets: the weighted sketch methods with norm-only and random (the
+        # controls that read the training log, and the direction variants, are left out)
+        scored = lambda d: {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m)  # noqa: E731
+                                and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)}
+                            for k in usable}
+        spec_rows += specificity.specificity_rows(label, "step", steps, sub(pops), sub(gt), scored(step_scores),
                                                   nboot=ev.nboot, rng_seed=int(config.seed), ceiling=sub(ceilings))
         if roll_sk is not None:
-            spec_rows += specificity.specificity_rows(label, "rollout", steps, sub(pops), sub(gt), sub(roll_scores),
+            spec_rows += specificity.specificity_rows(label, "rollout", steps, sub(pops), sub(gt), scored(roll_scores),
                                                       nboot=ev.nboot, rng_seed=int(config.seed))
     else:
         logging.warning("evaluate: specificity needs ground truth of >= 2 behaviours in their windows; have %s", usable)

@@ -9,8 +9,9 @@ One GRPO step (SPEC §2.2), for B prompts x G samples = N rollouts:
   4. ONE jitted train step (rollouts on the mesh's data axis, params and optimizer state donated)
      computes the loss of the whole batch, clips the global gradient norm, applies AdamW and
      returns, as side outputs, the CountSketch of the clipped batch gradient (the step sketch,
-     SPEC §3.2) and, new here, the CountSketch of each rollout's own loss term at the step's
-     parameters (in-run rollout sketches, which sum to the pre-clip batch-gradient sketch).
+     SPEC §3.2), the clip factor and the CountSketch of each rollout's advantage-free loss
+     -meanlp_i at the step's parameters with its loss coefficient c_i (in-run rollout sketches:
+     clip x c_i x sketch_i, summed over the step, is the step sketch; ``sketch/stores.py``).
 
 Everything a later stage needs is logged: the rollout log (token ids, per-token sampling
 log-probs, rewards, advantages), the ground-truth log, orbax train-state checkpoints with an HF
@@ -162,7 +163,7 @@ class GRPORun:
                 stats={"total_seen": self.start_step * self.shapes.num_rollouts, "boosted": len(log.events)})
         self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
-        self.stores = open_sketch_stores(config, self.model_cfg, paths)
+        self.stores = open_sketch_stores(config, self.model_cfg, paths, rollout_sketch=self.spec.rollout_sketch)
         self.base_key = jax.random.key(config.seed)
 
     # ------------------------------------------------------------------------------------------
@@ -213,6 +214,9 @@ class GRPORun:
         out = sharding.to_host(out)  # every process holds the whole step's outputs; the writer writes them
         self.stores["step_sketches"].write_rows(step, np.asarray(out["step_sketch"])[None])
         self.stores["step_grad_norms"].write_rows(step, np.asarray(out["grad_norm"], np.float32)[None])
+        self.stores["step_clip_factors"].write_rows(step, np.asarray(out["clip_factor"], np.float32)[None])
+        if "rollout_coefficients" in out:
+            self.stores["rollout_coefficients"].write_rows(step * n, np.asarray(out["rollout_coefficients"]))
         if "rollout_sketches" in out:
             self.stores["rollout_sketches"].write_rows(step * n, np.asarray(out["rollout_sketches"]))
             self.stores["rollout_grad_norms"].write_rows(step * n, np.asarray(out["rollout_grad_norms"]))

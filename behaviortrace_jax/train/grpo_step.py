@@ -4,8 +4,9 @@
 completion right-padded, the loss mask up to and including the first EOS); ``make_train_step``
 returns ONE jitted function that computes the loss of the whole batch, clips the global gradient
 norm, applies the optimizer and returns, as side outputs, the CountSketch of the clipped batch
-gradient (the step sketch, SPEC §3.2) and the CountSketch of each rollout's own loss term (in-run
-rollout sketches). The resumable loop that drives it is ``stages/grpo.py``.
+gradient (the step sketch, SPEC §3.2), its clip factor and the CountSketch of each rollout's
+advantage-free loss -meanlp_i with its loss coefficient c_i (in-run rollout sketches: clip x c_i x
+sketch_i is the rollout's share of the update). The resumable loop that drives it is ``stages/grpo.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import optax
 from flax import nnx
 
 from behaviortrace_jax.models import decoder, sharding
-from behaviortrace_jax.sketch import sketcher
+from behaviortrace_jax.sketch import sketcher, stores
 from behaviortrace_jax.train import grpo_loss, train_state
 
 
@@ -141,6 +142,12 @@ class GRPOStepSpec:
         """The registered :class:`grpo_loss.Loss` (function and declarations)."""
         return grpo_loss.get_loss(self.loss)
 
+    @property
+    def rollout_sketch(self) -> str:
+        """What the in-run rollout sketches are (``sketch.stores``): ``"direction"`` (of the
+        advantage-free -meanlp_i) when the loss declares ``rollout_coefficients``, else ``"term"``."""
+        return stores.ROLLOUT_DIRECTION if self.loss_spec.rollout_coefficients is not None else stores.ROLLOUT_TERM
+
     @classmethod
     def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
         """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
@@ -173,11 +180,18 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     * ``ref_params``: the initial policy when the loss ``needs_reference`` (a KL term), else None;
     * ``out``: float32 ``loss`` and ``grad_norm`` (pre-clip global L2 norm); when ``order`` (a
       ``sketcher.hf_param_order``) is given, ``step_sketch [D]`` = CountSketch of the clipped
-      batch gradient (SPEC §3.2, step 4) and, with ``spec.in_run_rollouts``, ``rollout_sketches
-      [N, D]`` and ``rollout_grad_norms [N]`` = the sketch and exact norm of each rollout's own loss
-      term at the step's parameters (they sum to the pre-clip batch gradient's sketch). ``order=None``
-      (the replay) builds the update alone, except under ``one_backward``, whose update IS the
-      per-rollout sketcher's gradient sum (the sketches are then computed and returned anyway).
+      batch gradient (SPEC §3.2, step 4), ``clip_factor`` = ``grad_clip / max(grad_norm,
+      grad_clip)`` (the scale optax's global-norm clip applied) and, for a loss that declares
+      ``rollout_coefficients``, ``rollout_coefficients [N]`` (c_i, times the weight when
+      ``weighted``). With ``spec.in_run_rollouts`` also ``rollout_sketches [N, D]`` and
+      ``rollout_grad_norms [N]``: the sketch and exact norm at the step's parameters of each
+      rollout's advantage-free loss -meanlp_i (SPEC §3.2's rollout loss; its *direction*) when the
+      loss declares coefficients, so ``clip_factor * c_i * rollout_sketches[i]`` is the rollout's
+      contribution to the update and these sum over the rollouts to ``step_sketch``; for a loss
+      without them (``grpo_clip``) the sketch of the rollout's own term, pre-clip (no
+      advantage-free direction is available then). ``order=None`` (the replay) builds the update
+      alone, except under ``one_backward``, whose update IS the per-rollout sketcher's gradient sum
+      (the sketches are then computed and returned anyway).
 
     Params and optimizer state are donated; in/out shardings are explicit. With
     ``inner_iterations`` > 1 the sketches are of the first, on-policy iteration. With ``weighted``
@@ -192,9 +206,10 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     and its ``lower(...)`` takes abstract ones.
 
     ``spec.one_backward``: the update uses the sum of the per-rollout gradients the in-run sketcher
-    computes anyway (``PerExampleSketcher.sketch_and_sum``, accumulated in ``spec.sum_dtype``)
-    instead of a second, batched backward - the same gradient up to float summation order. The
-    step sketch is then ``scale * sum_i rollout_sketches[i]`` (CountSketch is linear; SPEC §3.2).
+    computes anyway (``PerExampleSketcher.sketch_and_sum`` with the coefficients c_i as weights,
+    accumulated in ``spec.sum_dtype``) instead of a second, batched backward - the same gradient up
+    to float summation order. The step sketch is then ``scale * sum_i c_i rollout_sketches[i]``
+    (CountSketch is linear; SPEC §3.2).
     """
     loss = spec.loss_spec
     shapes, inner_iterations, one_backward = spec.shapes, spec.inner_iterations, spec.one_backward
@@ -207,9 +222,15 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     def inputs(lp, old_lp, ref_lp, mask, adv):
         return grpo_loss.LossInputs(lp, old_lp, ref_lp, mask, adv, shapes.num_prompts, shapes.group_size)
 
+    coefficients = loss.rollout_coefficients  # term_i = c_i * (-meanlp_i): sketch -meanlp_i, scale by c_i
+
     def rollout_term(p, ex):
-        """One rollout's own term of the step loss (``ex`` has no batch axis)."""
+        """One rollout's own loss (``ex`` has no batch axis): SPEC §3.2's rollout loss -meanlp_i when
+        the loss declares rollout coefficients (its term is then c_i times it), else its term of the
+        step loss (times its weight when ``weighted``)."""
         lp = lp_fn(p, ex["input_ids"][None], ex["attention_mask"][None])
+        if coefficients is not None:
+            return -grpo_loss.masked_mean(lp, ex["loss_mask"][None])[0]
         li = inputs(lp, ex["old_lp"][None], ex["ref_lp"][None], ex["loss_mask"][None], ex["advantages"][None])
         term = loss(li, spec.loss_cfg)[0]
         return term * ex["weights"] if weighted else term
@@ -239,18 +260,27 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 
         out = {}
         start_params = params
-        res = None
-        if one_backward:  # the per-rollout gradients, summed, are the batch gradient
-            res, gsum, terms = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype))
-            summed = (jnp.sum(terms), jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
+        res = coef = None
+        if coefficients is not None:  # parameter-free: the logged advantages (and B, G) decide them
+            coef = coefficients(inputs(old_lp, old_lp, ref_lp, mask, adv), spec.loss_cfg).astype(jnp.float32)
+            coef = coef * batch["weights"] if weighted else coef
+        if one_backward:  # the per-rollout gradients, summed (times c_i), are the batch gradient
+            res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype),
+                                                              weights=coef)
+            summed = (jnp.sum(vals if coef is None else coef * vals),
+                      jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
         for it in range(inner_iterations):
             loss_value, grads = summed if one_backward else jax.value_and_grad(total_loss)(params)
             if it == 0:
                 out["loss"], out["grad_norm"] = loss_value, optax.tree.norm(grads)
                 if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm
                     scale = train_state.clip_factor(out["grad_norm"], grad_clip)
-                    if one_backward:  # CountSketch is linear: sketch(scale * sum_i g_i) = scale * sum_i sketch(g_i)
-                        out["step_sketch"] = jnp.sum(res.sketches, axis=0) * scale
+                    out["clip_factor"] = scale
+                    if coef is not None:
+                        out["rollout_coefficients"] = coef
+                    if one_backward:  # CountSketch is linear: sketch(s * sum_i c_i g_i) = s * sum_i c_i sketch(g_i)
+                        rs = res.sketches if coef is None else coef[:, None] * res.sketches
+                        out["step_sketch"] = jnp.sum(rs, axis=0) * scale
                     else:
                         out["step_sketch"] = sketcher.sketch_vector(grads, order, sketch_dim, sketch_seed) * scale
             updates, opt_state = tx.update(grads, opt_state, params)
@@ -269,7 +299,9 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         batch_sh["weights"] = data
     out_sh = {"loss": rep, "grad_norm": rep}
     if order is not None:
-        out_sh["step_sketch"] = rep
+        out_sh.update(step_sketch=rep, clip_factor=rep)
+        if coefficients is not None:
+            out_sh["rollout_coefficients"] = data
     if rollout_sketcher is not None:
         out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
     ref_sh = param_shardings if loss.needs_reference else None  # ref_params is None otherwise
