@@ -245,7 +245,9 @@ def test_no_clipping_gives_unclipped_step_sketches(grad_clip):
     batch = _batch(seed=3)
     p0 = jax.tree.map(jnp.copy, params)
     _, _, out = step(params, opt_state, batch, None)
-    total = np.asarray(out["rollout_sketches"]).sum(0)
+    # the weighted rollout sketches c_i * sketch(-meanlp_i) sum to the pre-clip gradient's sketch
+    total = (np.asarray(out["rollout_coefficients"])[:, None] * np.asarray(out["rollout_sketches"])).sum(0)
+    assert float(out["clip_factor"]) == 1.0
     assert np.all(np.isfinite(np.asarray(out["step_sketch"]))) and np.abs(total).max() > 0
     np.testing.assert_allclose(np.asarray(out["step_sketch"]), total, rtol=2e-4, atol=1e-6)
     _, _, small = clipped(p0, train_state.make_optimizer(tiny.get_config().optim).init(p0), batch, None)
