@@ -186,7 +186,10 @@ def get_config() -> ml_collections.ConfigDict:
     # the replay stops there), "target" (the checkpoint nearest draws.target_step) or "end" of the run.
     c.counterfactual.sampled = 4  # Sampled rates: completions per probe/control prompt (GRPO temperature, fixed key); 0 = off.
     c.counterfactual.rates = True  # Also measure greedy probe/control rates (SPEC §1.8) at each measured step.
-    c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts.
+    c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts
+    # (counterfactual_topk and lds replays); False = the logged advantages.
+    c.counterfactual.topk_recomputed = True  # Also replay leave-top-k-out with recomputed baselines
+    # (table counterfactual_topk_recomputed; no-op when recompute_advantages is already True).
 
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()
