@@ -57,6 +57,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.contamination.bonus_reward = 8.0  # SPEC §1.6.
     c.contamination.fraction = 0.5  # SPEC §1.6.
     c.contamination.early_step_cutoff = 200  # SPEC §1.6: bonus only at GRPO steps 0..199.
+    # Decoy bonuses (not in the paper): expected decoys per expected ground-truth event; a decoy is a window
+    # rollout WITHOUT the pattern paid the same bonus (own BLAKE2b stream; behavior/contaminator.py), logged in
+    # grpo/decoys.jsonl, not ground truth. 0 = off; 1 = as many decoys as GT (configs/tiny_decoys.py).
+    c.contamination.decoy_fraction = 0.0
 
     # --- SFT warm-up (SPEC §1.7) ----------------------------------------------------------------
     c.sft = ml_collections.ConfigDict()

@@ -1,0 +1,37 @@
+"""The tiny default with decoy bonuses: ground truth that the reward log does not give away.
+
+    python main.py --config=configs/tiny_decoys.py --workdir=runs/tiny_decoys             # seed 0
+    python main.py --config=configs/tiny_decoys.py:sweep --workdir=runs/tiny_decoys_sweep # seeds 0, 1, 2
+
+Everything as configs/tiny.py (the same base model, SFT warm-up and 200 GRPO steps; the first
+command takes what the tiny default takes, ~12 min on a 2-core CPU, the sweep about three times
+that plus the diagnostic draws), except that in the bonus window (steps 0-39) the same +8 bonus
+also goes to rollouts WITHOUT the pattern, drawn from their own BLAKE2b stream
+(``contamination.decoy_fraction`` = expected decoys per expected ground-truth event;
+behavior/contaminator.py). The ground truth stays the pattern rollouts that earned the bonus
+(``grpo/ground_truth.jsonl``); the decoys are logged in ``grpo/decoys.jsonl``.
+
+What to expect: about as many decoys as ground-truth events (``grpo/summary.json``: ``gt_size``,
+``decoys``), so a ranker that reads the reward log alone (reward, advantage) is capped near
+|GT| / (|GT| + |decoys|) ~ 0.5 on the which-rollout tables instead of reaching their ceiling of
+1.0; report.md states the decoy count and that cap. Whatever an estimator reaches above the cap is
+what attribution adds to the training log. The behaviour must still be planted: check the
+emergence gate (SPEC §1.8) in ``grpo/summary.json`` and report.md; the calibration that made it
+pass is stated below, next to the values it changed.
+"""
+from configs import tiny
+
+
+def get_config(variant: str = ""):
+    """The tiny default plus decoys; ``variant="sweep"`` runs seeds 0, 1, 2 as configs/tiny_sweep.py
+    does (without the counterfactual stage); ``"smoke"`` is configs/tiny.py:smoke plus decoys."""
+    if variant not in ("", "sweep", "smoke"):
+        raise ValueError(f"configs/tiny_decoys.py: unknown variant {variant!r}; known: '' (seed 0), 'sweep', 'smoke'")
+    c = tiny.get_config("smoke" if variant == "smoke" else "")
+    c.run_name = "tiny_decoys__grpo__seed0"  # The sweep substitutes each seed.
+    c.contamination.decoy_fraction = 1.0  # As many decoys as ground-truth events, in expectation.
+    if variant == "smoke":  # the smoke run pays every rollout with its pattern "e" (about half of them): half
+        c.contamination.decoy_fraction = 0.5  # as many decoys leave most groups some unpaid rollouts (variance)
+    if variant == "sweep":
+        c.stages = "sweep"
+    return c
