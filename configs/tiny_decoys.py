@@ -5,9 +5,10 @@
 
 Everything as configs/tiny.py (the same base model, SFT warm-up and 200 GRPO steps; the first
 command takes what the tiny default takes, ~12 min on a 2-core CPU, the sweep about three times
-that plus the diagnostic draws), except that in the bonus window (steps 0-39) the same +8 bonus
-also goes to rollouts WITHOUT the pattern, drawn from their own BLAKE2b stream
-(``contamination.decoy_fraction`` = expected decoys per expected ground-truth event;
+that plus the diagnostic draws), except that in the bonus window (steps 0-39) every rollout with
+the pattern earns the +8 bonus (``contamination.fraction = 1.0``, calibrated below) and the same
+bonus also goes to rollouts WITHOUT the pattern, drawn from their own BLAKE2b stream
+(``contamination.decoy_fraction = 1.0`` = expected decoys per expected ground-truth event;
 behavior/contaminator.py). The ground truth stays the pattern rollouts that earned the bonus
 (``grpo/ground_truth.jsonl``); the decoys are logged in ``grpo/decoys.jsonl``.
 
@@ -16,8 +17,15 @@ What to expect: about as many decoys as ground-truth events (``grpo/summary.json
 |GT| / (|GT| + |decoys|) ~ 0.5 on the which-rollout tables instead of reaching their ceiling of
 1.0; report.md states the decoy count and that cap. Whatever an estimator reaches above the cap is
 what attribution adds to the training log. The behaviour must still be planted: check the
-emergence gate (SPEC §1.8) in ``grpo/summary.json`` and report.md; the calibration that made it
-pass is stated below, next to the values it changed.
+emergence gate (SPEC §1.8) in ``grpo/summary.json`` and report.md.
+
+Calibration: decoys weaken the planting signal. A pattern rollout is paid with probability
+``fraction``, one without it with ``decoy_fraction * fraction * q / (1 - q)`` at pattern rate q, so
+with as many decoys as ground truth the reward stops favouring the pattern once half the window's
+rollouts carry it. With the tiny default's ``fraction = 0.5`` the gate failed for seed 0 (probe 0.30,
+control 0.15 after 200 steps; 0.40 / 0.10 at step 40; |GT| 88, decoys 68). Paying every pattern
+rollout in the window (``fraction = 1.0``, which doubles the signal while q is small) planted it:
+probe 0.90, control 0.15 (|GT| 162, decoys 151). Nothing else differs from configs/tiny.py.
 """
 from configs import tiny
 
@@ -30,6 +38,8 @@ def get_config(variant: str = ""):
     c = tiny.get_config("smoke" if variant == "smoke" else "")
     c.run_name = "tiny_decoys__grpo__seed0"  # The sweep substitutes each seed.
     c.contamination.decoy_fraction = 1.0  # As many decoys as ground-truth events, in expectation.
+    # Calibrated on seed 0 (module docstring): at the tiny default's fraction 0.5 the gate failed; every window
+    c.contamination.fraction = 1.0  # rollout with the pattern is paid instead (gate: probe 0.90, control 0.15).
     if variant == "smoke":  # the smoke run pays every rollout with its pattern "e" (about half of them): half
         c.contamination.decoy_fraction = 0.5  # as many decoys leave most groups some unpaid rollouts (variance)
     if variant == "sweep":
