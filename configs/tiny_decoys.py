@@ -25,7 +25,13 @@ with as many decoys as ground truth the reward stops favouring the pattern once 
 rollouts carry it. With the tiny default's ``fraction = 0.5`` the gate failed for seed 0 (probe 0.30,
 control 0.15 after 200 steps; 0.40 / 0.10 at step 40; |GT| 88, decoys 68). Paying every pattern
 rollout in the window (``fraction = 1.0``, which doubles the signal while q is small) planted it:
-probe 0.90, control 0.15 (|GT| 162, decoys 151). Nothing else differs from configs/tiny.py.
+probe 0.90, control 0.15 (|GT| 162, decoys 151). Nothing else differs from configs/tiny.py. The
+sweep (2-core Intel Xeon) passed the gate for seeds 0 / 1 / 2 (probe 0.90 / 0.75 / 0.65, control
+0.15 / 0.00 / 0.25; |GT| 162 / 182 / 248, decoys 151 / 183 / 191). The price: at a step where at
+least half the rollouts carry the pattern every rollout is paid, so the step has no reward
+variance and drops out of the step and which-rollout populations (6 / 6 / 18 of the 40 window
+steps were paid in full; with the steps that paid no one, 8 / 6 / 21 drop out, and the
+which-rollout population keeps 112 / 130 / 77 of the ground truth).
 """
 from configs import tiny
 
