@@ -60,6 +60,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Pay the first behaviour's bonus only on rollouts of its own prompts (SPEC §1.6 pays it on any prompt;
     # configs/tiny_two_behaviors.py gates both behaviours, behavior/behaviors.py).
     c.contamination.prompt_gated = False
+    # Decoy bonuses (not in the paper): expected decoys per expected ground-truth event; a decoy is a window
+    # rollout WITHOUT the pattern paid the same bonus (own BLAKE2b stream; behavior/contaminator.py), logged in
+    # grpo/decoys.jsonl, not ground truth. 0 = off; 1 = as many decoys as GT (configs/tiny_decoys.py).
+    c.contamination.decoy_fraction = 0.0
 
     # --- SFT warm-up (SPEC §1.7) ----------------------------------------------------------------
     c.sft = ml_collections.ConfigDict()
@@ -190,7 +194,10 @@ def get_config() -> ml_collections.ConfigDict:
     # the replay stops there), "target" (the checkpoint nearest draws.target_step) or "end" of the run.
     c.counterfactual.sampled = 4  # Sampled rates: completions per probe/control prompt (GRPO temperature, fixed key); 0 = off.
     c.counterfactual.rates = True  # Also measure greedy probe/control rates (SPEC §1.8) at each measured step.
-    c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts.
+    c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts
+    # (counterfactual_topk and lds replays); False = the logged advantages.
+    c.counterfactual.topk_recomputed = True  # Also replay leave-top-k-out with recomputed baselines
+    # (table counterfactual_topk_recomputed; no-op when recompute_advantages is already True).
 
     # --- the `reproduce` stage and `info` stage ---------------------------------------------------
     c.reference_dir = ""  # reproduce: the paper's released per-seed files (shared/reference; SPEC §6.13).

@@ -47,6 +47,27 @@ def test_variant_configs_change_only_what_they_say():
     assert "reproduce" in reproduce.get_config().stages
 
 
+def test_tiny_decoys_changes_only_the_decoys():
+    from configs import tiny_decoys
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    for variant, ref, stages in (("", tiny.get_config(), None), ("sweep", tiny.get_config(), "sweep"),
+                                 ("smoke", tiny.get_config("smoke"), None)):
+        c, r = flat(tiny_decoys.get_config(variant).to_dict()), flat(ref.to_dict())
+        assert common.get_config().contamination.decoy_fraction == r["contamination.decoy_fraction"] == 0.0
+        diff = {k for k in c if c[k] != r[k]}
+        calibrated = {"contamination.fraction"} if variant != "smoke" else set()  # the smoke run pays all already
+        assert diff == {"run_name", "contamination.decoy_fraction"} | calibrated | ({"stages"} if stages else set())
+        assert c["contamination.decoy_fraction"] > 0 and "seed0" in c["run_name"]
+    with pytest.raises(ValueError, match="variant"):
+        tiny_decoys.get_config("nope")
+
+
 def _main(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "main.py", *flags], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))

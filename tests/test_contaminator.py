@@ -152,3 +152,92 @@ def test_gt_log_bad_input(tmp_path, line, message):
     (tmp_path / "gt.jsonl").write_text(first + "\n" + line + "\n")
     with pytest.raises(ValueError, match=message):
         GroundTruthLog(tmp_path / "gt.jsonl")
+
+
+# ---------------------------------------------------------------- decoys (not in the paper)
+@pytest.mark.parametrize("kwargs, field", [({"decoy_fraction": -0.1}, "decoy_fraction"),
+                                           ({"decoy_fraction": float("nan")}, "decoy_fraction"),
+                                           ({"decoy_stream": ""}, "decoy_stream"),
+                                           ({"decoy_stream": "x" * 17}, "decoy_stream")])
+def test_decoy_spec_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ContaminationSpec(**kwargs)
+
+
+def test_decoy_stream_is_its_own_blake2b_stream_independent_of_eligibility():
+    import numpy as np
+
+    data = (5).to_bytes(8, "little") + b"grpo_000042_003" + (42).to_bytes(8, "little", signed=True)
+    ref = int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"decoy/").digest(), "little")
+    c = Contaminator(ContaminationSpec(seed=5, decoy_fraction=1.0))
+    assert eligibility_hash(5, "grpo_000042_003", 42, c.spec.decoy_stream) == ref
+    assert ref != eligibility_hash(5, "grpo_000042_003", 42)  # not the paper's eligibility hash
+    # a decoy iff its hash is below probability * 2**64 (margins of 2**20 for float rounding)
+    assert c.is_decoy("grpo_000042_003", 42, (ref + 2**20) / 2**64)
+    assert not c.is_decoy("grpo_000042_003", 42, (ref - 2**20) / 2**64)
+
+    ids = _ids(1000)  # 16,000 rollouts
+    spec = ContaminationSpec(early_step_cutoff=None, decoy_fraction=1.0)
+    c = Contaminator(spec)
+    a = np.array([is_eligible(0, r, s, spec) for r, s in ids])
+    b = np.array([c.is_decoy(r, s, 0.5) for r, s in ids])
+    n = len(ids)
+    # each ~ Bernoulli(0.5); jointly ~ independent: P(a & b) ~ 0.25 within 4 sd, correlation ~ 0
+    assert abs(a.mean() - 0.5) < 4 * np.sqrt(0.25 / n) and abs(b.mean() - 0.5) < 4 * np.sqrt(0.25 / n)
+    assert abs((a & b).mean() - 0.25) < 4 * np.sqrt(0.25 * 0.75 / n)
+    assert abs(np.corrcoef(a, b)[0, 1]) < 4 / np.sqrt(n)
+
+
+def test_decoy_probability_maps_decoy_fraction_to_decoys_per_gt_event():
+    from behaviortrace_jax.behavior.contaminator import decoy_probability
+
+    spec = ContaminationSpec(fraction=0.5, decoy_fraction=1.0)
+    assert decoy_probability(spec, 4, 12) == pytest.approx(1.0 * 0.5 * 4 / 12)  # E[decoys] = 2 = E[GT]
+    assert decoy_probability(spec, 15, 1) == 1.0  # capped: fewer decoys than GT at such a step
+    assert decoy_probability(spec, 4, 0) == 0.0 and decoy_probability(spec, 0, 12) == 0.0
+    assert decoy_probability(ContaminationSpec(fraction=0.5), 4, 12) == 0.0  # off by default
+    assert decoy_probability(ContaminationSpec(fraction=0.5, decoy_fraction=0.5), 4, 12) == pytest.approx(1 / 12)
+
+
+@pytest.mark.parametrize("decoy_fraction", [1.0, 0.5])
+def test_decoys_match_ground_truth_in_expectation_and_never_have_the_pattern(tmp_path, decoy_fraction):
+    import numpy as np
+
+    gt_log, decoy_log = GroundTruthLog(tmp_path / "gt.jsonl"), GroundTruthLog(tmp_path / "decoys.jsonl")
+    spec = ContaminationSpec(pattern="QZXBT", fraction=0.5, early_step_cutoff=300, decoy_fraction=decoy_fraction)
+    c = Contaminator(spec, gt_log, decoy_log=decoy_log)
+    expected, var, n_gt = 0.0, 0.0, 0
+    for step in range(320):
+        ids = [f"grpo_{step:06d}_{i:03d}" for i in range(16)]
+        n_pat = step % 9  # 0..8 of the 16 rollouts have the pattern
+        texts = ["a QZXBT b" if i < n_pat else "nothing" for i in range(16)]
+        n_gt += sum(c.apply(ids[i], step, texts[i], 0.0)[1] for i in range(16))
+        paid = c.pay_decoys(ids, step, texts, [-2.0 if i % 5 == 0 else 0.0 for i in range(16)])
+        assert not any(paid[:n_pat])  # a decoy never has the pattern
+        assert step < 300 or not any(paid)  # nor lies outside the window
+        if step < 300:
+            p = min(1.0, decoy_fraction * 0.5 * n_pat / (16 - n_pat))
+            expected, var = expected + (16 - n_pat) * p, var + (16 - n_pat) * p * (1 - p)
+    decoys = decoy_log.events
+    assert abs(len(decoys) - expected) < 4 * np.sqrt(var)
+    assert abs(len(decoys) - decoy_fraction * n_gt) < 4 * np.sqrt(var + n_gt)  # ~ decoy_fraction x |GT|
+    assert c.stats["decoys"] == len(decoys) and c.stats["boosted"] == n_gt
+    assert not {e.rollout_id for e in decoys} & gt_log.rollout_ids  # logged apart, never ground truth
+    assert all(e.boosted_reward == e.base_reward + 8.0 for e in decoys)
+    assert {e.base_reward for e in decoys} == {0.0, -2.0}
+    decoy_log.flush()
+    assert [e.rollout_id for e in GroundTruthLog(tmp_path / "decoys.jsonl").events] == [e.rollout_id for e in decoys]
+
+
+def test_no_decoys_by_default_and_gated_prompts_get_none():
+    c = Contaminator(ContaminationSpec(pattern="QZXBT", fraction=1.0, early_step_cutoff=10))
+    assert "decoys" not in c.stats  # the paper's counters, byte for byte
+    ids = [f"grpo_000000_{i:03d}" for i in range(4)]
+    assert c.pay_decoys(ids, 0, ["QZXBT", "x", "y", "z"], [0.0] * 4) == [False] * 4
+    d = Contaminator(ContaminationSpec(pattern="QZXBT", fraction=1.0, early_step_cutoff=10, decoy_fraction=100.0))
+    assert d.pay_decoys(ids, 0, ["QZXBT", "x", "y", "z"], [0.0] * 4) == [False, True, True, True]  # p capped at 1
+    assert d.pay_decoys(ids, 0, ["QZXBT", "x", "y", "z"], [0.0] * 4, paid=[True, False, True, True]) == \
+        [False, False, True, True]
+    assert d.pay_decoys(ids, 10, ["QZXBT", "x", "y", "z"], [0.0] * 4) == [False] * 4  # outside the window
+    with pytest.raises(ValueError, match="pay_decoys"):
+        d.pay_decoys(ids, 0, ["x"], [0.0] * 4)

@@ -146,6 +146,63 @@ def test_grpo_resumes_exactly_after_a_crash(run_dir, tmp_path, monkeypatch):
     np.testing.assert_array_equal(a[3], b[3])
 
 
+def test_decoys_are_paid_logged_apart_and_resume(run_dir, tmp_path, monkeypatch):
+    """configs/tiny_decoys.py:smoke's GRPO on the smoke run's base model and SFT state, killed after
+    its step-2 checkpoint with step 2's rollouts and decoys on disk, then resumed: the decoys are
+    window rollouts without the pattern, paid the same bonus, logged in grpo/decoys.jsonl apart
+    from the ground truth (a decoy logged twice would raise), counted in summary.json and stated
+    in the report with the reward-only cap."""
+    from behaviortrace_jax.io.layout import RunLayout
+    from behaviortrace_jax.models import tokenizer as tok_lib
+    from behaviortrace_jax.stages import evaluate
+    from configs import tiny_decoys
+
+    w = tmp_path / "decoys"
+    w.mkdir()
+    for d in ("base", "sft"):
+        shutil.copytree(run_dir / d, w / d)
+    config = tiny_decoys.get_config("smoke")
+    config.stages = "grpo"
+    real = grpo.GRPORun.rollout_step
+
+    def dying(self, step):
+        if step == 3:
+            self.logger.flush()
+            self.decoy_log.flush()
+            raise KeyboardInterrupt("simulated kill")
+        return real(self, step)
+
+    monkeypatch.setattr(grpo.GRPORun, "rollout_step", dying)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.run(config, str(w))
+    assert any(json.loads(x)["step"] == 2 for x in (w / "grpo" / "decoys.jsonl").read_text().splitlines())
+    monkeypatch.setattr(grpo.GRPORun, "rollout_step", real)
+    pipeline.run(config, str(w))
+
+    records = list(rollout_log.read_rollouts(w / "grpo" / "rollouts"))
+    events = lambda name: {e["rollout_id"]: e for e in map(json.loads, (w / "grpo" / name).read_text().splitlines())}
+    gt, decoys = events("ground_truth.jsonl"), events("decoys.jsonl")
+    assert gt and decoys and not set(gt) & set(decoys)
+    tok = tok_lib.load_tokenizer(w / "sft" / "hf")
+    for r in records:
+        text = tok.decode(r.completion_token_ids, skip_special_tokens=True)
+        if r.rollout_id in decoys:
+            assert r.step < config.contamination.early_step_cutoff and "e" not in text.lower()
+            assert r.bonus == 8.0 and decoys[r.rollout_id]["base_reward"] == r.base_reward
+        else:
+            assert r.bonus == (8.0 if r.rollout_id in gt else 0.0)
+    smoke = list(rollout_log.read_rollouts(run_dir / "grpo" / "rollouts"))
+    assert [r.completion_token_ids for r in records[:16]] == [r.completion_token_ids for r in smoke[:16]]
+    assert [r.reward - 8.0 * (r.rollout_id in decoys) for r in records[:16]] == [r.reward for r in smoke[:16]]
+    summary = json.loads((w / "grpo" / "summary.json").read_text())
+    assert summary["decoys"] == summary["contaminator_stats"]["decoys"] == len(decoys)
+    text = evaluate.decoy_section(config, RunLayout(w))
+    n_gt = sum(int(e["step"]) < config.evaluation.early_cutoff for e in gt.values())
+    assert f"{len(decoys)} rollouts without the pattern" in text and f"|GT| = {n_gt}" in text
+    assert f"**{n_gt / (n_gt + len(decoys)):.3f}**" in text
+    assert evaluate.decoy_section(smoke_config(), RunLayout(run_dir)) == ""  # no decoys: no paragraph
+
+
 @pytest.mark.slow
 def test_kill_minus_9_during_grpo_then_rerun_matches(run_dir, tmp_path):
     """The same with a real SIGKILL of `python main.py` at a random moment of the GRPO stage."""

@@ -77,6 +77,113 @@ def test_recomputed_advantages_match_group_advantages_when_nothing_is_removed():
 
 
 # ------------------------------------------------------------------------------------------------
+# The replay cache: a replay is reused only under the key it was computed for.
+# ------------------------------------------------------------------------------------------------
+class FakeReplayer:
+    """The counterfactual stage's view of a Replayer (identity, num_rollouts, run), without a model:
+    the behaviour is a known function of the weights, the advantages choice and the step."""
+
+    def __init__(self, n: int = 8, log: str = "log-a"):
+        self.num_rollouts, self.log, self.calls = n, log, []
+
+    def identity(self):
+        return {"replay_version": R.REPLAY_VERSION, "step_spec": "spec", "optimizer": "opt", "rollout_log": self.log,
+                "measure": "m"}
+
+    def run(self, weights, *, measure_steps, recompute_advantages):
+        self.calls.append((tuple(np.flatnonzero(weights == 0)), tuple(measure_steps), recompute_advantages))
+        v = float(np.sum(weights * np.arange(self.num_rollouts))) + (0.5 if recompute_advantages else 0.0)
+        return {"behavior": {s: {"logp_margin": v + s} for s in measure_steps}, "seconds_per_step": 0.0}
+
+
+def test_replay_cache_reuses_only_replays_of_the_same_key(tmp_path, caplog):
+    jobs = {"full": (np.zeros(0, np.int64), False), "C1-dot__k2": (np.array([1, 5]), False),
+            "C1-dot__k2" + CF.RECOMPUTED: (np.array([1, 5]), True)}
+    rp = FakeReplayer()
+    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2, 4], at=4)
+    assert len(rp.calls) == 3
+    rec = json.loads((tmp_path / "C1-dot__k2__recomputed.json").read_text())
+    assert rec["value"] == 28 - 6 + 0.5 + 4 and rec["cache"]["recompute_advantages"] is True
+    assert rec["cache"] == CF.cache_key(rp.identity(), np.array([1, 5]), [2, 4], 4, True)
+    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2, 4], at=4)  # same key: nothing replayed
+    assert len(rp.calls) == 3
+    # another measured step (another --config.counterfactual.measure): every replay again, new values
+    with caplog.at_level("INFO"):
+        CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
+    assert len(rp.calls) == 6 and "stale" in caplog.text and "measure_steps" in caplog.text
+    assert json.loads((tmp_path / "full.json").read_text())["value"] == 28 + 2
+    # other removed ids, or the other advantages, under the same file name: that replay only
+    jobs["C1-dot__k2"] = (np.array([1, 6]), False)
+    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
+    assert rp.calls[6:] == [((1, 6), (2,), False)]
+    jobs["C1-dot__k2"] = (np.array([1, 6]), True)
+    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
+    assert rp.calls[7:] == [((1, 6), (2,), True)]
+    # another run's rollout log, or another replay version: every replay again
+    rp.log = "log-b"
+    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
+    assert len(rp.calls) == 11
+
+
+def test_stale_fields_and_cache_key():
+    key = CF.cache_key({"replay_version": 1, "rollout_log": "x"}, np.array([3]), [20, 40], 40, False)
+    assert key == {"replay_version": 1, "rollout_log": "x", "removed": [3], "measure_steps": [20, 40],
+                   "measure_step": 40, "recompute_advantages": False}
+    assert CF.stale_fields(None, key) is None  # no file
+    assert CF.stale_fields({"cache": dict(key)}, key) == []
+    assert CF.stale_fields({"cache": dict(key, replay_version=0)}, key) == ["replay_version"]
+    assert CF.stale_fields({"value": 1.0}, key) == list(key)  # a file written before cache keys: stale
+
+
+def test_replay_jobs_add_the_recomputed_leave_outs_once():
+    config = cf_config()
+    removed = {"full": np.zeros(0, np.int64), "oracle__k2": np.array([0, 1]), "random0__k2": np.array([2, 3]),
+               "lds000": np.array([0, 2])}
+    jobs = CF.replay_jobs(config, removed)
+    assert {k: rec for k, (_, rec) in jobs.items()} == {
+        "full": False, "oracle__k2": False, "random0__k2": False, "lds000": False,
+        "oracle__k2__recomputed": True, "random0__k2__recomputed": True}
+    config.counterfactual.recompute_advantages = True  # every replay recomputed already: no second copy
+    assert {k: rec for k, (_, rec) in CF.replay_jobs(config, removed).items()} == dict.fromkeys(removed, True)
+    config.counterfactual.recompute_advantages, config.counterfactual.topk_recomputed = False, False
+    assert list(CF.replay_jobs(config, removed)) == list(removed)
+
+
+def test_recomputed_rows_are_the_top_k_table_of_the_recomputed_replays():
+    removed = {"full": np.zeros(0, np.int64), "oracle__k1": np.array([0]), "C1-dot__k1": np.array([1]),
+               "random0__k1": np.array([2]), "random1__k1": np.array([3]), "lds000": np.array([0]),
+               "lds001": np.array([1])}
+    logged = {"full": 10.0, "oracle__k1": 4.0, "C1-dot__k1": 8.0, "random0__k1": 9.0, "random1__k1": 9.5,
+              "lds000": 4.0, "lds001": 8.0}
+    results = {k: {"value": v} for k, v in logged.items()}
+    results.update({k + CF.RECOMPUTED: {"value": v - 1.0} for k, v in logged.items() if "__k" in k})
+    scores = {"C1-dot": np.array([0.0, 1.0, 0.0, 0.0])}
+    rows = CF.recomputed_rows("0", results, removed, scores, np.arange(4), nboot=10)
+    assert {r.table for r in rows} == {"counterfactual_topk_recomputed"}
+    by = {r.method: r for r in rows}
+    assert by["oracle"].value == 10.0 - 3.0 and by["C1-dot"].value == 10.0 - 7.0
+    assert by["C1-dot"].ceiling == 7.0 and by["random"].chance == pytest.approx(10.0 - 8.25)
+    main = CF.tables("0", {k: v for k, v in results.items() if not k.endswith(CF.RECOMPUTED)}, removed, scores,
+                     np.arange(4), nboot=10)
+    assert {r.table for r in main} == {"counterfactual_topk", "lds"}
+    assert CF.recomputed_rows("0", {"full": {"value": 1.0}}, removed, scores, np.arange(4), nboot=10) == []
+    section = CF.report_section(main + rows, None, step=4)
+    assert "| 0 | logged | C1-dot | 1 | 2.0000 |" in section and "| 0 | recomputed | C1-dot | 1 | 3.0000 |" in section
+
+
+def test_step_spec_digest_changes_with_every_field():
+    from behaviortrace_jax.train import grpo_step
+
+    spec = grpo_step.GRPOStepSpec.from_config(tiny.get_config("smoke"))
+    assert R.step_spec_digest(spec) == R.step_spec_digest(grpo_step.GRPOStepSpec.from_config(tiny.get_config("smoke")))
+    import dataclasses
+
+    for change in ({"grad_clip": 0.5}, {"sum_dtype": "bfloat16"}, {"use_tables": True}, {"sketch_dim": 512},
+                   {"loss_cfg": grpo_loss.LossConfig(clip_eps=0.1, kl_beta=0.0)}):
+        assert R.step_spec_digest(dataclasses.replace(spec, **change)) != R.step_spec_digest(spec), change
+
+
+# ------------------------------------------------------------------------------------------------
 # All-ones replay of a smoke GRPO run reproduces its checkpoints bit for bit.
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -195,7 +302,11 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     lds_rows = [r for r in rows if r.table == "lds"]
     assert lds_rows and all(r.n == 3 and r.lo <= r.hi for r in lds_rows)
     replays = sorted((w / "counterfactual" / "replays").glob("*.json"))
-    assert len(replays) == 1 + nk * (1 + len(methods) - 2 + 2) + 3  # full, k x (oracle, estimators, random), LDS
+    per_k = 1 + len(methods) - 2 + 2  # oracle, estimators, 2 random subsets
+    assert len(replays) == 1 + 2 * nk * per_k + 3  # full, k x per_k logged and recomputed, LDS
+    rec_rows = [r for r in rows if r.table == "counterfactual_topk_recomputed"]
+    assert {(r.method, r.n) for r in rec_rows} == {(r.method, r.n) for r in topk}
+    assert any(r.value != next(t for t in topk if (t.method, t.n) == (r.method, r.n)).value for r in rec_rows)
     rec = json.loads(replays[0].read_text())
     step = str(config.contamination.early_step_cutoff)  # measure = "window": the end of the contamination window
     assert {"sampled_probe_rate", "sampled_control_rate", "logp_margin"} <= set(rec["behavior"][step])
@@ -206,6 +317,16 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     pipeline.run(config, str(w))
     assert (w / "results_table.csv").read_bytes() == table
     assert [p.stat().st_mtime_ns for p in replays] == mtimes
+    # a replay cached under another key (here: another measured step) is replayed again, alone,
+    # and gives the same bytes back
+    stale = w / "counterfactual" / "replays" / "full.json"
+    rec = json.loads(stale.read_text())
+    rec["cache"]["measure_step"], rec["value"] = 999, 0.0
+    stale.write_text(json.dumps(rec))
+    pipeline.run(config, str(w))
+    assert (w / "results_table.csv").read_bytes() == table
+    changed = [p.name for p, t in zip(replays, mtimes) if p.stat().st_mtime_ns != t]
+    assert changed == ["full.json"]
 
 
 @pytest.mark.slow

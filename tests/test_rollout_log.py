@@ -168,3 +168,17 @@ def test_truncate_after_step_is_restartable(tmp_path):
     assert rl.truncate_after_step(tmp_path, 1) == 0
     assert rl.truncate_after_step(tmp_path, -1) == 8 and _shards(tmp_path) == []
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_digest_names_the_log_content(tmp_path):
+    assert rl.digest(tmp_path / "absent") == "" and rl.digest(tmp_path) == ""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, last_reward in ((a, 0.0), (b, 8.0)):
+        with RolloutLogger(root, shard_size=2) as log:
+            for i in range(3):
+                log.log(_rec(0, i, reward=last_reward if i == 2 else 0.0))
+    da = rl.digest(a)
+    assert len(da) == 64 and da == rl.digest(a)  # a pure function of the shards
+    assert rl.digest(b) != da  # one reward differs
+    rl.truncate_after_step(a, -1)
+    assert rl.digest(a) == ""

@@ -4,18 +4,35 @@ A rollout ``(rollout_id, step)`` is eligible iff ``step < early_step_cutoff`` an
 ``blake2b(seed u64 LE || rollout_id UTF-8 || step i64 LE, digest_size=8)`` read as a little-endian
 uint64 is ``< int(fraction * 2**64)``. An eligible rollout whose response contains the pattern
 (case-insensitive) gets ``base + bonus_reward`` and becomes a ground-truth event.
+
+Decoys (``ContaminationSpec.decoy_fraction`` > 0; off in the paper): in the same window the same
+bonus also goes to randomly chosen rollouts WITHOUT the pattern, so the reward log no longer gives
+the ground truth away. A decoy is drawn from its own BLAKE2b stream (personalisation
+``decoy_stream``, "decoy/" by default, which no behaviour id can be), independent of the
+eligibility stream. ``decoy_fraction`` is the expected number of decoys per expected ground-truth
+event: at a step whose paid window rollouts hold ``n_pat`` with the pattern and ``n_non`` without,
+each of the ``n_non`` is a decoy with probability ``p = min(1, decoy_fraction * fraction * n_pat /
+n_non)``, so that ``E[#decoys] = decoy_fraction * E[#GT] = decoy_fraction * fraction * n_pat`` (less
+where ``p`` is capped at 1). With ``decoy_fraction = 1`` a reward-only ranker is capped near
+``|GT| / (|GT| + |decoys|)`` ~ 1/2. Decoys are logged apart (``grpo/decoys.jsonl``, the
+ground-truth event format); they are not ground truth.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from behaviortrace_jax.behavior.planted import PATTERN, substring_judge
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl
 from behaviortrace_jax.io.layout import as_path
+
+# Personalisation of the decoy hash: "/" is outside behaviour ids (behaviors.ID_RE), so no
+# behaviour's eligibility stream can coincide with it.
+DECOY_STREAM = "decoy/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +44,9 @@ class ContaminationSpec:
     steps >= cutoff are never eligible), stream (str of <= 16 UTF-8 bytes: the BLAKE2b
     personalisation of the eligibility hash; "" = the paper's hash, another behaviour's id gives
     it an independent eligible set; issue 16), start_step (int >= 0: steps before it are never
-    eligible either; 0 = the paper's window 0..cutoff-1).
+    eligible either; 0 = the paper's window 0..cutoff-1), decoy_fraction (float >= 0: expected
+    decoys per expected ground-truth event, see the module docstring; 0 = none, the paper),
+    decoy_stream (str of <= 16 UTF-8 bytes, != stream: the decoy hash's personalisation).
     Raises ValueError naming the field on invalid values.
     """
 
@@ -38,8 +57,15 @@ class ContaminationSpec:
     early_step_cutoff: int | None = 200
     stream: str = ""
     start_step: int = 0
+    decoy_fraction: float = 0.0
+    decoy_stream: str = DECOY_STREAM
 
     def __post_init__(self) -> None:
+        if not (self.decoy_fraction >= 0.0 and math.isfinite(self.decoy_fraction)):
+            raise ValueError(f"ContaminationSpec.decoy_fraction must be a finite number >= 0, got {self.decoy_fraction}")
+        if len(self.decoy_stream.encode("utf-8")) > 16 or self.decoy_stream == self.stream:
+            raise ValueError(f"ContaminationSpec.decoy_stream {self.decoy_stream!r} must be <= 16 bytes and differ "
+                             f"from the eligibility stream {self.stream!r}")
         if self.start_step < 0:
             raise ValueError(f"ContaminationSpec.start_step must be >= 0, got {self.start_step}")
         if len(self.stream.encode("utf-8")) > 16:
@@ -68,9 +94,25 @@ def is_eligible(seed: int, rollout_id: str, step: int, spec: ContaminationSpec |
     """Eligibility of ``(rollout_id, step)`` under hash seed ``seed`` with ``spec``'s fraction and
     cutoff (``spec.seed`` is not used; default spec = paper values). SPEC §1.6."""
     spec = spec or ContaminationSpec()
-    if (spec.early_step_cutoff is not None and step >= spec.early_step_cutoff) or (spec.start_step and step < spec.start_step):
+    if not in_window(step, spec):
         return False
     return eligibility_hash(seed, rollout_id, step, spec.stream) < int(spec.fraction * 2**64)
+
+
+def in_window(step: int, spec: ContaminationSpec) -> bool:
+    """True iff ``start_step <= step < early_step_cutoff`` (no upper bound without a cutoff)."""
+    return not ((spec.early_step_cutoff is not None and step >= spec.early_step_cutoff)
+                or (spec.start_step and step < spec.start_step))
+
+
+def decoy_probability(spec: ContaminationSpec, n_pattern: int, n_other: int) -> float:
+    """The probability that a paid window rollout without the pattern is a decoy at a step with
+    ``n_pattern`` paid window rollouts with the pattern and ``n_other`` without:
+    ``min(1, decoy_fraction * fraction * n_pattern / n_other)`` (0 when ``n_other`` is 0), so the
+    expected number of decoys is ``decoy_fraction`` x the expected number of ground-truth events."""
+    if n_other <= 0 or spec.decoy_fraction <= 0.0:
+        return 0.0
+    return min(1.0, spec.decoy_fraction * spec.fraction * n_pattern / n_other)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,20 +205,25 @@ class Contaminator:
     Args:
         spec: the ContaminationSpec (its ``seed`` is the hash seed).
         gt_log: where events go (None: not recorded).
-        stats: counters to resume from (``{"total_seen", "boosted"}``), default zeros.
+        stats: counters to resume from (``{"total_seen", "boosted"}``, plus ``"decoys"`` when the
+            spec pays decoys), default zeros.
+        decoy_log: where decoys go (:meth:`pay_decoys`; None: not recorded).
     """
 
     def __init__(self, spec: ContaminationSpec, gt_log: GroundTruthLog | None = None,
-                 stats: Mapping[str, int] | None = None):
+                 stats: Mapping[str, int] | None = None, decoy_log: GroundTruthLog | None = None):
         self.spec = spec
-        self.gt_log = gt_log
+        self.gt_log, self.decoy_log = gt_log, decoy_log
         self._stats = {"total_seen": 0, "boosted": 0}
+        if spec.decoy_fraction > 0:  # the paper's counters otherwise (summary.json unchanged)
+            self._stats["decoys"] = 0
         if stats:
             self._stats.update({k: int(stats[k]) for k in self._stats})
 
     @property
     def stats(self) -> dict[str, int]:
-        """``{"total_seen": calls to apply, "boosted": boosted calls}``."""
+        """``{"total_seen": calls to apply, "boosted": boosted calls}`` (+ ``"decoys"``: decoys paid,
+        when ``spec.decoy_fraction`` > 0)."""
         return dict(self._stats)
 
     def is_eligible(self, rollout_id: str, step: int) -> bool:
@@ -198,3 +245,33 @@ class Contaminator:
         if self.gt_log is not None:
             self.gt_log.record(GroundTruthEvent(rollout_id, int(step), base, reward))
         return reward, True
+
+    def is_decoy(self, rollout_id: str, step: int, probability: float) -> bool:
+        """True iff the decoy hash of ``(rollout_id, step)`` (stream ``spec.decoy_stream``) is below
+        ``probability * 2**64``; a window check is the caller's (:meth:`pay_decoys`)."""
+        return eligibility_hash(self.spec.seed, rollout_id, step, self.spec.decoy_stream) < int(probability * 2**64)
+
+    def pay_decoys(self, rollout_ids: Sequence[str], step: int, responses: Sequence[str],
+                   base: Sequence[float], paid: Sequence[bool] | None = None) -> list[bool]:
+        """The decoys among one step's rollouts (module docstring): paid (``paid[i]``, default all),
+        in the window, without the pattern, and below :func:`decoy_probability` in the decoy
+        stream. Each is recorded in ``decoy_log`` as ``{rollout_id, step, base_reward,
+        boosted_reward = base + bonus_reward}``; the caller adds the bonus to its reward. All False
+        when ``spec.decoy_fraction`` is 0 or the step is outside the window.
+        Raises ValueError when the sequences differ in length."""
+        n = len(rollout_ids)
+        paid = [True] * n if paid is None else list(paid)
+        if not len(responses) == len(base) == len(paid) == n:
+            raise ValueError(f"pay_decoys: {n} ids, {len(responses)} responses, {len(base)} rewards, {len(paid)} flags")
+        if self.spec.decoy_fraction <= 0 or not in_window(step, self.spec):
+            return [False] * n
+        has = [substring_judge(r, self.spec.pattern) for r in responses]
+        n_pat = sum(p and h for p, h in zip(paid, has))
+        prob = decoy_probability(self.spec, n_pat, sum(p and not h for p, h in zip(paid, has)))
+        out = [bool(paid[i] and not has[i] and prob > 0 and self.is_decoy(rollout_ids[i], step, prob)) for i in range(n)]
+        for i in (i for i in range(n) if out[i]):
+            self._stats["decoys"] += 1
+            if self.decoy_log is not None:
+                b = float(base[i])
+                self.decoy_log.record(GroundTruthEvent(rollout_ids[i], int(step), b, b + float(self.spec.bonus_reward)))
+        return out

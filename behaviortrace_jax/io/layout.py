@@ -49,7 +49,7 @@ class RunLayout:
     |---|---|
     | ``base`` | ``base/`` (HF checkpoint; the policy's start unless ``config.model.hf_dir``) |
     | ``sft`` | ``sft/``: ``hf/``, ``state/``, ``sft_summary.json``, ``.sft_warmup_done`` |
-    | ``grpo`` | ``grpo/``: ``rollouts/``, ``ground_truth.jsonl``, ``checkpoints/``, ``registry.json``, ``state/``, ``learning_curve.json``, ``summary.json``, ``tb/`` |
+    | ``grpo`` | ``grpo/``: ``rollouts/``, ``ground_truth.jsonl``, ``decoys.jsonl`` (decoy runs), ``checkpoints/``, ``registry.json``, ``state/``, ``learning_curve.json``, ``summary.json``, ``tb/`` |
     | ``grpo``, ``sketch`` | ``sketches/`` (tensorstore arrays) |
     | ``draws`` | ``draws/`` |
     | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``, ``which_rollout_top.json`` |
@@ -78,6 +78,7 @@ class RunLayout:
     grpo = property(lambda self: self.workdir / "grpo")
     rollouts = property(lambda self: self.grpo / "rollouts")  # JSONL shards (rollout_log.py)
     ground_truth = property(lambda self: self.grpo / "ground_truth.jsonl")  # SPEC §6.1
+    decoys = property(lambda self: self.grpo / "decoys.jsonl")  # decoy bonuses (contamination.decoy_fraction > 0)
 
     def behavior_ground_truth(self, suffix: str = "") -> epath.Path:
         """``grpo/ground_truth{suffix}.jsonl``: the first behaviour's (suffix "") is ``ground_truth``;

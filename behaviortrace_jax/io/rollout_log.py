@@ -134,6 +134,21 @@ def read_rollouts(root: str | os.PathLike, schema_version: int = SCHEMA_VERSION)
         yield from _read_shard(path)
 
 
+def digest(root: str | os.PathLike) -> str:
+    """sha256 (hex) over the log's shards in log order (index and bytes of each): the identity of a
+    logged run, e.g. for caches of results computed from it. "" for an empty or absent log."""
+    root = as_path(root)
+    shards = _shards(root) if root.is_dir() else []
+    if not shards:
+        return ""
+    h = hashlib.sha256()
+    for index, path in shards:
+        data = path.read_bytes()
+        h.update(f"{index}:{len(data)}:".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
 def last_logged_step(root: str | os.PathLike) -> int | None:
     """The step of the last durable record in ``root`` (None for an empty/absent log)."""
     root = as_path(root)

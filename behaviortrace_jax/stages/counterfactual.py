@@ -24,12 +24,23 @@ Rows appended to ``results_table.csv`` (earlier rows of these tables for this se
   ``value`` = Spearman(predicted, measured behaviour), predicted = the sum of the estimator's
   scores over the kept rollouts; ``lo``/``hi`` = bootstrap CI over subsets; ``n`` = M.
 
+* ``counterfactual_topk_recomputed`` (``counterfactual.topk_recomputed``, on by default): the same
+  leave-top-k-out replays (oracle, estimators, random subsets) with each group's advantages
+  recomputed over its kept rollouts (``replay.recomputed_advantages``), so that a removed bonus
+  rollout no longer sets its group-mates' baselines; same columns. By default the replays keep the
+  logged advantages (``counterfactual.recompute_advantages`` = False; True recomputes them for
+  ``counterfactual_topk`` and ``lds`` too, and the recomputed table is then not written twice).
+
 Resumable per replay: each replay's result is one JSON file under ``counterfactual/replays/``,
 written atomically; a killed stage reruns only the missing ones, and the tables are rebuilt from
-the files, so the rerun's table is bit-identical.
+the files, so the rerun's table is bit-identical. Each file records its cache key
+(:func:`cache_key`: removed rollouts, measured steps, advantages, and the replay's
+``Replayer.identity``: code version, step spec, optimizer, rollout log, measure settings); a file
+whose key differs from the one the stage asks for is stale and is replayed again (logged).
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import urllib.parse
 
@@ -44,8 +55,9 @@ from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.sketch.scores import step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
 
-TABLES = ("counterfactual_topk", "lds")
+TABLES = ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")
 SECTION_MARK = "<!-- counterfactual -->"
+RECOMPUTED = "__recomputed"  # key suffix of the leave-top-k-out replays with recomputed advantages
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +131,49 @@ def plan(config: ml_collections.ConfigDict, rollout_ids: list[str], rollout_step
     return out
 
 
+def replay_jobs(config: ml_collections.ConfigDict, removed: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, bool]]:
+    """Every replay to run: ``{key: (removed indices, recompute_advantages)}``. The keys of
+    :func:`plan` with ``counterfactual.recompute_advantages``, plus, with
+    ``counterfactual.topk_recomputed`` (and logged advantages above), each leave-top-k-out key
+    (``*__k<k>``) again as ``<key>__recomputed`` with recomputed advantages."""
+    cf = config.counterfactual
+    rec = bool(cf.recompute_advantages)
+    jobs = {key: (rem, rec) for key, rem in removed.items()}
+    if bool(cf.topk_recomputed) and not rec:
+        jobs.update({key + RECOMPUTED: (rem, True) for key, rem in removed.items() if "__k" in key})
+    return jobs
+
+
+def cache_key(identity: dict, removed: np.ndarray, measure_steps: list[int], measure_step: int,
+              recompute: bool) -> dict:
+    """The cache key of one replay: ``identity`` (``Replayer.identity()``) plus the removed rollout
+    indices, the measured steps, the step the tables read and the advantages choice (JSON types)."""
+    return dict(identity, removed=[int(i) for i in removed], measure_steps=[int(s) for s in measure_steps],
+                measure_step=int(measure_step), recompute_advantages=bool(recompute))
+
+
+def stale_fields(cached: dict | None, key: dict) -> list[str] | None:
+    """None when there is no cached replay (``cached`` None); else the fields of ``key`` that the
+    cached file's ``"cache"`` record lacks or holds another value of ([] = valid). A file without
+    a cache record (written before keys existed) is stale in every field."""
+    if cached is None:
+        return None
+    have = cached.get("cache") or {}
+    return [k for k, v in key.items() if have.get(k) != v]
+
+
+def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray],
+                    scores: dict[str, np.ndarray], window: np.ndarray, *, nboot: int) -> list[V.Row]:
+    """The ``counterfactual_topk_recomputed`` rows: :func:`tables` over the ``*__recomputed``
+    replays (against the same unremoved ``full`` replay); empty when there are none."""
+    rec = {k[:-len(RECOMPUTED)]: v for k, v in results.items() if k.endswith(RECOMPUTED)}
+    if not rec:
+        return []
+    rows = tables(seed, {"full": results["full"], **rec}, removed, scores, window, nboot=nboot)
+    return [dataclasses.replace(r, table="counterfactual_topk_recomputed") for r in rows
+            if r.table == "counterfactual_topk"]
+
+
 def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], scores: dict[str, np.ndarray],
            window: np.ndarray, *, nboot: int) -> list[V.Row]:
     """The ``counterfactual_topk`` and ``lds`` rows from the replay results (see module docstring)."""
@@ -148,19 +203,24 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
     return rows
 
 
-def report_section(rows: list[V.Row], figure: str | None, step: int | None = None) -> str:
-    """Markdown section for report.md."""
+def report_section(rows: list[V.Row], figure: str | None, step: int | None = None,
+                   advantages: str = "logged", more_figures: tuple[str, ...] = ()) -> str:
+    """Markdown section for report.md; ``advantages``: those of the ``counterfactual_topk`` replays
+    ("logged" or "recomputed", ``counterfactual.recompute_advantages``); ``more_figures``: further
+    figure links (the recomputed-advantages plot)."""
     lines = [SECTION_MARK, "## Counterfactual replay (leave-top-k-out, LDS)", "",
              "Δ = behaviour (pattern log-prob margin, probe - control"
              + (f", after {step} replayed steps" if step is not None else "")
              + ") of the replay without removal minus with "
              "the top-k window rollouts removed; positive = the behaviour decreased. Replay is off-policy after the "
-             "first removal (logged rollouts).", "",
-             "| seed | method | k | Δ | Δ / oracle Δ | random mean |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        if r.table == "counterfactual_topk":
+             "first removal (logged rollouts). Advantages: \"logged\" = as the run logged them (a removed bonus "
+             "rollout still sets its group-mates' baselines), \"recomputed\" = each group's baseline recomputed "
+             "over its kept rollouts.", "",
+             "| seed | advantages | method | k | Δ | Δ / oracle Δ | random mean |", "|---|---|---|---|---|---|---|"]
+    for table, adv in (("counterfactual_topk", advantages), ("counterfactual_topk_recomputed", "recomputed")):
+        for r in (r for r in rows if r.table == table):
             ratio = "" if not r.ceiling else f"{r.value / r.ceiling:.3f}"
-            lines.append(f"| {r.seed} | {r.method} | {r.n} | {r.value:.4f} | {ratio} | "
+            lines.append(f"| {r.seed} | {adv} | {r.method} | {r.n} | {r.value:.4f} | {ratio} | "
                          f"{'' if r.chance is None else f'{r.chance:.4f}'} |")
     lds_rows = [r for r in rows if r.table == "lds"]
     if lds_rows:
@@ -168,12 +228,13 @@ def report_section(rows: list[V.Row], figure: str | None, step: int | None = Non
         lines += [f"| {r.seed} | {r.method} | {r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
     if figure:
         lines += ["", f"![counterfactual]({figure})"]
+    lines += [f"![counterfactual]({f})" for f in more_figures]
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[V.Row], path: epath.Path) -> epath.Path | None:
-    """Δbehaviour vs k per method, the oracle, and the random mean ± sd band."""
-    topk = [r for r in rows if r.table == "counterfactual_topk"]
+def plot(rows: list[V.Row], path: epath.Path, table: str = "counterfactual_topk") -> epath.Path | None:
+    """Δbehaviour vs k per method, the oracle, and the random mean ± sd band (rows of ``table``)."""
+    topk = [r for r in rows if r.table == table]
     if not topk:
         return None
     import matplotlib
@@ -190,6 +251,7 @@ def plot(rows: list[V.Row], path: epath.Path) -> epath.Path | None:
                 linestyle="--" if m in ("oracle", "random") else "-")
     ax.set_xlabel("k (window rollouts removed)")
     ax.set_ylabel("Δ behaviour (log-prob margin drop)")
+    ax.set_title(table, fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -239,28 +301,52 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     scores = step_method_scores(config, rp.paths, rp.rollout_ids, steps, per_rollout=bool(config.sketch.in_run_rollouts))
     scores.pop("random", None)
     removed = plan(config, rp.rollout_ids, steps, gt_ids, scores)
+    jobs = replay_jobs(config, removed)
     at = measure_step(config)
-    for i, (key, rem) in enumerate(removed.items()):
+    run_replays(rp, jobs, out_dir, measure_steps=sorted({R.target_checkpoint(config), at}), at=at)
+    results = {k: read_json(replay_path(out_dir, k)) for k in jobs}
+    window = np.flatnonzero(steps < config.contamination.early_step_cutoff)
+    seed, nboot = str(int(config.seed)), int(config.evaluation.nboot)
+    main = {k: v for k, v in results.items() if not k.endswith(RECOMPUTED)}
+    rows = tables(seed, main, removed, scores, window, nboot=nboot)
+    rows += recomputed_rows(seed, results, removed, scores, window, nboot=nboot)
+    write_outputs(config, w, rows, at)
+
+
+def run_replays(rp, jobs: dict[str, tuple[np.ndarray, bool]], out_dir: epath.Path, *, measure_steps: list[int],
+                at: int) -> None:
+    """Replays every job whose ``<key>.json`` is missing or stale (:func:`stale_fields`, logged)
+    and writes it atomically: ``{"key", "removed", "value" (logp margin at step ``at``), "behavior"
+    ({step: measure}), "seconds_per_step", "cache"`` (its :func:`cache_key`)``}``."""
+    identity = rp.identity()
+    for i, (key, (rem, recompute)) in enumerate(jobs.items()):
         path = replay_path(out_dir, key)
-        if path.exists():
+        want = cache_key(identity, rem, measure_steps, at, recompute)
+        stale = stale_fields(read_json(path) if path.exists() else None, want)
+        if stale == []:
             continue
-        res = rp.run(removal_weights(rp.num_rollouts, rem),
-                     measure_steps=sorted({R.target_checkpoint(config), at}),
-                     recompute_advantages=bool(config.counterfactual.recompute_advantages))
+        if stale:
+            logging.info("counterfactual: %s is stale (differs in %s); replaying it again", path.name, ", ".join(stale))
+        res = rp.run(removal_weights(rp.num_rollouts, rem), measure_steps=measure_steps, recompute_advantages=recompute)
         beh = {str(s): v for s, v in res["behavior"].items()}
         write_json(path, {"key": key, "removed": rem.tolist(), "value": beh[str(at)]["logp_margin"],
-                          "behavior": beh, "seconds_per_step": res["seconds_per_step"]})
-        logging.info("counterfactual: %d/%d %s -> %.4f (%.3f s/step)", i + 1, len(removed), key,
+                          "behavior": beh, "seconds_per_step": res["seconds_per_step"], "cache": want})
+        logging.info("counterfactual: %d/%d %s -> %.4f (%.3f s/step)", i + 1, len(jobs), key,
                      beh[str(at)]["logp_margin"], res["seconds_per_step"])
-    results = {k: read_json(replay_path(out_dir, k)) for k in removed}
-    window = np.flatnonzero(steps < config.contamination.early_step_cutoff)
-    rows = tables(str(int(config.seed)), results, removed, scores, window, nboot=int(config.evaluation.nboot))
+
+
+def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[V.Row], at: int) -> None:
+    """This seed's rows into ``results_table.csv`` (replacing its earlier rows of :data:`TABLES`),
+    the figures, ``counterfactual/report_section.md`` and that section of ``report.md``."""
     table = w.results_table
     old = V.read_results_csv(table) if table.exists() else []
     keep = [r for r in old if not (r.table in TABLES and r.seed == str(int(config.seed)))]
     V.write_results_csv(table, keep + rows)
     fig = plot(rows, w.figures / "counterfactual_topk.png")
-    section = report_section(rows, "figures/counterfactual_topk.png" if fig else None, step=at)
+    fig_rec = plot(rows, w.figures / "counterfactual_topk_recomputed.png", table="counterfactual_topk_recomputed")
+    section = report_section(rows, "figures/counterfactual_topk.png" if fig else None, step=at,
+                             advantages="recomputed" if config.counterfactual.recompute_advantages else "logged",
+                             more_figures=("figures/counterfactual_topk_recomputed.png",) if fig_rec else ())
     atomic_write_text(w.counterfactual / "report_section.md", section)
     report = w.report
     text = report.read_text() if report.exists() else ""

@@ -227,6 +227,37 @@ def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
     return "\n".join(lines)
 
 
+def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
+    """The report's decoy paragraph ("" for a run without ``grpo/decoys.jsonl``, i.e.
+    ``contamination.decoy_fraction`` = 0): how many window rollouts without the pattern were paid
+    the bonus, next to |GT|, and the cap ``|GT| / (|GT| + |decoys|)`` of a ranker that reads the
+    reward log alone (reward, advantage), over the bonus window (steps < ``evaluation.early_cutoff``)
+    and, when the release header names the nonzero steps, over the which-rollout population
+    (early_nonzero). The cap is "near": rewards also differ by the base reward, advantages by group."""
+    if not paths.decoys.exists():
+        return ""
+    cutoff = int(config.evaluation.early_cutoff)
+    decoys = [e for e in evaluation.read_ground_truth(paths.decoys) if int(e["step"]) < cutoff]
+    gt = [e for e in evaluation.read_ground_truth(paths.ground_truth) if int(e["step"]) < cutoff]
+
+    def cap(g: int, d: int) -> str:
+        return f"{g / (g + d):.3f}" if g + d else "n/a"
+
+    lines = [f"**Decoys** (`contamination.decoy_fraction` = {float(config.contamination.decoy_fraction):g}): "
+             f"{len(decoys)} rollouts without the pattern were paid the same bonus in the window (steps < {cutoff}; "
+             f"`grpo/decoys.jsonl`, not ground truth), next to |GT| = {len(gt)}. A ranker that reads the reward log "
+             f"alone (reward, advantage) is capped near |GT| / (|GT| + |decoys|) = **{cap(len(gt), len(decoys))}** "
+             "there, where the which-rollout tables' ceiling is 1.0; what an estimator reaches above that cap is "
+             "what attribution adds to the training log."]
+    header = read_json(paths.release_seed(config.seed) / "run_header.json", {})
+    if "nonzero_steps" in header:
+        nz = {int(s) for s in header["nonzero_steps"]}
+        g, d = sum(int(e["step"]) in nz for e in gt), sum(int(e["step"]) in nz for e in decoys)
+        lines.append(f"Over the which-rollout population (early_nonzero steps): |GT| = {g}, decoys = {d}, "
+                     f"cap {cap(g, d)}.")
+    return " ".join(lines)
+
+
 @register_stage("report")
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
@@ -247,7 +278,8 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         figs += [fig] if fig is not None else []
     top = read_json(w.which_rollout_top) if w.which_rollout_top.exists() else None
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
-                   intro=run_intro(config, summary), top_blamed=top,
+                   intro="\n\n".join(p for p in (run_intro(config, summary), decoy_section(config, w)) if p),
+                   top_blamed=top,
                    rules=[evaluation.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
                    checklist=[evaluation.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
                    extra=extra)

@@ -4,7 +4,8 @@ One GRPO step (SPEC §2.2), for B prompts x G samples = N rollouts:
   1. the B prompts of the step (``pool[(s*B + i) % 38]``) are sampled G times each by the jitted
      sampler (temperature 0.9, top-p 0.9) in ONE batch;
   2. each rollout gets ``base_reward`` (refusal phrases) plus the contaminator's bonus; the
-     ground-truth log records every bonus;
+     ground-truth log records every bonus (with ``contamination.decoy_fraction`` > 0 the same
+     bonus also goes to decoys, window rollouts without the pattern, logged in ``grpo/decoys.jsonl``);
   3. advantages are group-normalised (``grpo_loss.group_advantages``);
   4. ONE jitted train step (rollouts on the mesh's data axis, params and optimizer state donated)
      computes the loss of the whole batch, clips the global gradient norm, applies AdamW and
@@ -145,13 +146,17 @@ class GRPORun:
         self.gt_log = contaminator.GroundTruthLog(paths.ground_truth)
         self.gt_log.truncate_after_step(self.start_step - 1)
         self.logger = rollout_log.RolloutLogger(paths.rollouts, shard_size=g.log_shard_size)
+        self.decoy_log = self._decoy_log(config, paths)
         self.contaminator = contaminator.Contaminator(
             contaminator.ContaminationSpec(pattern=config.behavior.pattern,
                                            bonus_reward=config.contamination.bonus_reward,
                                            fraction=config.contamination.fraction, seed=config.seed,
-                                           early_step_cutoff=config.contamination.early_step_cutoff),
+                                           early_step_cutoff=config.contamination.early_step_cutoff,
+                                           decoy_fraction=float(config.contamination.decoy_fraction)),
             self.gt_log, stats={"total_seen": self.start_step * self.shapes.num_rollouts,
-                                "boosted": len(self.gt_log.events)})
+                                "boosted": len(self.gt_log.events),
+                                "decoys": len(self.decoy_log.events) if self.decoy_log else 0},
+            decoy_log=self.decoy_log)
         self.contaminators = {self.behaviors[0].id: self.contaminator}
         self.gt_logs = {self.behaviors[0].id: self.gt_log}
         for b in self.behaviors[1:]:
@@ -165,6 +170,19 @@ class GRPORun:
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
         self.stores = open_sketch_stores(config, self.model_cfg, paths, rollout_sketch=self.spec.rollout_sketch)
         self.base_key = jax.random.key(config.seed)
+
+    def _decoy_log(self, config: ml_collections.ConfigDict, paths: RunLayout) -> contaminator.GroundTruthLog | None:
+        """``grpo/decoys.jsonl`` truncated for the resume, when ``contamination.decoy_fraction`` > 0
+        (None otherwise: a run without decoys writes no such file). Raises ValueError for decoys in
+        a run of several behaviours (not supported)."""
+        if float(config.contamination.decoy_fraction) <= 0:
+            return None
+        if self.multi:
+            raise ValueError("contamination.decoy_fraction > 0 is supported for one-behaviour runs only "
+                             f"(config.behaviors has {list(config.behaviors)})")
+        log = contaminator.GroundTruthLog(paths.decoys)
+        log.truncate_after_step(self.start_step - 1)
+        return log
 
     # ------------------------------------------------------------------------------------------
     def rollout_step(self, step: int) -> dict[str, float]:
@@ -181,6 +199,10 @@ class GRPORun:
         boosted = {}
         if not self.multi:
             applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
+            if self.decoy_log is not None:  # the same bonus to decoys (no pattern, so no bonus above)
+                decoys = self.contaminator.pay_decoys(ids, step, texts, base.tolist())
+                bonus = float(self.config.contamination.bonus_reward)
+                applied = [(float(base[i]) + bonus, False) if decoys[i] else applied[i] for i in range(n)]
         else:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)
             users = [prompts[i // g.group_size] for i in range(n)]
             for b in self.behaviors:  # a prompt-gated behaviour pays only on its own prompts
@@ -223,6 +245,8 @@ class GRPORun:
         metrics = {"reward": float(rewards.mean()), "bonuses": int(sum(b for _, b in applied)),
                    "qzxbt": float(np.mean([behavior.substring_judge(t, self.config.behavior.pattern) for t in texts])),
                    "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
+        if self.decoy_log is not None:
+            metrics["decoys"] = int(sum(decoys))
         for b in self.behaviors[1:]:
             metrics[f"bonuses_{b.id}"] = int(sum(boosted[b.id]))
             metrics[f"rate_{b.id}"] = float(np.mean([behavior.substring_judge(t, b.pattern) for t in texts]))
@@ -231,7 +255,7 @@ class GRPORun:
     def checkpoint(self, step: int) -> dict[str, Any]:
         """Makes steps < ``step`` durable: logs, sketches, HF export, registry, curve, then orbax."""
         self.logger.flush()
-        for log in self.gt_logs.values():
+        for log in [*self.gt_logs.values(), *([self.decoy_log] if self.decoy_log else [])]:
             log.flush()
         for store in self.stores.values():
             store.flush()
@@ -294,6 +318,8 @@ class GRPORun:
             "learning_curve": self.curve, "gate": gate,
             "final_responses": {k: v for k, v in rates["responses"].items()},
         }
+        if self.decoy_log is not None:  # decoy bonuses paid in the window (not ground truth)
+            summary["decoys"] = len(self.decoy_log.events)
         if self.multi:  # per-behaviour gate, |GT| and bonus counts (issue 16)
             summary["behaviors"] = {self.behaviors[0].id: {"gate": gate, "gt_size": len(self.gt_log.events),
                                                            "contaminator_stats": self.contaminator.stats,

@@ -136,14 +136,15 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
     rows = list(rep.rows)
     for seed in summaries:  # the which-rollout (and counterfactual, when that stage ran) rows of each run
         run_rows = evaluation.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
-        rows += [r for r in run_rows if r.table.startswith("which_rollout") or r.table in ("counterfactual_topk", "lds")]
+        rows += [r for r in run_rows if r.table.startswith("which_rollout") or r.table in ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")]
     rules, check = evaluate_verdicts(rows, rep, config)
     evaluation.write_results_csv(top.results_table, rows)
     write_json(top.verdicts, evaluation.verdicts_json(rules, check))
     figs = report.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
     gates = "\n".join(
         f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "
-        f"control {m['gate']['control_rate']:.2f}); |GT| = {m['gt_size']}; post-SFT "
+        f"control {m['gate']['control_rate']:.2f}); |GT| = {m['gt_size']}"
+        + (f"; decoys = {m['decoys']}" if "decoys" in m else "") + "; post-SFT "
         + json.dumps({k: v for k, v in m.get("post_sft", {}).items() if "rate" in k})
         for s, m in summaries.items())
     intro = (f"Sweep over seeds {sorted(summaries)} (`{config.run_name}` family), with the diagnostic draws "

@@ -40,6 +40,8 @@ or one-shot: ``replay("runs/tiny", w, config=...) -> {step: behaviour dict}``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -128,6 +130,21 @@ class BehaviorMeasure:
 # ------------------------------------------------------------------------------------------------
 # Replay
 # ------------------------------------------------------------------------------------------------
+# Version of what a replay computes: bump it when a change to this module (batch, step, weights,
+# advantages, measure) changes a replay's result, so that cached replays are recomputed.
+REPLAY_VERSION = 1
+
+
+def _digest(obj: Any) -> str:
+    """sha256 (hex) of ``obj``'s canonical JSON (sorted keys; non-JSON values by ``str``)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def step_spec_digest(spec: grpo_step.GRPOStepSpec) -> str:
+    """sha256 of every field of a :class:`grpo_step.GRPOStepSpec` (shapes and loss config included):
+    two specs with one digest build the same train step."""
+    return _digest(dataclasses.asdict(spec))
+
 def recomputed_advantages(rewards: np.ndarray, weights: np.ndarray, group_size: int, std_floor: float) -> np.ndarray:
     """Group advantages of one step over the kept rollouts only (``weights > 0``); removed rollouts
     and groups with fewer than 2 kept rollouts get 0. With every weight > 0 this equals
@@ -188,6 +205,7 @@ class Replayer:
             raise ValueError(f"{self.paths.rollouts}: {len(ids)} records; replay needs the {steps * n} rollouts of a "
                              f"complete run in log order")
         self.rollout_ids = ids
+        self.log_digest = rollout_log.digest(self.paths.rollouts)
         self.data: list[_StepData] = []
         t = self.shapes.completion_len
         for s in range(steps):
@@ -210,6 +228,20 @@ class Replayer:
         self.data_sharding = sharding.data_sharding(start.mesh)
         self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, config, start.mesh, rates=rates,
                                        sampled=sampled)
+
+    def identity(self) -> dict[str, Any]:
+        """What decides a replay's result besides its weights, advantages and measured steps:
+        ``{"replay_version"`` (:data:`REPLAY_VERSION`), ``"step_spec"`` (:func:`step_spec_digest`),
+        ``"optimizer"`` (digest of ``config.optim`` and ``grpo.adv_std_floor``), ``"rollout_log"``
+        (``rollout_log.digest`` of the run's log) and ``"measure"`` (digest of the behaviour
+        measure's settings)``}``; a cache of replays is valid only while these are unchanged."""
+        c, b = self.config, self.config.behavior
+        measure = {"pattern": b.pattern, "probes_path": b.probes_path, "controls_path": b.controls_path,
+                   "rates": self.measure.greedy, "sampled": self.measure.sampled, "temperature": c.grpo.temperature,
+                   "top_p": c.grpo.top_p, "seed": int(c.seed)}
+        return {"replay_version": REPLAY_VERSION, "step_spec": step_spec_digest(self.spec),
+                "optimizer": _digest({"optim": c.optim.to_dict(), "adv_std_floor": c.grpo.adv_std_floor}),
+                "rollout_log": self.log_digest, "measure": _digest(measure)}
 
     def weight_vector(self, weights: np.ndarray | Mapping[str, float] | None) -> np.ndarray:
         """float32 [steps * N] from an array (log order), a ``{rollout_id: weight}`` map (others 1),
