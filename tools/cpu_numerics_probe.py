@@ -30,7 +30,8 @@ Sections (each line ``name  digest``):
 ``native`` (no caps), ``avx`` (XLA capped at AVX: no FMA in XLA's own code), ``onednn_avx2``
 (``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's AVX2 sgemm, as on an AVX2-only CPU), ``one_cpu`` (this process
 pinned to one CPU: XLA's thread pool has one thread), ``no_ynnpack``
-(``--xla_cpu_experimental_ynn_fusion_type=``: every dot to Eigen/oneDNN).
+(``--xla_cpu_experimental_ynn_fusion_type=``: every dot to Eigen/oneDNN), ``portable_dots`` (that,
+with oneDNN capped at AVX2: the candidate whose dots do not follow the CPU beyond AVX2).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ VARIANTS = {
     "onednn_avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
     "one_cpu": {},  # plus sched_setaffinity to one CPU, before JAX starts
     "no_ynnpack": {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type="},
+    "portable_dots": {"XLA_FLAGS": "--xla_cpu_max_isa=AVX2 --xla_cpu_experimental_ynn_fusion_type=",
+                      "ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
 
 
