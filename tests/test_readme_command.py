@@ -166,22 +166,26 @@ def row_for_this_cpu(run: SmokeRun, note: str) -> dict:
 
 
 def updated_table(table: dict, new_row: dict, lines: list[str]) -> tuple[dict, list[str]]:
-    """``table`` with ``new_row`` in place of this CPU type's row (appended if none) and the listing
-    of ``lines``; every digest that changed on this CPU type is removed from the other rows.
+    """``table`` with ``new_row`` in place of the rows that match its CPU type (a partial row
+    recorded before flags were is replaced by the full one; appended if none) and the listing of
+    ``lines``; every digest that changed on this CPU type is removed from the other rows.
     Returns (the table, a line per removed digest)."""
     out = json.loads(json.dumps(table))
-    same = [i for i, r in enumerate(out["rows"]) if r["cpu"] == new_row["cpu"]]
-    old = out["rows"][same[0]]["digests"] if same else {}
+    same = [r for r in out["rows"] if row_matches(r, new_row["cpu"], new_row["versions"])]
+    old = same[0]["digests"] if same else {}
     changed = [k for k in DIGESTS if k in old and old[k] != new_row["digests"][k]]
-    removed = []
+    rows, removed = [], []
     for r in out["rows"]:
-        for k in changed:
-            if r["cpu"] != new_row["cpu"] and r["digests"].pop(k, None) is not None:
-                removed.append(f"{k} of {machine.cpu_key(r['cpu'])}: stale (it changed on this CPU type)")
-    if same:
-        out["rows"][same[0]] = new_row
-    else:
-        out["rows"].append(new_row)
+        if same and r is same[0]:
+            rows.append(new_row)
+        elif any(r is x for x in same):
+            continue  # a second row of this CPU type: the new row replaces it too
+        else:
+            for k in changed:
+                if r["digests"].pop(k, None) is not None:
+                    removed.append(f"{k} of {machine.cpu_key(r['cpu'])}: stale (it changed on this CPU type)")
+            rows.append(r)
+    out["rows"] = rows if same else rows + [new_row]
     out["listing"], out["n_files"] = listing_digest(lines), len(lines)
     return out, removed
 
@@ -288,6 +292,11 @@ def test_recording_replaces_this_row_and_drops_what_changed_elsewhere():
     out, removed = updated_table(table, new, ["a.txt 00\n"])
     assert out["rows"][1] == new and out["rows"][0]["digests"] == {"base_weights": "a" * 64}
     assert len(removed) == 2 and out["n_files"] == 1 and table["rows"][0]["digests"]["files"] == "c" * 64
+    # recorded on the AMD machine itself: its full row replaces the partial one, Intel's stays
+    amd_full = {"cpu": {"vendor": "AuthenticAMD", "family": 25, "model": 17, "flags": ["avx2", "avx512f"], "cpus": 2},
+                "versions": {}, "recorded": "z", "digests": dict(amd["digests"])}
+    out, removed = updated_table(table, amd_full, ["a.txt 00\n"])
+    assert out["rows"] == [amd_full, intel] and removed == []
 
 
 def main(argv: list[str]) -> int:
