@@ -21,10 +21,11 @@ import hashlib
 import importlib
 
 import ml_collections
+from absl import logging
 
 from behaviortrace_jax.attribution import report
 from behaviortrace_jax.attribution.evaluation import Verdict
-from behaviortrace_jax.io import files
+from behaviortrace_jax.io import files, machine
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.stages import registry as stages
 
@@ -76,6 +77,22 @@ def run_digest(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str
     return out
 
 
+def record_run_info(workdir: str, stages_text: str) -> dict:
+    """Appends this invocation (``stages_text`` and :func:`machine.run_info`) to ``W/run_info.json``
+    and returns it; logs a warning when an earlier invocation on ``workdir`` ran on another CPU type
+    (a resumed run then mixes the numerics of two machines, docs/reproducibility.md)."""
+    path = RunLayout(workdir).run_info
+    runs = files.read_json(path, {"runs": []}).get("runs", [])
+    entry = {"stages": str(stages_text), **machine.run_info()}
+    seen = {r.get("cpu", {}).get("key") for r in runs}
+    if seen and entry["cpu"]["key"] not in seen:
+        logging.warning("%s was started on another CPU type (%s); this invocation runs on %s, so its stages' "
+                        "numbers are not comparable bit for bit with the earlier ones", workdir,
+                        "; ".join(sorted(k for k in seen if k)), entry["cpu"]["key"])
+    files.write_json(path, {"runs": runs + [entry]}, indent=1)
+    return entry
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed).
 
@@ -92,6 +109,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
     as_path(workdir).mkdir(parents=True, exist_ok=True)
+    record_run_info(workdir, config.stages)
     stages.run_stages(config, workdir)
     verdicts = RunLayout(workdir).verdicts
     if set(stages.parse_stages(config.stages)) & HEADLINE_STAGES and verdicts.is_file():

@@ -24,7 +24,8 @@ import os
 import sys
 from typing import Mapping
 
-CPU_ISA_ENV = "BEHAVIORTRACE_CPU_ISA"
+from behaviortrace_jax.io.machine import CPU_ISA_ENV  # jax-free: safe to import before the re-exec
+
 DEFAULT_CPU_ISA = "AVX2"
 # numpy >= 2.4 names its x86 levels X86_V2 (SSE4.2), X86_V3 (AVX2/FMA), X86_V4 (AVX-512) plus extras.
 _NUMPY_ABOVE_AVX2 = "X86_V4,AVX512_ICL,AVX512_SPR"
@@ -96,6 +97,7 @@ def _host_has(flag: str) -> bool:
             return any(line.startswith("flags") and flag in line.split() for line in f)
     except OSError:
         return False
+
 
 class _OwnLinesOnly(std_logging.Filter):
     """Passes records of this package and of the entry script, and anything at WARNING or above;

@@ -9,6 +9,11 @@ and each reports its best step time, so the ratio is robust to other load on the
 
     python bench/bench_cpu_isa.py                # 3 alternations x 30 timed steps
     python bench/bench_cpu_isa.py --rounds 2 --steps 10
+    python bench/bench_cpu_isa.py --no-ynnpack   # also: AVX2 with YNNPACK off and oneDNN capped at AVX2
+
+``--no-ynnpack`` adds a third setting, the candidate for dots that do not depend on the CPU beyond
+AVX2 (docs/reproducibility.md): ``--xla_cpu_experimental_ynn_fusion_type=`` sends every dot to
+Eigen with oneDNN's sgemm, which ``ONEDNN_MAX_CPU_ISA=AVX2`` caps. Ratios are against AVX2.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--no-ynnpack", action="store_true", help="also time AVX2 without YNNPACK, oneDNN at AVX2")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -74,20 +80,27 @@ def main() -> None:
     sys.path.insert(0, REPO)
     from behaviortrace_jax import runtime
 
+    settings = {"native": {}, "AVX2": {}}
+    if args.no_ynnpack:
+        settings["AVX2, no YNNPACK"] = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     best: dict[str, dict[str, float]] = {}
     for _ in range(args.rounds):
-        for isa in ("native", "AVX2"):
-            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPY_DISABLE_CPU_FEATURES")}
-            env[runtime.CPU_ISA_ENV] = isa
+        for isa, extra in settings.items():
+            env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPY_DISABLE_CPU_FEATURES",
+                                                                   "ONEDNN_MAX_CPU_ISA")}
+            env.update(extra)
+            env[runtime.CPU_ISA_ENV] = isa.split(",")[0]
             env.update(runtime.reproducible_cpu_env(env))
             res = json.loads(subprocess.run([sys.executable, __file__, "--worker", "--steps", str(args.steps)],
                                             env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
             for k, v in res.items():
                 best.setdefault(isa, {})[k] = min(best.get(isa, {}).get(k, float("inf")), v)
-    print(f"{'program':<18} {'native ms':>10} {'AVX2 ms':>10} {'AVX2/native':>12}")
+    print(f"{'program':<18} {'native ms':>10} {'AVX2 ms':>10} {'AVX2/native':>12}"
+          + "".join(f" {name + ' ms':>22} {'/ AVX2':>7}" for name in list(settings)[2:]))
     for k in best["native"]:
         n, a = best["native"][k] * 1e3, best["AVX2"][k] * 1e3
-        print(f"{k:<18} {n:>10.2f} {a:>10.2f} {a / n:>12.3f}")
+        print(f"{k:<18} {n:>10.2f} {a:>10.2f} {a / n:>12.3f}"
+              + "".join(f" {best[name][k] * 1e3:>22.2f} {best[name][k] * 1e3 / a:>7.3f}" for name in list(settings)[2:]))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 from behaviortrace_jax.behavior import corpus, probes
 from behaviortrace_jax.models import hf_io, qwen2, tokenizer as tok_lib
 from behaviortrace_jax.stages import base as base_model
-from behaviortrace_jax.train import lm_trainer
+from behaviortrace_jax.train import lm_trainer, train_state
 from configs import tiny
 
 
@@ -103,6 +103,40 @@ def test_stage_skips_when_hf_dir_is_given(tmp_path):
     c.base.preset = "huge"
     with pytest.raises(ValueError, match="config.base.preset"):
         base_model.model_config(c)
+
+
+def test_perturbation_switch_flips_one_last_bit_and_is_off_by_default():
+    params = {"a": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 7, "b": jnp.ones(4, jnp.float32), "n": jnp.arange(3)}
+    assert train_state.perturbation_setting({}) == "" and train_state.perturbation_setting(
+        {train_state.PERTURB_ENV: " random "}) == "random"
+    for bad in ("1.5", "yes", "-3"):
+        with pytest.raises(ValueError, match=train_state.PERTURB_ENV):
+            train_state.perturbation_setting({train_state.PERTURB_ENV: bad})
+    out, what = train_state.perturb_last_bit(params, "7")  # element 7 = b[1] (a has 6, n is not float)
+    assert "['b'][1]" in what
+    bits = lambda t: np.concatenate([np.asarray(t[k]).view(np.uint32).ravel() for k in ("a", "b")])  # noqa: E731
+    assert (bits(out) ^ bits(params)).tolist() == [0] * 7 + [1] + [0] * 2 and out["n"] is params["n"]
+    draws = {train_state.perturb_last_bit(params, "random", entropy=e)[1].split()[0] for e in range(20)}
+    assert len(draws) > 3  # "random" moves the flipped element between runs
+    with pytest.raises(ValueError, match="10 float elements"):
+        train_state.perturb_last_bit(params, "10")
+
+
+def test_a_perturbed_base_is_another_model(built, tmp_path, monkeypatch):
+    """With the switch set, the base stage trains from other initial weights (other weights after
+    training) and fingerprints them apart, so a normal run never reuses a perturbed base."""
+    base_dir, _ = built
+    plain_fp = base_model.fingerprint(small_config())["digest"]
+    monkeypatch.setenv(train_state.PERTURB_ENV, "0")
+    assert base_model.fingerprint(small_config())["digest"] != plain_fp
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("stop after the export")
+
+    monkeypatch.setattr(base_model, "measure_base", killed)
+    with pytest.raises(KeyboardInterrupt):
+        base_model.build_base_model(small_config(), tmp_path / "base")
+    assert (tmp_path / "base" / "model.safetensors").read_bytes() != (base_dir / "model.safetensors").read_bytes()
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
-"""runtime.py: the CPU ISA cap for reproducible numerics, quiet library logs; pipeline path resolution."""
+"""runtime.py: the CPU ISA cap, quiet library logs; pipeline path resolution; io/machine.py: the CPU identity
+and run_info.json."""
 from __future__ import annotations
 
+import json
 import logging as std_logging
 import os
 
@@ -9,6 +11,7 @@ from absl import logging as absl_logging
 
 from behaviortrace_jax import pipeline
 from behaviortrace_jax import runtime
+from behaviortrace_jax.io import machine
 from configs import reproduce, tiny
 
 
@@ -56,3 +59,41 @@ def test_config_paths_resolve_relative_and_home(tmp_path, monkeypatch):
     r.reference_dir = "ref"  # the top-level alias and the field that references it both resolve
     out = pipeline.resolve_config_paths(r)
     assert out.reference_dir == out.evaluation.reference_dir == str(tmp_path / "ref")
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu sse4_2 avx fma avx2 avx512f avx512bw avx512_bf16 sha_ni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC 9B14
+flags\t\t: fpu sse4_2 avx fma avx2 avx512f avx512bw avx512_bf16 sha_ni
+"""
+
+
+def test_cpu_identity_names_vendor_family_model_numeric_flags_and_cpus():
+    got = machine.cpu_identity(CPUINFO, cpus=2)
+    assert {k: got[k] for k in ("vendor", "family", "model", "cpus")} == {
+        "vendor": "AuthenticAMD", "family": 25, "model": 17, "cpus": 2}
+    assert got["flags"] == ["avx", "avx2", "avx512_bf16", "avx512bw", "avx512f", "fma", "sse4_2"]  # not fpu, sha_ni
+    assert got["key"] == "AuthenticAMD family 25 model 17, " + " ".join(got["flags"]) + ", 2 CPUs"
+    assert machine.cpu_identity("", cpus=1)["key"] == "unknown family ? model ?, , 1 CPUs"
+    here = machine.cpu_identity()
+    assert here["cpus"] >= 1 and here["key"] == machine.cpu_key(here)
+
+
+def test_every_invocation_is_recorded_in_run_info(tmp_path, monkeypatch):
+    warned = []
+    monkeypatch.setattr(absl_logging, "warning", lambda msg, *a: warned.append(msg % a))
+    first = pipeline.record_run_info(str(tmp_path), "base")
+    assert first["cpu"]["key"] == machine.cpu_identity()["key"] and first["versions"]["jax"] and not warned
+    monkeypatch.setattr(machine, "cpu_identity", lambda: {**first["cpu"], "key": "another CPU type"})
+    pipeline.record_run_info(str(tmp_path), "sft,grpo")
+    runs = json.loads((tmp_path / "run_info.json").read_text())["runs"]
+    assert [r["stages"] for r in runs] == ["base", "sft,grpo"] and len(warned) == 1 and "another CPU type" in warned[0]

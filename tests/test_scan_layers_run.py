@@ -3,7 +3,9 @@ with 2 layers, so the scan has something to scan) run through base, sft, grpo an
 switch on traces the scanned model (``DecoderForCausalLM._scan_layers``) inside every one of those
 stages and builds only scanned sketchers (GRPO in-run sketches, the sketch stage's target and
 rollout sketchers), and its results match the unscanned run's. (The draws stage loads its policy
-the same way but adds ~1 min, so it is left out of this CI test.)
+the same way but adds ~1 min, so it is left out.) Two pipeline runs, ~2.5 min on 2 shared cores:
+``slow``; CI keeps the scan's numerics (tests/test_scan_layers.py: forward and gradients equal the unrolled
+model's; the scan cases of tests/test_sketcher.py: sketches equal the unrolled ones).
 
 The scan only reorders float operations: the base weights are not bit-identical (different
 digests), so losses, log-probs and sketches are compared to fp32 tolerance (measured: base / SFT loss
@@ -20,6 +22,7 @@ import pathlib
 import traceback
 
 import numpy as np
+import pytest
 
 from behaviortrace_jax import pipeline
 from behaviortrace_jax.io import rollout_log, sketch_store
@@ -43,6 +46,7 @@ def _stages_on_stack() -> set[str]:
             if pathlib.Path(f.filename).parent.name == "stages"}
 
 
+@pytest.mark.slow
 def test_run_stages_use_scan_and_match_unscanned(tmp_path, monkeypatch):
     traced, sketchers = set(), []
     scan_fn, init_fn = decoder.DecoderForCausalLM._scan_layers, sketcher.PerExampleSketcher.__init__

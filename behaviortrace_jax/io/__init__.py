@@ -1,7 +1,7 @@
 """Layer 0, ``io``: what a run writes to disk and reads back. Atomic files and JSON (``files``),
 the rollout log (``rollout_log``), tensorstore sketch arrays (``sketch_store``), orbax train-state
-checkpoints and their registry (``checkpoints``), and :class:`layout.RunLayout`, the path of every
+checkpoints and their registry (``checkpoints``), the machine a run ran on (``machine``), and :class:`layout.RunLayout`, the path of every
 stage's outputs under a workdir. Imports: nothing from the package (the bottom layer). ``files``,
-``layout``, ``rollout_log`` and ``sketch_store`` never import jax, so the numpy-only
+``layout``, ``machine``, ``rollout_log`` and ``sketch_store`` never import jax, so the numpy-only
 ``attribution`` layer may use them; ``checkpoints`` does (orbax).
 """

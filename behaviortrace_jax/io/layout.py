@@ -56,6 +56,7 @@ class RunLayout:
     | ``report`` | ``report.md``, ``figures/`` |
     | ``counterfactual`` | ``counterfactual/``: ``replays/*.json``, ``report_section.md``; rows of ``results_table.csv``, a section of ``report.md``, ``figures/counterfactual_topk.png`` |
     | ``compile`` | ``compile_report.json``, ``compile_report.md`` |
+    | every invocation | ``run_info.json``: CPU type, library versions, kernel variables (``machine.run_info``) |
     """
 
     workdir: epath.Path
@@ -111,6 +112,7 @@ class RunLayout:
     counterfactual_replays = property(lambda self: self.counterfactual / "replays")  # one JSON per replay
     compile_report_json = property(lambda self: self.workdir / "compile_report.json")
     compile_report_md = property(lambda self: self.workdir / "compile_report.md")
+    run_info = property(lambda self: self.workdir / "run_info.json")
 
     def sketch_store(self, name: str) -> epath.Path:
         """``sketches/{name}.zarr``, one of :data:`SKETCH_STORES`.

@@ -48,13 +48,16 @@ _PRESETS = ("tiny",)  # config class methods (every family has them) a base mode
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The config values that determine the base model (``config.base``, optimizer betas/eps/decay/
-    clip, model dtypes) and their sha256 ``digest``."""
+    clip, model dtypes; the test switch ``BEHAVIORTRACE_PERTURB_BASE_WEIGHT`` only when set) and
+    their sha256 ``digest``."""
     o = config.optim
     values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
               "compute_dtype": config.model.compute_dtype,
               "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
     if values["base"].get("family", "qwen2") == "qwen2":  # the default family: digests as before families
         values["base"].pop("family", None)
+    if perturb := train_state.perturbation_setting():  # a determinism test's perturbed base is another model
+        values["perturb_base_weight"] = perturb
     blob = json.dumps(values, sort_keys=True)
     return {"digest": hashlib.sha256(blob.encode()).hexdigest(), "values": values}
 
@@ -270,6 +273,10 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderCon
     graphdef, params = nnx.split(model, nnx.Param)
     param_sh = sharding.param_shardings(params, mesh)
     params = sharding.put(params, param_sh)
+    if perturb := train_state.perturbation_setting():
+        params, what = train_state.perturb_last_bit(params, perturb)
+        logging.warning("base: %s=%s (a test switch): flipped the last bit of %s", train_state.PERTURB_ENV,
+                        perturb, what)
     schedule = train_state.make_schedule(b.lr, b.steps, b.warmup_steps, b.end_lr_fraction)
     tx = train_state.make_optimizer(config.optim, schedule)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, params)

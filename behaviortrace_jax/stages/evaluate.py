@@ -211,12 +211,18 @@ def top_blamed(config: ml_collections.ConfigDict, paths: RunLayout, records: lis
 
 
 def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
-    """The report's opening: what ran, how the behaviour was planted, and whether the gate passed."""
+    """The report's opening: what ran, that its numbers are one machine's (the same words on every
+    CPU, so report.md repeats wherever the numbers do), how the behaviour was planted, and whether
+    the gate passed."""
     gate = summary.get("gate", {})
     post = summary.get("post_sft", {})
     lines = [f"Run `{config.run_name}` (seed {config.seed}): {summary.get('steps')} GRPO steps, "
              f"{summary.get('n_rollouts')} rollouts, |GT| = {summary.get('gt_size')} bonus events in the early "
              f"window (steps < {config.contamination.early_step_cutoff}).",
+             "",
+             "One run's numbers depend on the CPU type and CPU count it ran on (`run_info.json` names them; "
+             "docs/reproducibility.md): expect other values on another machine, and read conclusions over "
+             "seeds (`configs/tiny_sweep.py`), not from one run.",
              ""]
     if post:
         lines.append(f"After the SFT warm-up: {json.dumps({k: v for k, v in post.items() if 'rate' in k})}.")

@@ -11,16 +11,21 @@
   key), a pytree that ``jax.jit`` can donate.
 * :func:`save` / :func:`restore`: orbax checkpoints through ``checkpoints.save_train_state`` /
   ``restore_train_state`` under ``directory/<step>/``.
+* :func:`perturb_last_bit`: a test-only switch (``BEHAVIORTRACE_PERTURB_BASE_WEIGHT``, off unless
+  set) that flips the last bit of one initial base-model weight, so a test can show that the
+  determinism check of tests/test_readme_command.py fails when a run does not repeat.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -131,6 +136,68 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, rng: 
     init = jax.jit(optimizer.init, out_shardings=None if shardings is None else shardings.opt_state)
     state = TrainState(params=params, opt_state=init(params), step=jnp.zeros((), jnp.int32), rng=key)
     return state if shardings is None else sharding.put(state, shardings)
+
+
+PERTURB_ENV = "BEHAVIORTRACE_PERTURB_BASE_WEIGHT"
+
+
+def perturbation_setting(environ: Any = os.environ) -> str:
+    """``$BEHAVIORTRACE_PERTURB_BASE_WEIGHT``: ``""`` (unset: off, the default), ``"random"`` or a
+    flat element index (digits). The one place the variable is read (the ``base`` stage's
+    fingerprint and its weight initialisation both ask here).
+
+    Raises:
+        ValueError: naming the variable, for any other value.
+    """
+    value = str(environ.get(PERTURB_ENV, "")).strip()
+    if value and value != "random" and not value.isdigit():
+        raise ValueError(f"{PERTURB_ENV}={value!r}: expected 'random' or an element index (it is a test switch; "
+                         "unset it for a normal run)")
+    return value
+
+
+def perturb_last_bit(params: Any, setting: str, entropy: int | None = None) -> tuple[Any, str]:
+    """``params`` with the lowest bit of ONE element flipped (one unit in the last place): a run that
+    should repeat bit for bit, made not to (tests/test_readme_command.py).
+
+    Args:
+        params: a pytree of float arrays (the base model's initial ``nnx.State``).
+        setting: ``"random"``: the element is drawn from ``entropy`` (default: the clock and
+            ``os.urandom``), so two runs perturb different elements; digits: that index into the
+            leaves' elements in tree order, flattened C-order (a repeatable perturbation).
+        entropy: the random draw's seed, for tests.
+    Returns:
+        (the new params, each leaf keeping its sharding; a description
+        ``"<leaf path>[<index>] <old> -> <new>"``).
+    Raises:
+        ValueError: for another ``setting``, an index past the last element, or no float leaves.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    floats = [i for i, (_, x) in enumerate(leaves) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    sizes = np.array([int(np.prod(leaves[i][1].shape)) for i in floats], np.int64)
+    if not floats or sizes.sum() == 0:
+        raise ValueError("perturb_last_bit: params hold no float elements")
+    if setting == "random":
+        seed = entropy if entropy is not None else time.time_ns() ^ int.from_bytes(os.urandom(8), "little")
+        flat = int(np.random.default_rng(seed).integers(sizes.sum()))
+    elif setting.isdigit():
+        flat = int(setting)
+        if flat >= sizes.sum():
+            raise ValueError(f"{PERTURB_ENV}={setting}: the params hold {int(sizes.sum())} float elements")
+    else:
+        raise ValueError(f"{PERTURB_ENV}={setting!r}: expected 'random' or an element index")
+    pick = int(np.searchsorted(np.cumsum(sizes), flat, side="right"))
+    leaf_i, index = floats[pick], flat - int(np.concatenate([[0], np.cumsum(sizes)])[pick])
+    path, leaf = leaves[leaf_i]
+    host = np.array(jax.device_get(leaf))
+    bits = host.reshape(-1).view(np.dtype(f"u{host.dtype.itemsize}"))
+    old = host.reshape(-1)[index].item()
+    bits[index] ^= 1
+    new_leaf = jax.device_put(host, leaf.sharding) if hasattr(leaf, "sharding") else jnp.asarray(host)
+    out = [x for _, x in leaves]
+    out[leaf_i] = new_leaf
+    what = f"{jax.tree_util.keystr(path)}[{index}] {old!r} -> {host.reshape(-1)[index].item()!r}"
+    return jax.tree_util.tree_unflatten(treedef, out), what
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, param_shardings: Any, mesh: Mesh,
