@@ -98,6 +98,12 @@ class BehaviorMeasure:
         self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
         self.sample_key = jax.random.key(int(config.seed))
 
+    def logp_margin(self, params) -> jax.Array:
+        """``logp_margin`` of :meth:`measure` as a float32 scalar that ``jax.grad`` differentiates
+        (the metagradient's M, ``train/metagradient.py``; :meth:`measure` averages in float64)."""
+        lp = self._mean_lp(params, self.ids, self.attn, self.w)
+        return jnp.mean(lp[:self.n_probes]) - jnp.mean(lp[self.n_probes:])
+
     def measure(self, params) -> dict[str, float]:
         lp = np.asarray(sharding.to_host(self._mean_lp(params, self.ids, self.attn, self.w)), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
