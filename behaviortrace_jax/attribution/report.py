@@ -36,6 +36,10 @@ HOW_TO_READ = """\
   window (SPEC §6.6).
 * `which_rollout`: scores from per-rollout in-run sketches, so steps can be split: ceiling 1.0.
   `which_rollout_within_step`: AUC of GT vs non-GT rollouts of the same step (chance 0.5).
+* `metagradient` (when the `metagradient` stage ran) is a different kind of method: not a score on
+  sketches but dM/dw_i, the behaviour measure differentiated through the replayed GRPO run
+  (MAGIC-style; it needs the run's start state and rollout log); a step's score is the sum of its
+  rollouts'. It is a `baseline` (outside the pre-registered rules).
 * Rollout level: within-group AUC over (positive, negative) pairs of the same prompt draw, ties ½,
   pairs pooled (n = pairs). `mp_residualized` removes one pooled within-group fluency slope;
   `mp_matched` keeps pairs with |Δfluency| ≤ 0.10 (counts only with ≥ 100 pairs). [lo, hi] = 95 %

@@ -15,6 +15,7 @@ import numpy as np
 
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.io import sketch_store
+from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
 
 
@@ -49,15 +50,34 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
         sketches = (step_sketches if step_sketches is not None
                     else read_complete(paths.sketch_store("step_sketches")).read())
     return target_store_scores(config, paths.sketch_store("targets_continuation"), sketches, rollout_ids,
-                               rollout_steps, per_rollout=per_rollout)
+                               rollout_steps, per_rollout=per_rollout,
+                               metagradient=metagradient_scores(paths, rollout_ids))
+
+
+def metagradient_scores(paths: RunLayout, rollout_ids: list[str]) -> np.ndarray | None:
+    """The ``metagradient`` stage's ``dM/dw_i`` (float64 [N], log order) for the estimator of that
+    name, or None when the stage has not run (the estimator is then skipped).
+
+    Raises:
+        ValueError: naming the file when its rollout ids are not ``rollout_ids``.
+    """
+    path = paths.metagradient_scores
+    if not path.exists():
+        return None
+    rec = read_json(path)
+    if rec["rollout_ids"] != list(rollout_ids):
+        raise ValueError(f"{path}: {len(rec['rollout_ids'])} rollout ids that are not the run's "
+                         f"{len(rollout_ids)}; rerun the `metagradient` stage")
+    return np.asarray(rec["scores"], np.float64)
 
 
 def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
                         rollout_ids: list[str], rollout_steps: np.ndarray, *,
-                        per_rollout: bool = False) -> dict[str, np.ndarray]:
+                        per_rollout: bool = False, **inputs) -> dict[str, np.ndarray]:
     """:func:`step_method_scores` with the targets of ``target_path`` (another behaviour's
     ``targets_continuation_<id>.zarr``, issue 16) and sketches the caller has read: float32
-    [steps, D] step sketches, or [N, D] in-run rollout sketches with ``per_rollout``.
+    [steps, D] step sketches, or [N, D] in-run rollout sketches with ``per_rollout``. ``inputs``:
+    more estimator inputs by name (``metagradient``; None = absent, its estimator is skipped).
 
     Raises:
         FileNotFoundError / ValueError: the target store is absent or incomplete (names it).
@@ -70,4 +90,4 @@ def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.
     return estimators.score_step_methods(
         sketches, steps, rollout_ids, rollout_steps, target=targets[-1], per_rollout_sketches=per_rollout,
         targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping, seed=int(config.seed),
-        window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+        window=ev.local_buffer_window, current_step=int(config.grpo.steps), **inputs)

@@ -159,6 +159,24 @@ def target_checkpoint(config: ml_collections.ConfigDict) -> int:
     return min(checkpoint_steps(config), key=lambda s: (abs(s - config.draws.target_step), s))
 
 
+def measure_step(config: ml_collections.ConfigDict) -> int:
+    """The step whose behaviour the counterfactual tables report (``counterfactual.measure``):
+    "window" = the end of the contamination window (``contamination.early_step_cutoff``, capped at
+    the run's length), "target" = :func:`target_checkpoint`, "end" = the run's end.
+
+    Raises:
+        ValueError: naming ``counterfactual.measure`` for another value.
+    """
+    m, steps = config.counterfactual.measure, int(config.grpo.steps)
+    if m == "window":
+        return min(int(config.contamination.early_step_cutoff), steps)
+    if m == "target":
+        return target_checkpoint(config)
+    if m == "end":
+        return steps
+    raise ValueError(f"counterfactual.measure: {m!r}; expected 'window', 'target' or 'end'")
+
+
 @dataclasses.dataclass
 class _StepData:
     batch: dict[str, np.ndarray]  # grpo_step.build_batch of the logged rollouts (advantages as logged)
