@@ -32,3 +32,17 @@ def shared_dir() -> pathlib.Path:
 def reference_dir(shared_dir) -> pathlib.Path:
     """``shared/reference``: the paper's released per-seed result files."""
     return shared_dir / "reference"
+
+
+@pytest.fixture(scope="session")
+def smoke_grpo_run(tmp_path_factory):
+    """``(config, workdir)`` of one smoke run's ``base,sft,grpo`` stages (~1 min), shared by every test
+    module that replays or differentiates a finished run (test_replay, test_metagradient)."""
+    from behaviortrace_jax import pipeline
+    from configs import tiny
+
+    w = tmp_path_factory.mktemp("smoke_grpo_run")
+    config = tiny.get_config("smoke")
+    config.stages = "base,sft,grpo"
+    pipeline.run(config, str(w))
+    return config, w

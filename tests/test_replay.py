@@ -80,12 +80,8 @@ def test_recomputed_advantages_match_group_advantages_when_nothing_is_removed():
 # All-ones replay of a smoke GRPO run reproduces its checkpoints bit for bit.
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    w = tmp_path_factory.mktemp("replay")
-    config = tiny.get_config("smoke")
-    config.stages = "base,sft,grpo"
-    pipeline.run(config, str(w))
-    return config, w
+def smoke_run(smoke_grpo_run):
+    return smoke_grpo_run  # one smoke run per session (conftest.py)
 
 
 def _assert_replay_reproduces_checkpoints(config, w):
@@ -161,12 +157,14 @@ def cf_config():
     config = tiny.get_config("smoke")
     cf = config.counterfactual
     cf.k_fractions, cf.random_seeds, cf.lds_subsets, cf.rates, cf.sampled = "0.5,1.0", 2, 3, False, 2
+    cf.lds_fractions, cf.lds_small_subsets = "0.1,0.5", 2
     return config
 
 
 CF_FLAGS = ["--config.counterfactual.k_fractions=0.5,1.0", "--config.counterfactual.random_seeds=2",
             "--config.counterfactual.lds_subsets=3", "--config.counterfactual.rates=False",
-            "--config.counterfactual.sampled=2"]
+            "--config.counterfactual.sampled=2", "--config.counterfactual.lds_fractions=0.1,0.5",
+            "--config.counterfactual.lds_small_subsets=2"]
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +202,10 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     assert all(r.ceiling == oracle[r.n].value for r in topk)  # ratio to oracle = value / ceiling
     lds_rows = [r for r in rows if r.table == "lds"]
     assert lds_rows and all(r.n == 3 and r.lo <= r.hi for r in lds_rows)
+    drop_rows = [r for r in rows if r.table == "lds_drop0.1"]  # the small drop fraction, 2 subsets
+    assert {r.method for r in drop_rows} == {r.method for r in lds_rows} and all(r.n == 2 for r in drop_rows)
     replays = sorted((w / "counterfactual" / "replays").glob("*.json"))
-    assert len(replays) == 1 + nk * (1 + len(methods) - 2 + 2) + 3  # full, k x (oracle, estimators, random), LDS
+    assert len(replays) == 1 + nk * (1 + len(methods) - 2 + 2) + 3 + 2  # full, k x (oracle, estimators, random), LDS
     rec = json.loads(replays[0].read_text())
     step = str(config.contamination.early_step_cutoff)  # measure = "window": the end of the contamination window
     assert {"sampled_probe_rate", "sampled_control_rate", "logp_margin"} <= set(rec["behavior"][step])
