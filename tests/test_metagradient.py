@@ -228,8 +228,8 @@ def test_metagradient_stage_writes_scores_and_resumes(smoke_grpo_run, tmp_path):
     scores = metagradient_scores(paths, rec["rollout_ids"])
     np.testing.assert_array_equal(scores, rec["measures"][str(at)]["dM_dw"])
     assert rec["stats"]["max_states_held"] > 0 and (paths.metagradient / "recomputed.json").exists()
-    mtime = (paths.metagradient / "logged.json").stat().st_mtime_ns
+    mtime = (tmp_path / "metagradient" / "logged.json").stat().st_mtime_ns
     pipeline.run(config, str(tmp_path))  # resumes: nothing recomputed
-    assert (paths.metagradient / "logged.json").stat().st_mtime_ns == mtime
+    assert (tmp_path / "metagradient" / "logged.json").stat().st_mtime_ns == mtime
     with pytest.raises(ValueError, match="rollout ids"):
         metagradient_scores(paths, rec["rollout_ids"][:-1])
