@@ -14,6 +14,8 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 | ``report`` | ``stages/evaluate.py`` | ``report.md``, ``figures/*.png`` |
 | ``reproduce`` | ``stages/reproduce.py`` | the paper's tables from its released files |
 | ``sweep`` | ``stages/sweep.py`` | ``seed{S}/`` runs, diagnostic draws, one aggregate report |
+| ``counterfactual`` | ``stages/counterfactual.py`` | ``counterfactual/`` replays; leave-top-k-out and LDS rows |
+| ``metagradient`` | ``stages/metagradient.py`` | ``metagradient/`` (dM/dw of every rollout; the ``metagradient`` estimator's input) |
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from behaviortrace_jax.stages import registry as stages
 
 HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
-                  "counterfactual")
+                  "counterfactual", "metagradient")
 
 
 def resolve_config_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

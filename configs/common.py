@@ -189,7 +189,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual = ml_collections.ConfigDict()
     c.counterfactual.k_fractions = "0.25,0.5,1.0"  # Leave-top-k-out: k = these fractions of |GT| (window).
     c.counterfactual.random_seeds = 5  # Random k-subsets per k (the random baseline's mean ± sd).
-    c.counterfactual.lds_subsets = 32  # M random half-subsets of the window replayed for the LDS.
+    c.counterfactual.lds_subsets = 32  # M random half-subsets of the window replayed for the LDS (table `lds`).
+    # LDS drop fractions: random subsets of these fractions of the window's rollouts are removed; 0.5 uses the
+    # lds_subsets half-subsets (table `lds`), every other fraction f lds_small_subsets subsets (table `lds_drop<f>`).
+    c.counterfactual.lds_fractions = "0.01,0.05,0.1,0.5"
+    c.counterfactual.lds_small_subsets = 16  # Subsets replayed per drop fraction other than 0.5 (one replay each).
     c.counterfactual.measure = "window"  # Behaviour step of the tables: "window" (end of the contamination window;
     # the replay stops there), "target" (the checkpoint nearest draws.target_step) or "end" of the run.
     c.counterfactual.sampled = 4  # Sampled rates: completions per probe/control prompt (GRPO temperature, fixed key); 0 = off.
@@ -203,6 +207,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.reference_dir = ""  # reproduce: the paper's released per-seed files (shared/reference; SPEC §6.13).
     c.info = ml_collections.ConfigDict()
     c.info.max_new_tokens = 32  # info: length of the probe completion it prints.
+
+    # --- metagradient (the `metagradient` stage: dM/dw_i through the replayed run, MAGIC-style; not in the default) ---
+    c.metagradient = ml_collections.ConfigDict()
+    # Advantages: "logged" (constants, as the replay), "recomputed" (each group's baseline differentiated, the
+    # analogue of counterfactual.recompute_advantages) or "logged,recomputed"; must include the replays' mode.
+    c.metagradient.advantages = "logged"
+    c.metagradient.checkpoint_every = 0  # Reverse sweep: states held every k steps (0 = ceil(sqrt(steps))).
 
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()

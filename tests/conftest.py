@@ -62,3 +62,18 @@ def copy_start(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
     for sub in ("base", "sft"):
         shutil.copytree(src / sub, dest / sub)
     return dest
+
+
+@pytest.fixture(scope="session")
+def smoke_grpo_run(smoke_sft, tmp_path_factory):
+    """``(config, workdir)`` of one smoke run's ``grpo`` stage on the shared start state (``base`` and
+    ``sft`` of :func:`smoke_finished`), shared by every test module that replays or differentiates a
+    finished run (test_replay, test_metagradient)."""
+    from behaviortrace_jax import pipeline
+
+    config, start = smoke_sft
+    config = config.copy_and_resolve_references()
+    config.stages = "grpo"
+    w = copy_start(start, tmp_path_factory.mktemp("smoke_grpo_run"))
+    pipeline.run(config, str(w))
+    return config, w

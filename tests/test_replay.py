@@ -187,13 +187,8 @@ def test_step_spec_digest_changes_with_every_field():
 # All-ones replay of a smoke GRPO run reproduces its checkpoints bit for bit.
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def smoke_run(smoke_sft, tmp_path_factory):
-    config, start = smoke_sft
-    config = config.copy_and_resolve_references()
-    config.stages = "grpo"
-    w = copy_start(start, tmp_path_factory.mktemp("replay"))
-    pipeline.run(config, str(w))
-    return config, w
+def smoke_run(smoke_grpo_run):
+    return smoke_grpo_run  # one smoke run per session (conftest.py)
 
 
 def assert_replay_reproduces_checkpoints(config, w):
@@ -255,12 +250,14 @@ def cf_config():
     config = tiny.get_config("smoke")
     cf = config.counterfactual
     cf.k_fractions, cf.random_seeds, cf.lds_subsets, cf.rates, cf.sampled = "0.5,1.0", 2, 3, False, 2
+    cf.lds_fractions, cf.lds_small_subsets = "0.1,0.5", 2
     return config
 
 
 CF_FLAGS = ["--config.counterfactual.k_fractions=0.5,1.0", "--config.counterfactual.random_seeds=2",
             "--config.counterfactual.lds_subsets=3", "--config.counterfactual.rates=False",
-            "--config.counterfactual.sampled=2"]
+            "--config.counterfactual.sampled=2", "--config.counterfactual.lds_fractions=0.1,0.5",
+            "--config.counterfactual.lds_small_subsets=2"]
 
 
 @pytest.fixture(scope="module")
@@ -301,9 +298,11 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     assert all(r.ceiling == oracle[r.n].value for r in topk)  # ratio to oracle = value / ceiling
     lds_rows = [r for r in rows if r.table == "lds"]
     assert lds_rows and all(r.n == 3 and r.lo <= r.hi for r in lds_rows)
+    drop_rows = [r for r in rows if r.table == "lds_drop0.1"]  # the small drop fraction, 2 subsets
+    assert {r.method for r in drop_rows} == {r.method for r in lds_rows} and all(r.n == 2 for r in drop_rows)
     replays = sorted((w / "counterfactual" / "replays").glob("*.json"))
     per_k = 1 + len(methods) - 2 + 2  # oracle, estimators, 2 random subsets
-    assert len(replays) == 1 + 2 * nk * per_k + 3  # full, k x per_k logged and recomputed, LDS
+    assert len(replays) == 1 + 2 * nk * per_k + 3 + 2  # full, k x per_k logged and recomputed, LDS, LDS drop
     rec_rows = [r for r in rows if r.table == "counterfactual_topk_recomputed"]
     assert {(r.method, r.n) for r in rec_rows} == {(r.method, r.n) for r in topk}
     assert any(r.value != next(t for t in topk if (t.method, t.n) == (r.method, r.n)).value for r in rec_rows)

@@ -375,6 +375,42 @@ def random_scores(rollout_ids: Sequence[str], seed: int) -> np.ndarray:
     return -np.array([pos[r] for r in ids], dtype=np.float64)
 
 
+@register_estimator("metagradient", level="step", role="baseline")
+def metagradient_scores(metagradient, steps, rollout_steps) -> np.ndarray:
+    """Metagradient (MAGIC-style, Ilyas & Engstrom 2025): ``dM/dw_i`` through the replayed run.
+
+    Not a sketch method: the ``metagradient`` stage differentiates the behaviour measure M
+    through every replayed GRPO update (``train/metagradient.py``) and writes ``dM/dw_i`` for every
+    rollout (``metagradient/scores.json``, passed here as ``metagradient`` by
+    ``sketch/scores.py``; the estimator is skipped where the stage has not run). The score is the
+    predicted drop of M when the rollout is removed (``M(w = 1 - e_i) ~ M - dM/dw_i``), so a large
+    score names a rollout whose removal lowers the behaviour, as for the other estimators.
+
+    Args:
+        metagradient: float [N] ``dM/dw_i`` in log order; rollout_steps: int [N].
+        steps: the runner's keys: step numbers (step level: a step's score is the sum of its
+            rollouts', the first-order effect of removing the whole step), or each rollout's own
+            step (``steps`` equal to ``rollout_steps``: one row per rollout, "which rollout").
+    Returns:
+        float64 [len(steps)].
+    Raises:
+        ValueError: ``metagradient`` and ``rollout_steps`` of different shapes.
+    """
+    g = np.asarray(metagradient, dtype=np.float64)
+    rs = np.asarray(rollout_steps, dtype=np.int64)
+    keys = np.asarray(steps, dtype=np.int64)
+    if g.shape != rs.shape:
+        raise ValueError(f"metagradient: {g.shape} scores for {rs.shape} rollouts")
+    if keys.shape == rs.shape and np.array_equal(keys, rs):
+        return g
+    row = {k: j for j, k in enumerate(keys.tolist())}
+    out = np.zeros(keys.size)
+    for step, x in zip(rs.tolist(), g.tolist()):
+        if step in row:
+            out[row[step]] += x
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # reward-only controls (module docstring): the training log alone, no target, no gradient
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,10 @@ HOW_TO_READ = """\
   bonus defines the ground truth, so `reward` and `advantage` sit at (or near) the ceiling by
   construction; rollout-level rankers are not bound by the step-level ceiling either. An
   estimator "finds which rollout" only if it beats norm-only and |A_i| by the step margin.
+* `metagradient` (when the `metagradient` stage ran) is a different kind of method: not a score on
+  sketches but dM/dw_i, the behaviour measure differentiated through the replayed GRPO run
+  (MAGIC-style; it needs the run's start state and rollout log); a step's score is the sum of its
+  rollouts'. It is a `baseline` (outside the pre-registered rules).
 * Rollout level: within-group AUC over (positive, negative) pairs of the same prompt draw, ties ½,
   pairs pooled (n = pairs). `mp_residualized` removes one pooled within-group fluency slope;
   `mp_matched` keeps pairs with |Δfluency| ≤ 0.10 (counts only with ≥ 100 pairs). [lo, hi] = 95 %

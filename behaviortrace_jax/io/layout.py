@@ -55,6 +55,7 @@ class RunLayout:
     | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``, ``which_rollout_top.json`` |
     | ``report`` | ``report.md``, ``figures/`` |
     | ``counterfactual`` | ``counterfactual/``: ``replays/*.json``, ``report_section.md``; rows of ``results_table.csv``, a section of ``report.md``, ``figures/counterfactual_topk.png`` |
+    | ``metagradient`` | ``metagradient/``: ``<advantages>.json`` (dM/dw per measure step), ``scores.json`` |
     | ``compile`` | ``compile_report.json``, ``compile_report.md`` |
     | every invocation | ``run_info.json``: CPU type, library versions, kernel variables (``machine.run_info``) |
     """
@@ -110,6 +111,8 @@ class RunLayout:
     # optional stages
     counterfactual = property(lambda self: self.workdir / "counterfactual")  # report_section.md
     counterfactual_replays = property(lambda self: self.counterfactual / "replays")  # one JSON per replay
+    metagradient = property(lambda self: self.workdir / "metagradient")  # <advantages>.json per mode
+    metagradient_scores = property(lambda self: self.metagradient / "scores.json")  # the estimator's input
     compile_report_json = property(lambda self: self.workdir / "compile_report.json")
     compile_report_md = property(lambda self: self.workdir / "compile_report.md")
     run_info = property(lambda self: self.workdir / "run_info.json")

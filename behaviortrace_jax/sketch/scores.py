@@ -23,6 +23,7 @@ import numpy as np
 
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.io import rollout_log, sketch_store
+from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.sketch import stores
 
@@ -129,7 +130,7 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
     when the caller already holds them.
     """
     records = list(rollout_log.read_rollouts(paths.rollouts)) if records is None else records
-    log = training_log_inputs(records, rollout_ids)
+    log = dict(training_log_inputs(records, rollout_ids), metagradient=metagradient_scores(paths, rollout_ids))
     target_path = paths.sketch_store("targets_continuation")
     if per_rollout:
         return rollout_method_scores(config, target_path, read_rollout_sketches(config, paths), rollout_ids,
@@ -141,14 +142,31 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
 
 def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: RolloutSketches,
                           rollout_ids: list[str], rollout_steps: np.ndarray, *, advantages=None,
-                          rewards=None) -> dict[str, np.ndarray]:
+                          rewards=None, **inputs) -> dict[str, np.ndarray]:
     """The "which rollout" scores (``estimators.score_rollout_sketches``): every step-level estimator
     on the weighted rollout sketches (registered names; the reward-only controls and ``norm/|A|``
     included), then every sketch-reading one on the direction sketches (names +
     ``estimators.DIRECTION``) when present, with the targets of ``target_path``."""
     return estimators.score_rollout_sketches(sketches.weighted, sketches.direction, rollout_ids, rollout_steps,
                                              advantages=advantages, rewards=rewards,
-                                             **estimator_options(config, target_path))
+                                             **inputs, **estimator_options(config, target_path))
+
+
+def metagradient_scores(paths: RunLayout, rollout_ids: list[str]) -> np.ndarray | None:
+    """The ``metagradient`` stage's ``dM/dw_i`` (float64 [N], log order) for the estimator of that
+    name, or None when the stage has not run (the estimator is then skipped).
+
+    Raises:
+        ValueError: naming the file when its rollout ids are not ``rollout_ids``.
+    """
+    path = paths.metagradient_scores
+    if not path.exists():
+        return None
+    rec = read_json(path)
+    if rec["rollout_ids"] != list(rollout_ids):
+        raise ValueError(f"{path}: {len(rec['rollout_ids'])} rollout ids that are not the run's "
+                         f"{len(rollout_ids)}; rerun the `metagradient` stage")
+    return np.asarray(rec["scores"], np.float64)
 
 
 def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Path) -> dict:
@@ -168,16 +186,17 @@ def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Pa
 
 def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
                         rollout_ids: list[str], rollout_steps: np.ndarray, *, per_rollout: bool = False,
-                        advantages=None, rewards=None) -> dict[str, np.ndarray]:
+                        advantages=None, rewards=None, **inputs) -> dict[str, np.ndarray]:
     """:func:`step_method_scores` with the targets of ``target_path`` (another behaviour's
     ``targets_continuation_<id>.zarr``) and sketches the caller has read: float32
     [steps, D] step sketches, or [N, D] per-rollout sketches with ``per_rollout``.
-    ``advantages`` / ``rewards`` (float [N], log order) feed the reward-only controls.
+    ``advantages`` / ``rewards`` (float [N], log order) feed the reward-only controls; ``inputs``:
+    more estimator inputs by name (``metagradient``; None = absent, its estimator is skipped).
 
     Raises:
         FileNotFoundError / ValueError: the target store is absent or incomplete (names it).
     """
     steps = np.asarray(rollout_steps) if per_rollout else np.arange(sketches.shape[0])
     return estimators.score_step_methods(sketches, steps, rollout_ids, rollout_steps, per_rollout_sketches=per_rollout,
-                                         advantages=advantages, rewards=rewards,
+                                         advantages=advantages, rewards=rewards, **inputs,
                                          **estimator_options(config, target_path))

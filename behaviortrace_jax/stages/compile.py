@@ -362,6 +362,10 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
                                                                  f"{-(-n // sk.chunk_size)} trips" if in_run else "")
                                  + note_one))
 
+    # --- metagradient: the vjp of one weighted GRPO step (train/metagradient.py; the reverse sweep's program)
+    progs.append(metagradient_program(config, graphdef, params, param_sh, state, state_sh, gbatch, mesh,
+                                      model_flops(cfg, n, t, backward=True)))
+
     # --- checkpoint target sketcher, rollout re-sketcher, draws sketcher (targets.ForcedSketcher)
     fs = targets.ForcedSketcher(graphdef, cfg, abs_params, dim=sk.dim, seed=sk.seed, chunk_size=sk.chunk_size,
                                 block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0,
@@ -386,6 +390,32 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
                          f"lax.map of {b // fs.chunk_size} trips"))
     only = [x.strip() for x in config.compile.programs.split(",") if x.strip()]
     return [pr for pr in progs if not only or any(pr.name.startswith(o) for o in only)]
+
+
+def metagradient_program(config: ml_collections.ConfigDict, graphdef, params, param_sh, state, state_sh,
+                         gbatch: dict, mesh, step_flops: float) -> Program:
+    """``metagradient_step_vjp``: the backward of :class:`train.metagradient.MetaStep` for the configured
+    loss and ``metagradient.advantages``' first mode (the vjp of one weighted GRPO step in params, Adam
+    moments and weights), as the ``metagradient`` stage runs it once per replayed step. Analytic FLOPs:
+    4 forward+backward passes (the step's gradient to linearise, its transpose ~ twice that, the
+    optimizer's elementwise work ignored); XLA's count covers the whole program (no loops)."""
+    from behaviortrace_jax.train import metagradient as mg_lib
+
+    spec = grpo.GRPOStepSpec.from_config(config)
+    mode = str(config.metagradient.advantages).split(",")[0].strip()
+    tx = train_state.make_optimizer(config.optim, differentiable=True)
+    step = mg_lib.make_weighted_step(graphdef, tx, spec, advantages=mode, std_floor=float(config.grpo.adv_std_floor))
+    data, rep = sharding.data_sharding(mesh), sharding.replicated(mesh)
+    batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
+    ref, ref_sh = (params, param_sh) if spec.loss_spec.needs_reference else (None, None)
+    meta = mg_lib.MetaStep(step, (param_sh, state_sh.opt_state, {k: data for k in batch}, data, ref_sh, rep),
+                           opt_state=state.opt_state)
+    weights = gbatch["advantages"]
+    floats = mg_lib.opt_float_leaves(state.opt_state)
+    return Program("metagradient_step_vjp", lambda: meta.backward.lower(params, state.opt_state, batch, weights, ref,
+                                                                        params, floats),
+                   4 * step_flops, f"{spec.shapes.num_rollouts} rollouts; advantages {mode}; held per step: params + "
+                   "Adam moments (the state) and their cotangents")
 
 
 def configured_flop_ratio(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig) -> dict[str, Any]:

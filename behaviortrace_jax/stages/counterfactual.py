@@ -23,6 +23,9 @@ Rows appended to ``results_table.csv`` (earlier rows of these tables for this se
 * ``lds``: M = ``counterfactual.lds_subsets`` random half-subsets of the window replayed;
   ``value`` = Spearman(predicted, measured behaviour), predicted = the sum of the estimator's
   scores over the kept rollouts; ``lo``/``hi`` = bootstrap CI over subsets; ``n`` = M.
+* ``lds_drop<f>`` (e.g. ``lds_drop0.05``): the same with ``counterfactual.lds_small_subsets``
+  random subsets of ``round(f x |window|)`` rollouts removed, for each fraction f != 0.5 of
+  ``counterfactual.lds_fractions`` (a first-order estimator is most informative at small f).
 
 * ``counterfactual_topk_recomputed`` (``counterfactual.topk_recomputed``, on by default): the same
   leave-top-k-out replays (oracle, estimators, random subsets) with each group's advantages
@@ -56,8 +59,14 @@ from behaviortrace_jax.sketch.scores import step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
 
 TABLES = ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")
+LDS_DROP = "lds_drop"  # table prefix of the LDS at a drop fraction other than 0.5
 SECTION_MARK = "<!-- counterfactual -->"
 RECOMPUTED = "__recomputed"  # key suffix of the leave-top-k-out replays with recomputed advantages
+
+
+def is_table(table: str) -> bool:
+    """Whether ``table`` is one this stage writes (``counterfactual_topk``, ``lds``, ``lds_drop<f>``)."""
+    return table in TABLES or table.startswith(LDS_DROP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,6 +92,38 @@ def half_subsets(candidates: np.ndarray, m: int, seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     cand = np.asarray(candidates, np.int64)
     return [np.sort(rng.choice(cand, cand.size // 2, replace=False)) for _ in range(m)]
+
+
+def lds_fractions(spec: str) -> list[float]:
+    """``counterfactual.lds_fractions`` ("0.01,0.05,0.1,0.5") -> sorted distinct fractions in (0, 1).
+
+    Raises:
+        ValueError: naming the key for a value that is not a number in (0, 1).
+    """
+    try:
+        out = sorted({float(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"config.counterfactual.lds_fractions={spec!r}: expected comma-separated numbers") from None
+    if any(not 0.0 < f < 1.0 for f in out):
+        raise ValueError(f"config.counterfactual.lds_fractions={spec!r}: fractions must lie in (0, 1)")
+    return out
+
+
+def drop_subsets(candidates: np.ndarray, fraction: float, m: int, seed: int) -> list[np.ndarray]:
+    """``m`` random subsets of ``max(1, round(fraction * len))`` ``candidates`` each (the REMOVED
+    rollouts), sorted; one stream per (seed, subset size)."""
+    cand = np.asarray(candidates, np.int64)
+    k = max(1, int(round(fraction * cand.size)))
+    rng = np.random.default_rng([int(seed), k])
+    return [np.sort(rng.choice(cand, k, replace=False)) for _ in range(m)]
+
+
+def lds_table(key: str) -> str | None:
+    """The LDS table of a replay key: ``lds000`` -> ``lds`` (half-subsets), ``lds_drop0.05_003`` ->
+    ``lds_drop0.05``; None for a key that is not an LDS subset."""
+    if key.startswith(LDS_DROP):
+        return key.rsplit("_", 1)[0]
+    return "lds" if key.startswith("lds") and key[3:].isdigit() else None
 
 
 def predicted_effect(scores: np.ndarray, candidates: np.ndarray, removed: np.ndarray) -> float:
@@ -126,8 +167,13 @@ def plan(config: ml_collections.ConfigDict, rollout_ids: list[str], rollout_step
         for seed in range(int(cf.random_seeds)):
             rng = np.random.default_rng([int(config.seed), seed, k])
             out[f"random{seed}__k{k}"] = np.sort(rng.choice(window, k, replace=False))
-    for j, sub in enumerate(half_subsets(window, int(cf.lds_subsets), int(config.seed))):
-        out[f"lds{j:03d}"] = sub
+    for f in lds_fractions(cf.lds_fractions):
+        if f == 0.5:  # the half-subsets of table ``lds`` (their keys and draws unchanged)
+            for j, sub in enumerate(half_subsets(window, int(cf.lds_subsets), int(config.seed))):
+                out[f"lds{j:03d}"] = sub
+            continue
+        for j, sub in enumerate(drop_subsets(window, f, int(cf.lds_small_subsets), int(config.seed))):
+            out[f"{LDS_DROP}{f:g}_{j:03d}"] = sub
     return out
 
 
@@ -176,7 +222,8 @@ def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.n
 
 def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], scores: dict[str, np.ndarray],
            window: np.ndarray, *, nboot: int) -> list[V.Row]:
-    """The ``counterfactual_topk`` and ``lds`` rows from the replay results (see module docstring)."""
+    """The ``counterfactual_topk``, ``lds`` and ``lds_drop<f>`` rows from the replay results (see
+    the module docstring)."""
     base = results["full"]["value"]
     drop = {k: base - r["value"] for k, r in results.items()}
     rows: list[V.Row] = []
@@ -193,13 +240,19 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
             sd = float(rnd.std(ddof=1)) if rnd.size > 1 else 0.0
             rows.append(V.Row(seed, "counterfactual_topk", "random", chance, chance - sd, chance + sd, chance,
                               oracle, k))
-    subsets = sorted(k for k in results if k.startswith("lds"))
-    if len(subsets) >= 2:
+    groups: dict[str, list[str]] = {}
+    for key in sorted(results):
+        if lds_table(key) is not None:
+            groups.setdefault(lds_table(key), []).append(key)
+    for table in sorted(groups, key=lambda t: (t != "lds", t)):
+        subsets = groups[table]
+        if len(subsets) < 2:
+            continue
         measured = np.array([results[k]["value"] for k in subsets])
         for name, s in scores.items():
             pred = np.array([predicted_effect(s, window, removed[k]) for k in subsets])
             rho, lo, hi = lds(pred, measured, nboot=nboot, seed=int(seed.split("_")[0]) if seed[:1].isdigit() else 0)
-            rows.append(V.Row(seed, "lds", name, rho, lo, hi, 0.0, 1.0, len(subsets)))
+            rows.append(V.Row(seed, table, name, rho, lo, hi, 0.0, 1.0, len(subsets)))
     return rows
 
 
@@ -222,10 +275,14 @@ def report_section(rows: list[V.Row], figure: str | None, step: int | None = Non
             ratio = "" if not r.ceiling else f"{r.value / r.ceiling:.3f}"
             lines.append(f"| {r.seed} | {adv} | {r.method} | {r.n} | {r.value:.4f} | {ratio} | "
                          f"{'' if r.chance is None else f'{r.chance:.4f}'} |")
-    lds_rows = [r for r in rows if r.table == "lds"]
+    lds_rows = [r for r in rows if r.table == "lds" or r.table.startswith(LDS_DROP)]
     if lds_rows:
-        lines += ["", "| seed | method | LDS (Spearman) | 95% CI | M |", "|---|---|---|---|---|"]
-        lines += [f"| {r.seed} | {r.method} | {r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
+        lines += ["", "LDS: Spearman of the predicted effect (sum of an estimator's scores over the kept window "
+                  "rollouts) vs the replayed behaviour, over M random subsets of the given drop fraction; "
+                  "`metagradient` is not a sketch method (dM/dw differentiated through the replayed run).", "",
+                  "| seed | method | drop fraction | LDS (Spearman) | 95% CI | M |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.seed} | {r.method} | {0.5 if r.table == 'lds' else r.table[len(LDS_DROP):]} | "
+                  f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
     if figure:
         lines += ["", f"![counterfactual]({figure})"]
     lines += [f"![counterfactual]({f})" for f in more_figures]
@@ -274,14 +331,7 @@ def measure_step(config: ml_collections.ConfigDict) -> int:
     replay stops there), "target" = the checkpoint nearest ``draws.target_step``, "end" = the run's end."""
     from behaviortrace_jax.train import replay as R
 
-    m, steps = config.counterfactual.measure, int(config.grpo.steps)
-    if m == "window":
-        return min(int(config.contamination.early_step_cutoff), steps)
-    if m == "target":
-        return R.target_checkpoint(config)
-    if m == "end":
-        return steps
-    raise ValueError(f"counterfactual.measure: {m!r}; expected 'window', 'target' or 'end'")
+    return R.measure_step(config)
 
 
 @register_stage("counterfactual")
@@ -340,7 +390,7 @@ def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[V.
     the figures, ``counterfactual/report_section.md`` and that section of ``report.md``."""
     table = w.results_table
     old = V.read_results_csv(table) if table.exists() else []
-    keep = [r for r in old if not (r.table in TABLES and r.seed == str(int(config.seed)))]
+    keep = [r for r in old if not (is_table(r.table) and r.seed == str(int(config.seed)))]
     V.write_results_csv(table, keep + rows)
     fig = plot(rows, w.figures / "counterfactual_topk.png")
     fig_rec = plot(rows, w.figures / "counterfactual_topk_recomputed.png", table="counterfactual_topk_recomputed")

@@ -136,7 +136,7 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
     rows = list(rep.rows)
     for seed in summaries:  # the which-rollout (and counterfactual, when that stage ran) rows of each run
         run_rows = evaluation.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
-        rows += [r for r in run_rows if r.table.startswith("which_rollout") or r.table in ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")]
+        rows += [r for r in run_rows if r.table.startswith(("which_rollout", "counterfactual_topk", "lds"))]
     rules, check = evaluate_verdicts(rows, rep, config)
     evaluation.write_results_csv(top.results_table, rows)
     write_json(top.verdicts, evaluation.verdicts_json(rules, check))

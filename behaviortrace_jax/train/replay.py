@@ -100,6 +100,12 @@ class BehaviorMeasure:
         self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
         self.sample_key = jax.random.key(int(config.seed))
 
+    def logp_margin(self, params) -> jax.Array:
+        """``logp_margin`` of :meth:`measure` as a float32 scalar that ``jax.grad`` differentiates
+        (the metagradient's M, ``train/metagradient.py``; :meth:`measure` averages in float64)."""
+        lp = self._mean_lp(params, self.ids, self.attn, self.w)
+        return jnp.mean(lp[:self.n_probes]) - jnp.mean(lp[self.n_probes:])
+
     def measure(self, params) -> dict[str, float]:
         lp = np.asarray(sharding.to_host(self._mean_lp(params, self.ids, self.attn, self.w)), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
@@ -168,6 +174,24 @@ def checkpoint_steps(config: ml_collections.ConfigDict) -> list[int]:
 def target_checkpoint(config: ml_collections.ConfigDict) -> int:
     """The checkpoint nearest ``config.draws.target_step`` (ties: the earlier one; SPEC §5.6)."""
     return min(checkpoint_steps(config), key=lambda s: (abs(s - config.draws.target_step), s))
+
+
+def measure_step(config: ml_collections.ConfigDict) -> int:
+    """The step whose behaviour the counterfactual tables report (``counterfactual.measure``):
+    "window" = the end of the contamination window (``contamination.early_step_cutoff``, capped at
+    the run's length), "target" = :func:`target_checkpoint`, "end" = the run's end.
+
+    Raises:
+        ValueError: naming ``counterfactual.measure`` for another value.
+    """
+    m, steps = config.counterfactual.measure, int(config.grpo.steps)
+    if m == "window":
+        return min(int(config.contamination.early_step_cutoff), steps)
+    if m == "target":
+        return target_checkpoint(config)
+    if m == "end":
+        return steps
+    raise ValueError(f"counterfactual.measure: {m!r}; expected 'window', 'target' or 'end'")
 
 
 @dataclasses.dataclass

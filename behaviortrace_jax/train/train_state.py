@@ -60,8 +60,39 @@ def make_schedule(lr: float, steps: int = 0, warmup_steps: int = 0, end_lr_fract
                                               decay_steps=steps, end_value=lr * end_lr_fraction)
 
 
-def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | float | None = None
-                   ) -> optax.GradientTransformation:
+def differentiable_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm(max_norm)`` whose vjp is finite at a zero gradient.
+
+    The forward IS optax's update (same values bit for bit). Its vjp is written out: identity where
+    the global norm ``n = |g|`` is below ``max_norm`` (the forward returns ``g``), else
+    ``(c / n) * (ct - g <g, ct> / n^2)``. ``jax.vjp`` of optax's own update returns NaN at
+    ``g = 0`` (``sqrt'(0)`` and the unselected ``g / n`` branch), and a GRPO step whose advantages
+    are all 0 has exactly that gradient (the metagradient, ``train/metagradient.py``, runs through
+    such steps).
+    """
+    clip = optax.clip_by_global_norm(max_norm)
+
+    @jax.custom_vjp
+    def apply(updates):
+        return clip.update(updates, optax.EmptyState())[0]
+
+    def fwd(updates):
+        return apply(updates), updates
+
+    def bwd(updates, ct):
+        norm = optax.tree.norm(updates)
+        clipped = jnp.logical_not(norm < max_norm)
+        safe = jnp.where(clipped, norm, 1.0)
+        dot = sum(jnp.vdot(g, c) for g, c in zip(jax.tree.leaves(updates), jax.tree.leaves(ct)))
+        return (jax.tree.map(lambda g, c: jnp.where(clipped, (max_norm / safe) * (c - g * (dot / safe ** 2)), c)
+                             .astype(c.dtype), updates, ct),)
+
+    apply.defvjp(fwd, bwd)
+    return optax.GradientTransformation(optax.init_empty_state, lambda u, state, params=None: (apply(u), state))
+
+
+def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | float | None = None, *,
+                   differentiable: bool = False) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (decoupled weight decay on every parameter, like torch).
 
     Args:
@@ -69,9 +100,12 @@ def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | fl
             ``grad_clip``; SPEC §1.7, §2.1). ``grad_clip <= 0`` disables clipping.
         schedule: the learning rate: an optax schedule (e.g. :func:`make_schedule`), a float
             (constant), or None for the constant ``optim_cfg.lr``.
+        differentiable: clip with :func:`differentiable_clip_by_global_norm` (same updates, a vjp
+            that is finite at a zero gradient; for differentiating through the optimizer).
 
     Returns:
-        ``optax.chain(clip_by_global_norm, adamw)``; its state tree does not depend on ``schedule``.
+        ``optax.chain(clip_by_global_norm, adamw)``; its state tree does not depend on ``schedule``
+        nor on ``differentiable``.
 
     Raises:
         ValueError: naming the key for a learning rate <= 0 or betas outside [0, 1).
@@ -81,7 +115,8 @@ def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | fl
     for key in ("b1", "b2"):
         if not 0.0 <= optim_cfg[key] < 1.0:
             raise ValueError(f"config.optim.{key}={optim_cfg[key]} must be in [0, 1)")
-    clip = optax.clip_by_global_norm(optim_cfg.grad_clip) if optim_cfg.grad_clip > 0 else optax.identity()
+    clip_fn = differentiable_clip_by_global_norm if differentiable else optax.clip_by_global_norm
+    clip = clip_fn(optim_cfg.grad_clip) if optim_cfg.grad_clip > 0 else optax.identity()
     return optax.chain(clip, optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
                                          weight_decay=optim_cfg.weight_decay))
 

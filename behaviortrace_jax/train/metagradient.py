@@ -1,0 +1,399 @@
+"""Metagradients of the behaviour through the replayed GRPO run: ``dM/dw_i`` for every logged rollout.
+
+MAGIC (Ilyas & Engstrom 2025, "MAGIC: Near-Optimal Data Attribution for Deep Learning") makes
+training deterministic and differentiates a measured output with respect to per-example data
+weights through the whole training run. The replay here is deterministic (``train/replay.py``: the
+logged rollouts, the run's own step, bit for bit at w = 1), the loss has per-rollout weights, and
+the behaviour measure is continuous, so the same construction applies to online RL:
+
+* ``w_i``: rollout i's loss weight, log order ``step * N + i`` (1 in the run; the step loss is
+  ``sum_i w_i * term_i``, the ``weighted`` program of the replay).
+* ``M``: ``BehaviorMeasure.logp_margin`` (teacher-forced mean log-prob of the pattern continuation,
+  probe minus control) of the parameters after ``m`` replayed steps.
+* ``dM/dw_i`` is differentiated through every update from the SFT start state to step ``m``: the
+  loss, optax's global-norm clipping and AdamW (both moments, bias correction, decoupled weight
+  decay, the schedule count) - the optimizer transform is the run's own object, not a copy.
+
+Reverse mode over steps (REPLAY-style): the state ``(params, opt_state)`` after step t is
+``F_t(state_t, w_t)``; the cotangent of ``M`` is pulled back through ``jax.vjp`` of one step at a
+time, from step ``m - 1`` down to 0, each step's weight cotangent being ``dM/dw_t``. The states a
+step's vjp needs are recomputed from checkpoints held every ``k`` steps (``checkpoint_every``;
+default ``ceil(sqrt(m))``): at most ``ceil(m / k) + k`` states are held at once (reported), and the
+forward is run twice (once to place the checkpoints, once per segment in the reverse sweep).
+
+Advantages (``advantages=``):
+
+* ``"logged"`` (default, as the replay): the logged advantages are constants.
+* ``"recomputed"``: each group's baseline depends on the weights, the differentiable analogue of
+  ``replay.recompute_advantages``. :func:`weighted_group_advantages` normalises a group with
+  frequency weights (weighted mean, weighted unbiased variance ``sum w (r - mu)^2 / (sum w - 1)``):
+  at ``w in {0, 1}`` it is the plain normalisation over the kept rollouts, at ``w = 1`` the logged
+  one. The step uses ``A = A_logged + (A(w) - A(1))``, so at ``w = 1`` its value is exactly the
+  logged advantage (the two normalisations are one vmapped computation, so ``A(w) - A(1)`` is 0
+  bit for bit) and its derivative is ``dA(w)/dw``.
+
+Limits (documented in docs/counterfactual.md): the metagradient is the first-order effect of
+down-weighting the logged rollouts of *this* trajectory (off-policy after a change, like the
+replay); ``grpo.one_backward`` runs sum per-rollout gradients for their update, which the
+metagradient's batched-gradient step matches only to float summation order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from behaviortrace_jax.models import sharding
+from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
+
+ADVANTAGE_MODES = ("logged", "recomputed")
+PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[Any, Any, dict]]
+
+
+# ------------------------------------------------------------------------------------------------
+# The differentiable pieces: group advantages and the weighted GRPO step
+# ------------------------------------------------------------------------------------------------
+def weighted_group_advantages(rewards: jax.Array, weights: jax.Array, group_size: int,
+                              std_floor: float = 0.0) -> jax.Array:
+    """Group advantages with per-rollout frequency weights, differentiable in ``weights`` (SPEC §2.1).
+
+    ``mu = sum w r / sum w``, ``var = sum w (r - mu)^2 / (sum w - 1)``,
+    ``A = (r - mu) / (max(sqrt(var), floor) + 1e-8)``; 0 for every rollout of a group whose rewards
+    are all equal (as :func:`grpo_loss.group_advantages`, which this equals at ``w = 1`` up to
+    float32 rounding, and :func:`replay.recomputed_advantages` at ``w in {0, 1}`` on the kept
+    rollouts of a group with >= 2 of them).
+
+    Args:
+        rewards: float32 [N], groups contiguous (N = B * G). weights: float [N], >= 0.
+    Returns:
+        float [N] (the weights' dtype).
+    """
+    r = rewards.astype(weights.dtype).reshape(-1, group_size)
+    w = weights.reshape(-1, group_size)
+    sw = jnp.sum(w, axis=1, keepdims=True)
+    mu = jnp.sum(w * r, axis=1, keepdims=True) / sw
+    var = jnp.sum(w * (r - mu) ** 2, axis=1, keepdims=True) / (sw - 1.0)
+    flat = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
+    std = jnp.sqrt(jnp.where(flat | (var <= 0), 1.0, var))  # no sqrt'(0) = inf in the derivative
+    adv = (r - mu) / (jnp.maximum(std, std_floor) + 1e-8)
+    return jnp.where(flat, 0.0, adv).reshape(-1)
+
+
+def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: grpo_step.GRPOStepSpec, *,
+                       advantages: str = "logged", std_floor: float = 0.0) -> PureStep:
+    """The GRPO update of ``spec`` as a pure function of the per-rollout weights (SPEC §2.2 step 4).
+
+    ``step(params, opt_state, batch, weights, ref_params) -> (params, opt_state, out)``: the loss
+    ``sum_i weights_i * term_i`` of the registered loss (``spec.loss``), ``jax.value_and_grad``,
+    then ``tx`` (the run's optax chain: global-norm clip + AdamW), ``spec.inner_iterations`` times,
+    as :func:`grpo_step.make_train_step` computes its update (without the sketch side outputs).
+    ``out`` holds float32 ``loss`` and ``grad_norm`` of the first iteration, as the run's step
+    returns them: XLA fuses the forward by what the program outputs, and only with these outputs
+    does the jitted step round exactly as the run's (tests/test_metagradient.py).
+
+    ``batch``: :func:`grpo_step.build_batch` arrays, plus ``rewards`` float32 [N] when
+    ``advantages="recomputed"``. The old log-probs of a ratio loss are a function of the step's
+    input parameters here (the run stops their gradient inside the step, where they are constants
+    of the update; their dependence on earlier weights is part of the metagradient).
+
+    Raises:
+        ValueError: an unknown ``advantages`` mode.
+    """
+    if advantages not in ADVANTAGE_MODES:
+        raise ValueError(f"metagradient.advantages: {advantages!r}; expected one of {ADVANTAGE_MODES}")
+    loss, shapes = spec.loss_spec, spec.shapes
+
+    def lp_fn(p, batch):
+        return grpo_step.completion_logprobs(graphdef, p, batch["input_ids"], batch["attention_mask"],
+                                             shapes.prompt_len)
+
+    def step(params, opt_state, batch, weights, ref_params):
+        adv = batch["advantages"]
+        if advantages == "recomputed":  # logged value at w = 1, derivative of the weighted baseline
+            both = jax.vmap(weighted_group_advantages, (None, 0, None, None))(
+                batch["rewards"], jnp.stack([weights, jnp.ones_like(weights)]), shapes.group_size, std_floor)
+            adv = adv + (both[0] - both[1]).astype(adv.dtype)
+        mask = batch["loss_mask"]
+        old_lp = lp_fn(params, batch) if loss.needs_old_logprobs else jnp.zeros(mask.shape)
+        ref_lp = jax.lax.stop_gradient(lp_fn(ref_params, batch)) if loss.needs_reference else jnp.zeros_like(old_lp)
+
+        def total_loss(p):
+            inp = grpo_loss.LossInputs(lp_fn(p, batch), old_lp, ref_lp, mask, adv, shapes.num_prompts,
+                                       shapes.group_size)
+            return jnp.sum(loss(inp, spec.loss_cfg) * weights)
+
+        out = {}
+        for it in range(spec.inner_iterations):
+            value, grads = jax.value_and_grad(total_loss)(params)
+            if it == 0:
+                out = {"loss": value, "grad_norm": optax.tree.norm(grads)}
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params, opt_state, out
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------
+# One step forward and its vjp, jitted
+# ------------------------------------------------------------------------------------------------
+def _inexact(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def opt_float_leaves(opt_state: Any) -> list:
+    """The floating-point leaves of an optimizer state (Adam moments), in tree order: what carries a
+    cotangent (integer leaves - step counts - carry none)."""
+    return [x for x in jax.tree.leaves(opt_state) if _inexact(x)]
+
+
+class MetaStep:
+    """``forward`` and ``backward`` of one pure step, each jitted once.
+
+    * ``forward(params, opt_state, batch, weights, aux) -> (params, opt_state, out)`` (``out``: the
+      step's side outputs, a dict of scalars; they carry no cotangent);
+    * ``backward(params, opt_state, batch, weights, aux, ct_params, ct_opt) -> (ct_params, ct_opt,
+      ct_weights)``: the vjp of ``(params, opt_state)`` of the step at its inputs; ``ct_opt`` (in
+      and out) is a list over :func:`opt_float_leaves`, ``ct_weights`` has the weights' shape.
+
+    ``shardings``: optional ``(params, opt_state, batch, weights, aux, out)`` shardings (the run's
+    mesh; ``opt_state`` then names the optimizer state's structure, arrays or
+    ``jax.ShapeDtypeStruct``), so that the forward is the same partitioned program as the run's
+    step; without, jit's defaults. Nothing is donated: the reverse sweep keeps the states it
+    checkpoints.
+    """
+
+    def __init__(self, step: PureStep, shardings: tuple | None = None, opt_state: Any = None):
+        self.step = step
+
+        def backward(params, opt_state, batch, weights, aux, ct_params, ct_opt):
+            leaves, treedef = jax.tree.flatten(opt_state)
+            idx = [i for i, x in enumerate(leaves) if _inexact(x)]
+
+            def f(p, floats, w):
+                full = list(leaves)
+                for i, x in zip(idx, floats):
+                    full[i] = x
+                p2, o2, _ = step(p, jax.tree.unflatten(treedef, full), batch, w, aux)
+                return p2, opt_float_leaves(o2)
+
+            _, vjp = jax.vjp(f, params, [leaves[i] for i in idx], weights)
+            return vjp((ct_params, list(ct_opt)))
+
+        if shardings is None:
+            self.forward, self.backward = jax.jit(step), jax.jit(backward)
+            return
+        if opt_state is None:
+            raise ValueError("MetaStep: shardings need the optimizer state's structure (opt_state=)")
+        p_sh, o_sh, b_sh, w_sh, a_sh, out_sh = shardings
+        fl_sh = [s for s, x in zip(jax.tree.leaves(o_sh), jax.tree.leaves(opt_state)) if _inexact(x)]
+        self.forward = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh),
+                               out_shardings=(p_sh, o_sh, out_sh))
+        self.backward = jax.jit(backward, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh, p_sh, fl_sh),
+                                out_shardings=(p_sh, fl_sh, w_sh))
+
+
+# ------------------------------------------------------------------------------------------------
+# Reverse mode over the steps, with recomputation from checkpoints
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Metagradient:
+    """``dM/dw`` at one measure step: ``value`` = M (float, from the jitted measure), ``dw`` float64
+    [m, N] (row t = step t's rollouts; steps >= m do not affect M and are not listed)."""
+
+    step: int
+    value: float
+    dw: np.ndarray
+
+
+@dataclasses.dataclass
+class ReverseStats:
+    """What the reverse sweep cost: seconds (wall, process CPU), forward / backward step calls,
+    the most states held at once and their bytes, ``checkpoint_every`` and the peak RSS (bytes)."""
+
+    wall_s: float
+    cpu_s: float
+    forward_steps: int
+    backward_steps: int
+    max_states_held: int
+    state_bytes: int
+    checkpoint_every: int
+    peak_rss_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _tree_bytes(tree: Any) -> int:
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def default_checkpoint_every(steps: int) -> int:
+    """``ceil(sqrt(steps))``: the checkpoint spacing that minimises the states held, ``ceil(m/k) + k``."""
+    return max(1, math.ceil(math.sqrt(max(steps, 1))))
+
+
+def reverse_metagradients(meta: MetaStep, params: Any, opt_state: Any, batches: Sequence[Any],
+                          weights: Sequence[Any], measure: Callable[[Any], tuple[Any, Any]],
+                          measure_steps: Sequence[int], *, aux: Any = None, checkpoint_every: int = 0,
+                          on_forward: Callable[[int, Any, Any], None] | None = None
+                          ) -> tuple[dict[int, Metagradient], ReverseStats]:
+    """``dM/dw`` at each of ``measure_steps`` by reverse mode over the steps (module docstring).
+
+    Args:
+        meta: the jitted step (:class:`MetaStep`).
+        params, opt_state: the state before step 0 (not modified; not donated).
+        batches, weights: per step ``t`` the batch and the weights (device arrays, placed as
+            ``meta``'s shardings expect); ``len >= max(measure_steps)``.
+        measure: ``params -> (M, dM/dparams)`` (e.g. ``jax.jit(jax.value_and_grad(f))``).
+        measure_steps: steps m >= 1 (after m updates).
+        aux: the step's extra argument (the reference parameters of a KL loss, else None).
+        checkpoint_every: k, states held every k steps (0 = :func:`default_checkpoint_every`).
+        on_forward: optional ``fn(step_done, params, opt_state)`` after each step of the first
+            forward (tests compare it with the run's checkpoints).
+
+    Returns:
+        ``({m: Metagradient}, ReverseStats)``.
+
+    Raises:
+        ValueError: a measure step outside ``1..len(batches)``.
+    """
+    steps = sorted({int(m) for m in measure_steps})
+    stop = steps[-1] if steps else 0
+    if not steps or steps[0] < 1 or stop > min(len(batches), len(weights)):
+        raise ValueError(f"metagradient: measure steps {steps} outside 1..{min(len(batches), len(weights))}")
+    k = int(checkpoint_every) or default_checkpoint_every(stop)
+    t0, c0 = time.perf_counter(), time.process_time()
+    state_bytes = _tree_bytes(params) + _tree_bytes(opt_float_leaves(opt_state))
+    ckpts, grads, n_fwd, n_bwd = {0: (params, opt_state)}, {}, 0, 0
+    state = (params, opt_state)
+    for t in range(stop):  # forward: checkpoints every k steps, the measure's gradient at each m
+        state = meta.forward(*state, batches[t], weights[t], aux)[:2]
+        n_fwd += 1
+        if on_forward is not None:
+            on_forward(t + 1, *state)
+        if (t + 1) % k == 0 and t + 1 < stop:
+            ckpts[t + 1] = state
+        if t + 1 in steps:
+            grads[t + 1] = measure(state[0])
+    held = len(ckpts) + 1
+    out = {}
+    for m in steps:
+        value, ct_p = grads[m]
+        ct_o = [jnp.zeros_like(x) for x in opt_float_leaves(opt_state)]
+        dw = [None] * m
+        for a in reversed(range(0, m, k)):
+            seg = [ckpts[a]]
+            for t in range(a, min(a + k, m) - 1):  # recompute the segment's states
+                seg.append(meta.forward(*seg[-1], batches[t], weights[t], aux)[:2])
+                n_fwd += 1
+            held = max(held, len(ckpts) + len(seg) + 1)
+            for t in reversed(range(a, min(a + k, m))):
+                ct_p, ct_o, ct_w = meta.backward(*seg.pop(), batches[t], weights[t], aux, ct_p, ct_o)
+                dw[t] = ct_w
+                n_bwd += 1
+        rows = np.asarray(sharding.to_host(jnp.stack(dw)), np.float64)
+        out[m] = Metagradient(m, float(value), rows)
+    stats = ReverseStats(time.perf_counter() - t0, time.process_time() - c0, n_fwd, n_bwd, held,
+                         held * state_bytes, k, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return out, stats
+
+
+# ------------------------------------------------------------------------------------------------
+# A finished run's metagradient
+# ------------------------------------------------------------------------------------------------
+class RunMetagradient:
+    """``dM/dw`` of one finished run (built once, then :meth:`run` per measure-step set).
+
+    Reuses the replay (:class:`replay.Replayer`: the SFT start state, every step's batch from the
+    rollout log, the behaviour measure) and the run's own :class:`grpo_step.GRPOStepSpec` and
+    optimizer; the step is :func:`make_weighted_step` jitted on the run's mesh with the run step's
+    shardings (so at ``w = 1`` its forward is the run's trajectory, tests/test_metagradient.py).
+
+    Args:
+        config: the run's config. workdir: the run directory.
+        advantages: "logged" or "recomputed" (module docstring).
+        replayer: an existing :class:`replay.Replayer` of the run (built with ``rates=False`` if None).
+    Raises:
+        ValueError: an unknown ``advantages`` mode; see :class:`replay.Replayer`.
+    """
+
+    def __init__(self, config, workdir, *, advantages: str = "logged", replayer: Any = None):
+        from behaviortrace_jax.train import replay as R
+
+        self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, rates=False)
+        self.advantages, start = advantages, rp.start
+        # The run's optimizer (same hyper-parameters and state tree) with a clip whose vjp is finite at
+        # a zero gradient (a step whose advantages are all 0); the same updates bit for bit.
+        tx = train_state.make_optimizer(config.optim, differentiable=True)
+        step = make_weighted_step(start.graphdef, tx, rp.spec, advantages=advantages,
+                                  std_floor=float(config.grpo.adv_std_floor))
+        data = rp.data_sharding
+        self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
+            ("rewards",) if advantages == "recomputed" else ())
+        self.ref_params = start.params if rp.spec.loss_spec.needs_reference else None
+        ref_sh = start.param_shardings if self.ref_params is not None else None
+        self.meta = MetaStep(step, (start.param_shardings, start.opt_shardings, {k: data for k in self.batch_keys},
+                                    data, ref_sh, sharding.replicated(start.mesh)), opt_state=start.opt_state)
+        self.measure_grad = jax.jit(jax.value_and_grad(rp.measure.logp_margin))
+        self.n = rp.shapes.num_rollouts
+
+    def batches(self, stop: int) -> list[dict[str, jax.Array]]:
+        """Steps ``0 .. stop - 1``'s batches on the mesh (logged advantages; rewards when recomputed)."""
+        out = []
+        for d in self.rp.data[:stop]:
+            b = dict(d.batch, rewards=d.rewards)
+            out.append(jax.device_put({k: b[k] for k in self.batch_keys}, self.rp.data_sharding))
+        return out
+
+    def _weights(self, weights: np.ndarray | None, stop: int) -> list[jax.Array]:
+        w = np.ones(self.rp.num_rollouts, np.float32) if weights is None else np.asarray(weights, np.float32)
+        if w.shape != (self.rp.num_rollouts,):
+            raise ValueError(f"metagradient: weights of shape {w.shape}, expected ({self.rp.num_rollouts},)")
+        return [jax.device_put(w[t * self.n:(t + 1) * self.n], self.rp.data_sharding) for t in range(stop)]
+
+    def run(self, measure_steps: Sequence[int], *, weights: np.ndarray | None = None, checkpoint_every: int = 0,
+            on_forward: Callable[[int, Any, Any], None] | None = None
+            ) -> tuple[dict[int, np.ndarray], dict[int, float], ReverseStats]:
+        """``dM/dw`` at each measure step, at ``weights`` (default all 1, the run).
+
+        Returns:
+            ``({m: float64 [steps * N] dM/dw in log order, 0 for steps >= m}, {m: M},``
+            :class:`ReverseStats`).
+        Raises:
+            FloatingPointError: a non-finite metagradient (names the measure step and how many).
+        """
+        stop = max(int(m) for m in measure_steps)
+        start = self.rp.start
+        params, opt = (jax.tree.map(jnp.copy, x) for x in (start.params, start.opt_state))
+        res, stats = reverse_metagradients(self.meta, params, opt, self.batches(stop), self._weights(weights, stop),
+                                           self.measure_grad, measure_steps, aux=self.ref_params,
+                                           checkpoint_every=checkpoint_every, on_forward=on_forward)
+        grads, values = {}, {}
+        for m, r in res.items():
+            full = np.zeros(self.rp.num_rollouts, np.float64)
+            full[:m * self.n] = r.dw.reshape(-1)
+            bad = int(np.sum(~np.isfinite(full)))
+            if bad:
+                raise FloatingPointError(f"metagradient at step {m}: {bad} non-finite dM/dw (an Adam second "
+                                         "moment of exactly 0 makes sqrt's derivative infinite)")
+            grads[m], values[m] = full, r.value
+        return grads, values, stats
+
+    def replay_margin(self, weights: np.ndarray | None, stop: int) -> float:
+        """M after ``stop`` forward steps of the metagradient's own step at ``weights`` (any real
+        values, e.g. ``1 +- eps`` for a finite-difference check; the replay takes [0, 1] only),
+        measured as :meth:`replay.BehaviorMeasure.measure` does (float64 mean over prompts)."""
+        start = self.rp.start
+        state = tuple(jax.tree.map(jnp.copy, x) for x in (start.params, start.opt_state))
+        for b, w in zip(self.batches(stop), self._weights(weights, stop)):
+            state = self.meta.forward(*state, b, w, self.ref_params)[:2]
+        return float(self.rp.measure.measure(state[0])["logp_margin"])

@@ -1,0 +1,235 @@
+"""Metagradient attribution (train/metagradient.py, stages/metagradient.py): toy runs with known
+answers (float64), the differentiable pieces (clip, weighted advantages), and on a smoke GRPO run:
+the metagradient's forward is the run bit for bit, and central finite differences of replays agree
+with dM/dw; (slow) the same for the recomputed-advantage variant and the stage end to end."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from behaviortrace_jax.attribution import estimators as E
+from behaviortrace_jax.stages import counterfactual as CF
+from behaviortrace_jax.train import grpo_loss, metagradient as MG, replay as R, train_state
+from test_replay import STEPS, X, Y, toy_replay
+
+
+# ------------------------------------------------------------------------------------------------
+# Toy runs: per-example weighted least squares, one step per pair of examples.
+# ------------------------------------------------------------------------------------------------
+def toy_step(tx):
+    """The pure step of test_replay's toy run (weighted squared loss, then ``tx``)."""
+    def step(theta, opt_state, batch, w, aux):
+        g = jax.grad(lambda t: jnp.sum(w * (batch["x"] @ t - batch["y"]) ** 2))(theta)
+        updates, opt_state = tx.update(g, opt_state, theta)
+        return optax.apply_updates(theta, updates), opt_state, {}
+    return step
+
+
+def toy_metagradient(tx, x, y, measure, *, dtype=jnp.float32, checkpoint_every=0, weights=None):
+    n_steps = int(STEPS.max()) + 1
+    w = np.ones(len(y)) if weights is None else weights
+    batches = [{"x": jnp.asarray(x[STEPS == s], dtype), "y": jnp.asarray(y[STEPS == s], dtype)} for s in range(n_steps)]
+    ws = [jnp.asarray(w[STEPS == s], dtype) for s in range(n_steps)]
+    theta = jnp.zeros(2, dtype)
+    out, stats = MG.reverse_metagradients(MG.MetaStep(toy_step(tx)), theta, tx.init(theta), batches, ws,
+                                          jax.jit(jax.value_and_grad(measure)), [n_steps],
+                                          checkpoint_every=checkpoint_every)
+    return out[n_steps], stats
+
+
+def test_toy_metagradient_finds_the_one_example_that_matters():
+    """SGD toy of test_replay: only example 5 moves theta[1]; its metagradient is the only nonzero one and
+    equals its leave-one-out drop (M is linear in w_5 there)."""
+    res, _ = toy_metagradient(optax.sgd(0.1), X, Y, lambda t: t[1])
+    g = res.dw.reshape(-1)  # steps hold examples in log order (two per step)
+    assert CF.top_k(g, np.arange(8), 1).tolist() == [5]
+    assert np.count_nonzero(g) == 1
+    full = toy_replay(np.ones(8, np.float32))
+    loo5 = full - toy_replay(CF.removal_weights(8, [5]))
+    np.testing.assert_allclose(g[5], loo5, rtol=1e-5)
+    assert res.value == pytest.approx(full, rel=1e-6)
+
+
+def _optim(**kw):
+    c = ml_collections.ConfigDict(dict(lr=0.05, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, grad_clip=1.0))
+    c.update(kw)
+    return c
+
+
+def test_toy_metagradient_through_clip_and_adamw_matches_central_differences():
+    """float64: dM/dw through the run's optimizer (global-norm clip active on some steps, AdamW with both
+    moments, bias correction and weight decay) equals central differences of replays to 1e-6 relative
+    (truncation error eps^2 ~ 1e-12); the checkpoint spacing changes nothing; the differentiable clip
+    has the same vjp as optax's own where the gradient is not zero."""
+    x = X + np.array([0.0, 1.0], np.float32) * (0.3 + 0.1 * np.arange(8))[:, None]  # every example moves both
+    measure = lambda t: t[0] * t[1] + jnp.sin(t[1])  # noqa: E731 - a non-linear behaviour
+    with jax.enable_x64(True):
+        tx = train_state.make_optimizer(_optim(), differentiable=True)
+        res, stats = toy_metagradient(tx, x, Y, measure, dtype=jnp.float64)
+        g = res.dw.reshape(-1)
+        for k in (1, 3):
+            again, st = toy_metagradient(tx, x, Y, measure, dtype=jnp.float64, checkpoint_every=k)
+            np.testing.assert_array_equal(again.dw.reshape(-1), g)
+            assert st.checkpoint_every == k
+        plain, _ = toy_metagradient(train_state.make_optimizer(_optim()), x, Y, measure, dtype=jnp.float64)
+        np.testing.assert_allclose(plain.dw.reshape(-1), g, rtol=1e-12)
+        eps = 1e-6
+        for i in range(8):
+            wp, wm = np.ones(8), np.ones(8)
+            wp[i] += eps
+            wm[i] -= eps
+            mp = toy_metagradient(tx, x, Y, measure, dtype=jnp.float64, weights=wp)[0].value
+            mm = toy_metagradient(tx, x, Y, measure, dtype=jnp.float64, weights=wm)[0].value
+            np.testing.assert_allclose((mp - mm) / (2 * eps), g[i], rtol=1e-6, atol=1e-9)
+    assert np.all(g != 0) and stats.backward_steps == 4
+
+
+def test_differentiable_clip_matches_optax_and_is_finite_at_zero():
+    clip, ref = train_state.differentiable_clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+    rng = np.random.default_rng(0)
+    ct = {"a": jnp.asarray(rng.normal(size=3), jnp.float32), "b": jnp.asarray(rng.normal(size=(2, 2)), jnp.float32)}
+    for scale in (0.1, 10.0):  # below and above the clip norm
+        g = jax.tree.map(lambda c: c * scale, ct)
+        mine = jax.jit(lambda u: clip.update(u, optax.EmptyState())[0])(g)  # inside jit, as in the step
+        theirs = jax.jit(lambda u: ref.update(u, optax.EmptyState())[0])(g)
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same forward, bit for bit
+        _, vjp_mine = jax.vjp(lambda u: clip.update(u, optax.EmptyState())[0], g)
+        _, vjp_ref = jax.vjp(lambda u: ref.update(u, optax.EmptyState())[0], g)
+        for a, b in zip(jax.tree.leaves(vjp_mine(ct)), jax.tree.leaves(vjp_ref(ct))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    zero = jax.tree.map(jnp.zeros_like, ct)
+    _, vjp_ref = jax.vjp(lambda u: ref.update(u, optax.EmptyState())[0], zero)
+    assert not np.all(np.isfinite(np.asarray(vjp_ref(ct)[0]["a"])))  # optax's own vjp: NaN at g = 0
+    _, vjp_mine = jax.vjp(lambda u: clip.update(u, optax.EmptyState())[0], zero)
+    for a, b in zip(jax.tree.leaves(vjp_mine(ct)), jax.tree.leaves(ct)):  # identity below the clip norm
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_weighted_group_advantages_equal_the_logged_and_recomputed_ones():
+    r = np.array([0, 8, 0, 0, 1, 1, 1, 1, -2, 6, 0, 8], np.float32)
+    ones = np.ones(12, np.float32)
+    got = np.asarray(MG.weighted_group_advantages(jnp.asarray(r), jnp.asarray(ones), 4))
+    np.testing.assert_allclose(got, grpo_loss.group_advantages(r, 4), atol=1e-6)
+    assert np.all(got[4:8] == 0)  # an all-equal group stays exactly 0
+    keep = np.array([1, 1, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1], np.float32)
+    got = np.asarray(MG.weighted_group_advantages(jnp.asarray(r), jnp.asarray(keep), 4))
+    want = R.recomputed_advantages(r, keep, 4, 0.0)
+    np.testing.assert_allclose(got[keep > 0], want[keep > 0], atol=1e-6)
+    with jax.enable_x64(True):  # its derivative in w is finite and matches central differences
+        f = jax.jit(lambda w: jnp.sum(MG.weighted_group_advantages(jnp.asarray(r, jnp.float64), w, 4) * jnp.arange(12.0)))
+        w0 = jnp.ones(12, jnp.float64)
+        g = np.asarray(jax.grad(f)(w0))
+        e = np.eye(12) * 1e-6
+        fd = np.array([(f(w0 + e[i]) - f(w0 - e[i])) / 2e-6 for i in range(12)])
+        np.testing.assert_allclose(g, fd, rtol=1e-6, atol=1e-8)
+        assert np.all(g[4:8] == 0)
+
+
+def test_metagradient_estimator_rows_and_step_sums():
+    g = np.array([0.5, -1.0, 2.0, 0.25, 0.0, 1.0])
+    steps = np.array([0, 0, 1, 1, 2, 2])
+    per_rollout = E.call_estimator("metagradient", metagradient=g, steps=steps, rollout_steps=steps)
+    np.testing.assert_array_equal(per_rollout, g)
+    per_step = E.call_estimator("metagradient", metagradient=g, steps=np.arange(3), rollout_steps=steps)
+    np.testing.assert_array_equal(per_step, [-0.5, 2.25, 1.0])
+    ids = [f"grpo_{s:06d}_{i:03d}" for s, i in zip(steps, [0, 1] * 3)]
+    out = E.score_step_methods(np.zeros((3, 4)), np.arange(3), ids, steps, target=np.ones(4), metagradient=g,
+                               names=["metagradient"])
+    np.testing.assert_array_equal(out["metagradient"], [-0.5, -0.5, 2.25, 2.25, 1.0, 1.0])
+    assert "metagradient" not in E.score_step_methods(np.zeros((3, 4)), np.arange(3), ids, steps, target=np.ones(4))
+
+
+# ------------------------------------------------------------------------------------------------
+# A smoke GRPO run: the forward is the run, and replays at w = 1 +- eps agree with dM/dw.
+# ------------------------------------------------------------------------------------------------
+def _assert_central_differences(mg, g, stop, indices, *, eps, rtol, atol):
+    for i in indices:
+        wp, wm = np.ones(mg.rp.num_rollouts), np.ones(mg.rp.num_rollouts)
+        wp[i] += eps
+        wm[i] -= eps
+        fd = (mg.replay_margin(wp, stop) - mg.replay_margin(wm, stop)) / (2 * eps)
+        assert abs(fd - g[i]) <= rtol * abs(g[i]) + atol, (i, fd, g[i])
+
+
+def _assert_directional_difference(mg, g, stop, support, *, eps, rtol):
+    v = np.zeros(mg.rp.num_rollouts)
+    v[support] = np.sign(g[support])
+    fd = (mg.replay_margin(1 + eps * v, stop) - mg.replay_margin(1 - eps * v, stop)) / (2 * eps)
+    assert fd == pytest.approx(float(g @ v), rel=rtol)
+
+
+def test_metagradient_forward_is_the_run_and_matches_central_differences(smoke_grpo_run):
+    """float32 tolerances: M is a float32 mean log-prob margin (|log p| ~ 5, so 1 ulp ~ 5e-7), and a
+    central difference with eps = 0.1 divides its rounding by 2 eps: ~2.5e-6 of noise per rollout
+    against dM/dw ~ 4e-5 here, hence rtol 5 % + atol 2.5e-6 per rollout; a direction over 16 rollouts
+    sums their effects (~5e-4) against the same noise: rtol 2 %. The truncation error (eps^2) is
+    below 1 % at eps = 0.1 (measured: 0.01-1 % for the largest rollouts)."""
+    config, w = smoke_grpo_run
+    mg = MG.RunMetagradient(config, w)
+    ckpts, seen = R.checkpoint_steps(config), []
+    stop = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
+
+    def check(step, params, _):
+        if step in ckpts:
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(R.restore_run_params(mg.rp, step))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            seen.append(step)
+
+    grads, values, stats = mg.run([stop], on_forward=check)
+    assert seen == [c for c in ckpts if c <= stop]
+    g = grads[stop]
+    n = mg.n
+    assert np.all(g[stop * n:] == 0) and np.count_nonzero(g[:stop * n]) > stop * n // 2
+    assert stats.max_states_held <= -(-stop // stats.checkpoint_every) + stats.checkpoint_every + 1
+    assert values[stop] == pytest.approx(mg.replay_margin(None, stop), abs=1e-6)
+    top = np.argsort(-np.abs(g))
+    _assert_central_differences(mg, g, stop, top[:2], eps=0.1, rtol=0.05, atol=2.5e-6)
+    _assert_directional_difference(mg, g, stop, top[:16], eps=0.05, rtol=0.02)
+
+
+@pytest.mark.slow  # a second compile of the metagradient's step and its vjp (~1 min on 2 cores)
+def test_recomputed_advantage_metagradient_matches_central_differences(smoke_grpo_run):
+    config, w = smoke_grpo_run
+    stop = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
+    mg = MG.RunMetagradient(config, w, advantages="recomputed")
+    g = mg.run([stop])[0][stop]
+    logged = MG.RunMetagradient(config, w, replayer=mg.rp).run([stop])[0][stop]
+    assert not np.allclose(g, logged, rtol=0.02)  # the baselines' dependence on the weights matters
+    top = np.argsort(-np.abs(g))
+    _assert_central_differences(mg, g, stop, top[:2], eps=0.1, rtol=0.05, atol=2.5e-6)
+    _assert_directional_difference(mg, g, stop, top[:16], eps=0.05, rtol=0.02)
+
+
+@pytest.mark.slow  # the stage (compile + reverse sweep) and a rerun
+def test_metagradient_stage_writes_scores_and_resumes(smoke_grpo_run, tmp_path):
+    import shutil
+
+    from behaviortrace_jax import pipeline
+    from behaviortrace_jax.io.files import read_json
+    from behaviortrace_jax.io.layout import RunLayout
+    from behaviortrace_jax.sketch.scores import metagradient_scores
+
+    config, src = smoke_grpo_run
+    for sub in ("base", "sft", "grpo"):
+        shutil.copytree(src / sub, tmp_path / sub)
+    config = config.copy_and_resolve_references()
+    config.stages = "metagradient"
+    config.metagradient.advantages = "logged,recomputed"
+    pipeline.run(config, str(tmp_path))
+    paths = RunLayout(tmp_path)
+    rec = read_json(paths.metagradient / "logged.json")
+    at = R.measure_step(config)
+    assert set(rec["measures"]) == {str(at), str(R.target_checkpoint(config))}
+    scores = metagradient_scores(paths, rec["rollout_ids"])
+    np.testing.assert_array_equal(scores, rec["measures"][str(at)]["dM_dw"])
+    assert rec["stats"]["max_states_held"] > 0 and (paths.metagradient / "recomputed.json").exists()
+    mtime = (tmp_path / "metagradient" / "logged.json").stat().st_mtime_ns
+    pipeline.run(config, str(tmp_path))  # resumes: nothing recomputed
+    assert (tmp_path / "metagradient" / "logged.json").stat().st_mtime_ns == mtime
+    with pytest.raises(ValueError, match="rollout ids"):
+        metagradient_scores(paths, rec["rollout_ids"][:-1])
