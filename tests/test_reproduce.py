@@ -90,7 +90,6 @@ def test_stage_writes_outputs(reference_dir, tmp_path):
 
     config = cfg_mod.get_config()
     config.reference_dir = str(reference_dir)
-    assert config.evaluation.reference_dir == str(reference_dir)
     reproduce_stage(config, str(tmp_path))
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["figures", "report.md", "results_table.csv", "verdicts.json"]

@@ -56,9 +56,9 @@ def test_config_paths_resolve_relative_and_home(tmp_path, monkeypatch):
     assert out.behavior.controls_path == ""  # "" keeps meaning "the default file"
     assert c.model.hf_dir == "ckpt/qwen"  # the caller's config is not changed
     r = reproduce.get_config()
-    r.reference_dir = "ref"  # the top-level alias and the field that references it both resolve
+    r.reference_dir = "ref"  # the reproduce stage's one reference_dir key resolves like every path
     out = pipeline.resolve_config_paths(r)
-    assert out.reference_dir == out.evaluation.reference_dir == str(tmp_path / "ref")
+    assert out.reference_dir == str(tmp_path / "ref")
 
 
 CPUINFO = """processor\t: 0

@@ -91,7 +91,7 @@ def test_targets_draws_tables_specificity_and_report(run_dir):
 def test_reproduce_stage_reads_every_behaviour(run_dir, tmp_path):
     c = tiny_two_behaviors.get_config("smoke")
     c.stages = "reproduce"
-    c.evaluation.reference_dir = str(run_dir / "release")
+    c.reference_dir = str(run_dir / "release")
     pipeline.run(c, str(tmp_path))
     tables = {r.table for r in evaluation.read_results_csv(tmp_path / "results_table.csv")}
     assert {"early_nonzero", f"early_nonzero@{B}"} <= tables
