@@ -20,4 +20,12 @@ def get_config():
     c.sweep.stages = c.sweep.stages.replace("grpo,", "grpo,metagradient,")
     c.sweep.stages += ",counterfactual"  # Issue 13: leave-top-k-out and LDS replays per seed (after report:
     # it appends its section to each seed's report.md; rows land in the aggregate results_table.csv).
+    # Replay budget (~70 replays, ~25 CPU-min per seed on a 2-core CPU): the targeted estimators weighted and
+    # advantage-free, the magnitude and reward-only controls and the metagradient, removed at k = |GT|;
+    # LDS over 16 half-subsets and at drop fractions 5 % and 10 % (12 subsets each).
+    cf = c.counterfactual
+    cf.methods = ("C1-dot,C1-dot:direction,C1-cosine,TRAK,TRAK:direction,TracInCP,TracInCP:direction,norm-only,"
+                  "abs-advantage,advantage,reward,metagradient")
+    cf.k_fractions, cf.random_seeds = "1.0", 3
+    cf.lds_subsets, cf.lds_fractions, cf.lds_small_subsets = 16, "0.05,0.1,0.5", 12
     return c

@@ -357,3 +357,11 @@ def test_kill_minus_9_during_the_stage_then_rerun_gives_the_same_table(sketched_
     assert (w / "results_table.csv").read_bytes() == (ref / "results_table.csv").read_bytes()
     assert (w / "counterfactual" / "report_section.md").read_bytes() == \
         (ref / "counterfactual" / "report_section.md").read_bytes()
+
+
+def test_replayed_methods_follow_the_config():
+    s = {"random": np.zeros(2), "C1-dot": np.ones(2), "abs-advantage": np.ones(2)}
+    assert list(CF.replayed_methods(s, "")) == ["C1-dot", "abs-advantage"]
+    assert list(CF.replayed_methods(s, "abs-advantage")) == ["abs-advantage"]
+    with pytest.raises(ValueError, match=r"\['TRAK'\] are not scored methods"):
+        CF.replayed_methods(s, "C1-dot,TRAK")

@@ -80,6 +80,18 @@ def top_k(scores: np.ndarray, candidates: np.ndarray, k: int) -> np.ndarray:
     return np.sort(cand[order[:k]])
 
 
+def replayed_methods(scores: dict[str, np.ndarray], methods: str) -> dict[str, np.ndarray]:
+    """The estimators whose rankings are replayed: ``counterfactual.methods`` ("" = every one scored,
+    else a comma list of method names, e.g. ``"C1-dot,C1-dot:direction,abs-advantage"``), always
+    without ``random`` (the random subsets replace it). Raises ValueError naming unknown methods."""
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = sorted(set(names) - set(scores))
+    if unknown:
+        raise ValueError(f"counterfactual.methods: {unknown} are not scored methods; scored: {sorted(scores)}")
+    keep = names or [m for m in scores if m != "random"]
+    return {m: scores[m] for m in keep if m != "random"}
+
+
 def removal_weights(n: int, removed: np.ndarray) -> np.ndarray:
     """float32 [n] ones with 0 at ``removed``."""
     w = np.ones(n, np.float32)
@@ -349,7 +361,7 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     # Every step-level estimator, as the evaluate stage scores them (in-run rollout sketches when the
     # run has them, else step sketches); ``random`` is left out (the random subsets replace it).
     scores = step_method_scores(config, rp.paths, rp.rollout_ids, steps, per_rollout=bool(config.sketch.in_run_rollouts))
-    scores.pop("random", None)
+    scores = replayed_methods(scores, config.counterfactual.methods)
     removed = plan(config, rp.rollout_ids, steps, gt_ids, scores)
     jobs = replay_jobs(config, removed)
     at = measure_step(config)
