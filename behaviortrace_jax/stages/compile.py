@@ -327,7 +327,7 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
     # --- checkpoint target sketcher, rollout re-sketcher, draws sketcher (targets.ForcedSketcher)
     fs = targets.ForcedSketcher(graphdef, cfg, abs_params, dim=sk.dim, seed=sk.seed, chunk_size=sk.chunk_size,
                                 block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0,
-                                use_tables=tg.use_tables, mesh=mesh)
+                                use_tables=tg.use_tables, mesh=mesh, fused=bool(sk.get("fused", False)))
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
     ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
     lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
