@@ -137,7 +137,7 @@ def _batch(seed=0, advantages=None):
     return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
 
 
-def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, one_backward=False):
+def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, one_backward=False, fused=False):
     cfg = _model_cfg()
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -150,7 +150,8 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=Fa
     o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=dim, sketch_seed=0,
-                             in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, one_backward=one_backward)
+                             in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, one_backward=one_backward,
+                             fused=fused)
     step = grpo.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg), mesh=mesh,
                                 param_shardings=p_sh, opt_shardings=o_sh)
     return cfg, graphdef, params, opt_state, step
@@ -263,6 +264,30 @@ def test_one_backward_step_equals_two_backward_step(data):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     for k in o1:
         np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss,data", [("paper", 1), ("paper", 3), pytest.param("grpo_clip", 1, marks=pytest.mark.slow)])
+def test_fused_step_equals_two_backward_step(loss, data):
+    """sketch.fused: the in-run sketches come from the fused sketcher and the (first iteration's)
+    update from the same backward's weight cotangent; parameters and outputs equal the default
+    two-backward step's up to float summation order, on 1 and 3 devices (grpo_clip: its later
+    iterations keep the batched backward)."""
+    batch = _batch(seed=7)
+    mesh = _single_mesh() if data == 1 else sharding.make_mesh(data=data, model=1, devices=jax.devices()[:data])
+    outs = []
+    for fused in (False, True):
+        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss, fused=fused, lr=1e-3, chunk=2 if fused else 1)
+        ref = jax.tree.map(jnp.copy, params) if loss == "grpo_clip" else None
+        params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), ref)
+        outs.append((jax.device_get(params), jax.device_get(out)))
+    (p1, o1), (p2, o2) = outs
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for k in o1:
+        np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
+    spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=1.0, fused=True)
+    assert spec.update_from_sketcher and not grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), 1.0,
+                                                                fused=True, in_run_rollouts=False).update_from_sketcher
 
 
 def test_one_backward_needs_in_run_sketches():
