@@ -21,6 +21,7 @@ float32 cos/sin, softmax in float32, logits returned in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, ClassVar, NamedTuple
 
@@ -477,8 +478,11 @@ class DecoderForCausalLM(nnx.Module):
             for i, layer in enumerate(self.model.layers):
                 kv = None if cache is None else (cache.k[i], cache.v[i])
                 lt = _sub(taps, *LAYERS_PATH, i)
-                if self.remat and cache is None:
-                    x, _ = nnx.remat(lambda lyr, *a: lyr(*a, None, None, lt))(layer, x, cos, sin, mask)  # noqa: B023
+                if self.remat and cache is None and taps is not None:
+                    x, c = nnx.remat(functools.partial(_tapped_layer, lt))(layer, x, cos, sin, mask, taps.carry())
+                    taps.set_carry(c)
+                elif self.remat and cache is None:
+                    x, _ = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
                 else:
                     x, nkv = layer(x, cos, sin, mask, kv, cache_index, lt)
                     if nkv is not None:
@@ -507,21 +511,34 @@ class DecoderForCausalLM(nnx.Module):
             stacked = jax.tree.map(lambda *a: jnp.stack(a),
                                    *[nnx.state(lyr, nnx.Param) for lyr in self.model.layers])
 
-        def body(h, xs):
+        def body(carry, xs):
             st, kv, i = xs
-            lt = None if i is None else taps.sub(*LAYERS_PATH, i)
-            h, nkv = nnx.merge(layer_gd, st)(h, cos, sin, mask, kv, cache_index, lt)
-            return h, nkv
+            if i is None:
+                return nnx.merge(layer_gd, st)(carry, cos, sin, mask, kv, cache_index)
+            h, c = carry
+            return _tapped_layer(taps.sub(*LAYERS_PATH, i), nnx.merge(layer_gd, st), h, cos, sin, mask, c), None
 
         if cache is None:
             if self.remat:
                 body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-            idx = None if taps is None else jnp.arange(len(self.model.layers), dtype=jnp.int32)
-            x, _ = jax.lax.scan(body, x, (stacked, None, idx))
+            if taps is None:
+                return jax.lax.scan(body, x, (stacked, None, None))[0], None
+            idx = jnp.arange(len(self.model.layers), dtype=jnp.int32)
+            (x, c), _ = jax.lax.scan(body, (x, taps.carry()), (stacked, None, idx))
+            taps.set_carry(c)
             return x, None
         x, (ks, vs) = jax.lax.scan(body, x, (stacked, (jnp.stack(cache.k), jnp.stack(cache.v)), None))
         n = len(cache.k)
         return x, KVCache(k=tuple(ks[i] for i in range(n)), v=tuple(vs[i] for i in range(n)))
+
+
+def _tapped_layer(taps: Any, layer: DecoderLayer, x, cos, sin, mask, carry) -> tuple[jax.Array, Any]:
+    """(output, carry) of ``layer`` with ``taps`` whose loop-carried state (``taps.carry()``: the
+    fused sketcher's accumulators) enters as ``carry``: the form ``nnx.remat`` and ``lax.scan``
+    need (what a tapped layer reads and writes goes in and out explicitly)."""
+    taps.set_carry(carry)
+    y, _ = layer(x, cos, sin, mask, None, None, taps)
+    return y, taps.carry()
 
 
 class StackedParams(NamedTuple):
@@ -598,7 +615,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array, pos
     traced int32 scalar); ``linear(x, weight, bias, dtype)`` (:class:`Linear`; ``bias`` may be
     None); ``scale(weight, h)`` (:class:`RMSNorm`: ``weight.astype(h.dtype) * h``);
     ``embed(weight, ids, dtype)`` (``weight[ids].astype(dtype)``); ``head(x, weight, dtype)`` (the
-    float32 logits ``x @ weight.T``; on the embedding's taps for a tied head).
+    float32 logits ``x @ weight.T``; on the embedding's taps for a tied head); ``carry()`` /
+    ``set_carry(c)``: the state the taps thread from use to use (a pytree of arrays), which the
+    layer loops (``lax.scan``, ``nnx.remat``) pass in and out explicitly.
 
     Returns:
         logits float32 [B, T, V].

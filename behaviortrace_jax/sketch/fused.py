@@ -21,10 +21,11 @@ reaches example i's rows is that of ``l_i`` alone):
 
 Each use is a ``jax.custom_vjp`` (:class:`Taps`, handed to ``decoder.forward(..., taps=)``) whose
 forward is the decoder's own (``decoder.linear_apply`` etc.) and whose backward returns JAX's own
-input cotangent, the per-example gradients' CountSketch as the cotangent of a zero accumulator
-``acc`` float32 [B, D] that every use reads (JAX's cotangent summation adds up the uses and, under
-``model.scan_layers``, the layers), their squared norms as the cotangent of a zero ``sq`` float32
-[B, G] (column = parameter group), and as the weight's cotangent ``sum_i c_i dW_i`` for given
+input cotangent, adds the per-example gradients' CountSketch to the cotangent of a zero
+accumulator ``acc`` float32 [B, D] and their squared norms to that of a zero ``sq`` float32 [B, G]
+(column = parameter group) - both threaded through every use in order (and through the scan over
+the layers), so each use scatters into one running cotangent in place - and returns as the weight's
+cotangent ``sum_i c_i dW_i`` for given
 coefficients c [B]: c = 1 gives the batch gradient of ``sum_i l_i``, so one backward yields the
 update and every sketch. Per-example gradients exist one parameter use at a time (large weights in
 row tiles of at most ``tile_elements`` values for the whole batch) and are dropped after hashing.
@@ -139,7 +140,8 @@ class FusedPlan:
 
 
 class _State:
-    """The arrays every use of one forward reads (acc, sq, coef) and the tied weight's carrier."""
+    """What one forward's uses share: the threaded accumulators (acc, sq), the coefficients and the
+    tied weight's carrier."""
 
     def __init__(self, acc: jax.Array, sq: jax.Array, coef: jax.Array):
         self.acc, self.sq, self.coef = acc, sq, coef
@@ -147,7 +149,14 @@ class _State:
 
 
 class Taps:
-    """The ``taps`` of ``decoder.forward`` for the fused sketcher (protocol: ``decoder.forward``)."""
+    """The ``taps`` of ``decoder.forward`` for the fused sketcher (protocol: ``decoder.forward``).
+
+    Every use reads the accumulators (acc [B, D], sq [B, G]) and returns them unchanged, so they
+    run through the uses in forward order and their cotangents run back through the uses in
+    backward order: each use adds its per-example sketches and squared norms to the cotangent it
+    receives, in place, and passes it on. Where the decoder loops (``lax.scan`` over the layers,
+    ``nnx.remat``) the accumulators are part of the loop carry: :meth:`carry` / :meth:`set_carry`.
+    """
 
     def __init__(self, plan: FusedPlan, cfg: _Cfg, state: _State, prefix: tuple = ()):
         self.plan, self.cfg, self.state, self.prefix = plan, cfg, state, prefix
@@ -155,28 +164,37 @@ class Taps:
     def sub(self, *names: Any) -> "Taps":
         return Taps(self.plan, self.cfg, self.state, self.prefix + tuple(names))
 
+    def carry(self) -> tuple[jax.Array, jax.Array]:
+        """The accumulators, to thread through a loop or a rematerialised block."""
+        return self.state.acc, self.state.sq
+
+    def set_carry(self, carry: tuple[jax.Array, jax.Array]) -> None:
+        self.state.acc, self.state.sq = carry
+
     def _where(self, leaf: str) -> tuple:
         return self.plan.where(self.prefix + (leaf,))
 
-    def _args(self) -> tuple:
-        return self.state.acc, self.state.sq, self.state.coef
+    def _use(self, fn: Callable, cfg: _Cfg, *args: Any) -> Any:
+        out, self.state.acc, self.state.sq = fn(cfg, *args[:-1], self.state.acc, self.state.sq, self.state.coef,
+                                                args[-1])
+        return out
 
     def linear(self, x: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: Any) -> jax.Array:
         cfg = dataclasses.replace(self.cfg, dtype=jnp.dtype(dtype).name)
         where = (self._where("weight"), None if bias is None else self._where("bias"))
-        return _linear(cfg, x, weight, bias, *self._args(), where, None)
+        return self._use(_linear, cfg, x, weight, bias, None, where)
 
     def head(self, x: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
         carrier = self.state.carrier.get(self.prefix)
         cfg = dataclasses.replace(self.cfg, dtype=jnp.dtype(dtype).name, tied=carrier is not None, head=True)
-        return _linear(cfg, x, weight, None, *self._args(), (self._where("weight"), None), carrier)
+        return self._use(_linear, cfg, x, weight, None, carrier, (self._where("weight"), None))
 
     def scale(self, weight: jax.Array, h: jax.Array) -> jax.Array:
-        return _scale(self.cfg, weight, h, *self._args(), self._where("weight"))
+        return self._use(_scale, self.cfg, weight, h, self._where("weight"))
 
     def embed(self, weight: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
         cfg = dataclasses.replace(self.cfg, dtype=jnp.dtype(dtype).name, tied=self.plan.tied)
-        out = _embed(cfg, weight, ids, *self._args(), self._where("weight"))
+        out = self._use(_embed, cfg, weight, ids, self._where("weight"))
         if not cfg.tied:
             return out
         x, carrier = out
@@ -185,7 +203,7 @@ class Taps:
 
 
 # ------------------------------------------------------------------------------------------------
-# Hashing per-example gradient blocks
+# Hashing per-example gradient blocks into the accumulator's cotangent
 # ------------------------------------------------------------------------------------------------
 
 
@@ -198,22 +216,21 @@ def _add_u32(hi: jax.Array, lo: jax.Array, inc: Any) -> tuple[jax.Array, jax.Arr
 SMALL_BLOCK = 4096  # per-example blocks up to this size are hashed in one scatter over the batch
 
 
-def _sketch_rows(g: jax.Array, hi: jax.Array, lo: jax.Array, cfg: _Cfg) -> jax.Array:
-    """float32 [B, D]: row b = CountSketch of ``g[b]`` (float32 [B, n]) placed at global indices
-    ``offset .. offset + n - 1``; the hash is computed once for the B rows. A small block is one
-    scatter over the batch (XLA folds it into the running cotangent sum); a large one is scattered
-    row by row in place (each row's random writes stay within its D buckets)."""
+def _sketch_into(acc: jax.Array, g: jax.Array, hi: jax.Array, lo: jax.Array, cfg: _Cfg) -> jax.Array:
+    """``acc`` float32 [B, D] plus, in row b, the CountSketch of ``g[b]`` (float32 [B, n]) placed at
+    global indices ``offset .. offset + n - 1``; the hash is computed once for the B rows. A small
+    block is one scatter over the batch; a large one is scattered row by row in place (each row's
+    random writes stay within its D buckets)."""
     bsz, n = g.shape
     bucket, sign = segment_bucket_sign_at(hi, lo, n, cfg.dim, cfg.seed)
-    out = jnp.zeros((bsz, cfg.dim), F32)
     if n <= SMALL_BLOCK:
-        return out.at[jnp.arange(bsz)[:, None], bucket[None, :]].add(g * sign)
-    return jax.lax.fori_loop(0, bsz, lambda b, acc: acc.at[b].set(acc[b].at[bucket].add(g[b] * sign)), out)
+        return acc.at[jnp.arange(bsz)[:, None], bucket[None, :]].add(g * sign)
+    return jax.lax.fori_loop(0, bsz, lambda b, a: a.at[b].set(a[b].at[bucket].add(g[b] * sign)), acc)
 
 
-def _group_cotangent(sq: jax.Array, group: jax.Array, cfg: _Cfg) -> jax.Array:
-    """float32 [B, G]: the per-example squared norms ``sq`` [B] in column ``group``."""
-    return sq[:, None] * jax.nn.one_hot(group, cfg.n_groups, dtype=F32)[None, :]
+def _add_sq(sq: jax.Array, norms2: jax.Array, group: jax.Array) -> jax.Array:
+    """``sq`` float32 [B, G] plus the per-example squared norms ``norms2`` [B] in column ``group``."""
+    return sq.at[:, group].add(norms2)
 
 
 def _weighted(coef: jax.Array, g: jax.Array) -> jax.Array:
@@ -221,41 +238,43 @@ def _weighted(coef: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.tensordot(coef.astype(F32), g, axes=1)
 
 
-def _matrix_grads(cfg: _Cfg, dy: jax.Array, x: jax.Array, coef: jax.Array, where: tuple, shape: tuple
-                  ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def _matrix_grads(cfg: _Cfg, acc: jax.Array, sq: jax.Array, dy: jax.Array, x: jax.Array, coef: jax.Array,
+                  where: tuple, shape: tuple) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Per-example gradients ``dW_i = dy_i^T x_i`` of a weight [out, in] (dy [B, N, out], x [B, N, in]),
-    in row tiles of at most ``cfg.tile_elements`` values over the batch: (sketch [B, D], squared
-    norm [B], ``sum_i c_i dW_i`` float32 [out, in] or None)."""
+    in row tiles of at most ``cfg.tile_elements`` values over the batch, added to the accumulators'
+    cotangents: (acc, sq, ``sum_i c_i dW_i`` float32 [out, in] or None)."""
     out, inn = shape
     bsz = dy.shape[0]
-    hi, lo, _ = where
+    hi, lo, group = where
     tiles = max(1, -(-bsz * out * inn // cfg.tile_elements))
     rows = -(-out // tiles)
     tiles = -(-out // rows)
 
-    def block(dy_rows: jax.Array, first: Any) -> tuple:
+    def block(acc: jax.Array, sq: jax.Array, dy_rows: jax.Array, first: Any) -> tuple:
         g = jnp.einsum("bnr,bni->bri", dy_rows, x, preferred_element_type=F32)
-        sk = _sketch_rows(g.reshape(bsz, -1), *_add_u32(hi, lo, first), cfg)
-        dw = _weighted(coef, g) if cfg.weights else None
-        return sk, jnp.sum(jnp.square(g), axis=(1, 2)), dw
+        acc = _sketch_into(acc, g.reshape(bsz, -1), *_add_u32(hi, lo, first), cfg)
+        sq = _add_sq(sq, jnp.sum(jnp.square(g), axis=(1, 2)), group)
+        return acc, sq, (_weighted(coef, g) if cfg.weights else None)
 
     if tiles == 1:
-        return block(dy, 0)
+        return block(acc, sq, dy, 0)
     if tiles * rows * inn >= 1 << 32:
         raise ValueError(f"fused sketcher: a parameter of shape {shape} has more than 2**32 coordinates")
     dy = jnp.pad(dy, ((0, 0), (0, 0), (0, tiles * rows - out)))  # zero rows: they add nothing
 
     def body(carry: tuple, t: jax.Array) -> tuple:
-        sk, sq, dw = block(jax.lax.dynamic_slice_in_dim(dy, t * rows, rows, axis=2), t.astype(_U32) * (rows * inn))
-        return (carry[0] + sk, carry[1] + sq), dw
+        dy_rows = jax.lax.dynamic_slice_in_dim(dy, t * rows, rows, axis=2)
+        acc, sq, dw = block(*carry, dy_rows, t.astype(_U32) * (rows * inn))
+        return (acc, sq), dw
 
-    init = (jnp.zeros((bsz, cfg.dim), F32), jnp.zeros((bsz,), F32))
-    (sk, sq), dw = jax.lax.scan(body, init, jnp.arange(tiles, dtype=jnp.int32))
-    return sk, sq, (dw.reshape(tiles * rows, inn)[:out] if cfg.weights else None)
+    (acc, sq), dw = jax.lax.scan(body, (acc, sq), jnp.arange(tiles, dtype=jnp.int32))
+    return acc, sq, (dw.reshape(tiles * rows, inn)[:out] if cfg.weights else None)
 
 
 # ------------------------------------------------------------------------------------------------
-# The tapped uses
+# The tapped uses: forward = the decoder's own op (and the accumulators unchanged); backward = its
+# input cotangent, the weights' cotangent sum_i c_i dW_i, and the accumulators' cotangents plus
+# this use's per-example sketches and squared norms
 # ------------------------------------------------------------------------------------------------
 
 
@@ -265,39 +284,38 @@ def _apply_linear(cfg: _Cfg, x: jax.Array, weight: jax.Array, bias: jax.Array | 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _linear(cfg: _Cfg, x, weight, bias, acc, sq, coef, where, carrier):
+def _linear(cfg: _Cfg, x, weight, bias, carrier, acc, sq, coef, where):
     """A linear layer (``decoder.linear_apply``) or the logits (``cfg.head``: ``decoder.head_apply``;
-    ``carrier`` = (zeros, ids) from a tied embedding, else None). Backward: :func:`_linear_bwd`."""
-    del acc, sq, coef, where, carrier
-    return _apply_linear(cfg, x, weight, bias)
+    ``carrier`` = (zeros, ids) from a tied embedding, else None). Returns (y, acc, sq)."""
+    del carrier, coef, where
+    return _apply_linear(cfg, x, weight, bias), acc, sq
 
 
-def _linear_fwd(cfg, x, weight, bias, acc, sq, coef, where, carrier):
-    del acc, sq
+def _linear_fwd(cfg, x, weight, bias, carrier, acc, sq, coef, where):
     ids = None if carrier is None else carrier[1]
-    return _apply_linear(cfg, x, weight, bias), (x, weight, bias, coef, where, ids)
+    return (_apply_linear(cfg, x, weight, bias), acc, sq), (x, weight, bias, coef, where, ids)
 
 
-def _linear_bwd(cfg, res, dy):
+def _linear_bwd(cfg, res, cts):
     x, weight, bias, coef, (w_where, b_where), ids = res
+    dy, acc, sq = cts
     dt = jnp.dtype(cfg.dtype)
     (dx,) = jax.vjp(lambda x_: _apply_linear(cfg, x_, weight, bias), x)[1](dy)
     bsz, out, inn = dy.shape[0], weight.shape[0], weight.shape[1]
     dy2, x2 = dy.reshape(bsz, -1, out), x.astype(dt).reshape(bsz, -1, inn)
-    sk, sq, dw = _matrix_grads(cfg, dy2, x2, coef, w_where, weight.shape)
-    sq_ct = _group_cotangent(sq, w_where[2], cfg)
+    acc, sq, dw = _matrix_grads(cfg, acc, sq, dy2, x2, coef, w_where, weight.shape)
     db = None
     if bias is not None:
         gb = jnp.sum(dy2.astype(F32), axis=1)  # [B, out]
-        sk = sk + _sketch_rows(gb, b_where[0], b_where[1], cfg)
-        sq_ct = sq_ct + _group_cotangent(jnp.sum(jnp.square(gb), axis=1), b_where[2], cfg)
+        acc = _sketch_into(acc, gb, b_where[0], b_where[1], cfg)
+        sq = _add_sq(sq, jnp.sum(jnp.square(gb), axis=1), b_where[2])
         db = _weighted(coef, gb).astype(bias.dtype) if cfg.weights else None
     carrier_ct = None
     if ids is not None:  # the head part's rows at the example's own tokens: H_i[ids_{i,t}] [B, T, d]
         at_ids = jnp.take_along_axis(dy, jnp.broadcast_to(ids[:, None, :], dy.shape[:2] + ids.shape[1:]), axis=2)
         carrier_ct = (jnp.einsum("bst,bsd->btd", at_ids.astype(F32), x.astype(F32)), None)
     dw = None if dw is None else dw.astype(weight.dtype)
-    return dx, dw, db, sk, sq_ct, None, None, carrier_ct
+    return dx, dw, db, carrier_ct, acc, sq, None, None
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -305,25 +323,26 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _scale(cfg: _Cfg, weight, h, acc, sq, coef, where):
-    """An RMSNorm scale ``decoder.scale_apply(weight, h)`` (weight [d], h [B, ..., d])."""
-    del cfg, acc, sq, coef, where
-    return decoder.scale_apply(weight, h)
+    """An RMSNorm scale ``decoder.scale_apply(weight, h)`` (weight [d], h [B, ..., d]); (y, acc, sq)."""
+    del cfg, coef, where
+    return decoder.scale_apply(weight, h), acc, sq
 
 
 def _scale_fwd(cfg, weight, h, acc, sq, coef, where):
-    del cfg, acc, sq
-    return decoder.scale_apply(weight, h), (weight, h, coef, where)
+    del cfg
+    return (decoder.scale_apply(weight, h), acc, sq), (weight, h, coef, where)
 
 
-def _scale_bwd(cfg, res, dy):
+def _scale_bwd(cfg, res, cts):
     weight, h, coef, where = res
+    dy, acc, sq = cts
     (dh,) = jax.vjp(lambda h_: decoder.scale_apply(weight, h_), h)[1](dy)
     bsz, d = h.shape[0], h.shape[-1]
     g = jnp.sum(dy.astype(F32).reshape(bsz, -1, d) * h.astype(F32).reshape(bsz, -1, d), axis=1)  # [B, d]
-    sk = _sketch_rows(g, where[0], where[1], cfg)
-    sq_ct = _group_cotangent(jnp.sum(jnp.square(g), axis=1), where[2], cfg)
+    acc = _sketch_into(acc, g, where[0], where[1], cfg)
+    sq = _add_sq(sq, jnp.sum(jnp.square(g), axis=1), where[2])
     dw = _weighted(coef, g).astype(weight.dtype) if cfg.weights else None
-    return dw, dh, sk, sq_ct, None, None
+    return dw, dh, acc, sq, None, None
 
 
 _scale.defvjp(_scale_fwd, _scale_bwd)
@@ -331,34 +350,34 @@ _scale.defvjp(_scale_fwd, _scale_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _embed(cfg: _Cfg, weight, ids, acc, sq, coef, where):
-    """The embedding rows ``decoder.embed_apply(weight, ids, dtype)``; with ``cfg.tied`` also a zero
-    float32 carrier [B, T, d] whose cotangent (from the tied head) is ``H_i[ids_{i,t}]``."""
-    del acc, sq, coef, where
+    """The embedding rows ``decoder.embed_apply(weight, ids, dtype)`` (with ``cfg.tied``, also a zero
+    float32 carrier [B, T, d] whose cotangent, from the tied head, is ``H_i[ids_{i,t}]``); (out, acc, sq)."""
+    del coef, where
     x = decoder.embed_apply(weight, ids, jnp.dtype(cfg.dtype))
-    return (x, jnp.zeros(x.shape, F32)) if cfg.tied else x
+    return ((x, jnp.zeros(x.shape, F32)) if cfg.tied else x), acc, sq
 
 
 def _embed_fwd(cfg, weight, ids, acc, sq, coef, where):
     return _embed(cfg, weight, ids, acc, sq, coef, where), (weight, ids, coef, where)
 
 
-def _embed_bwd(cfg, res, ct):
+def _embed_bwd(cfg, res, cts):
     weight, ids, coef, (hi, lo, group) = res
+    ct, acc, sq = cts
     dx, head_rows = ct if cfg.tied else (ct, None)
     r = dx.astype(F32)  # [B, T, d]: example i's gradient rows, at its token ids
     bsz, d = r.shape[0], r.shape[-1]
     local = ids.astype(_U32)[..., None] * jnp.asarray(d, _U32) + jax.lax.iota(_U32, d)
     bucket, sign = index_bucket_sign(hi, lo, local, cfg.dim, cfg.seed)
-    rows = jnp.arange(bsz)[:, None, None]
-    sk = jnp.zeros((bsz, cfg.dim), F32).at[rows, bucket].add(r * sign)
+    acc = acc.at[jnp.arange(bsz)[:, None, None], bucket].add(r * sign)
     same = (ids[:, :, None] == ids[:, None, :]).astype(F32)  # a token's rows add up in one row of E
-    sq = jnp.einsum("bts,btd,bsd->b", same, r, r)
+    norms2 = jnp.einsum("bts,btd,bsd->b", same, r, r)
     if head_rows is not None:
-        sq = sq + 2.0 * jnp.einsum("btd,btd->b", head_rows, r)
+        norms2 = norms2 + 2.0 * jnp.einsum("btd,btd->b", head_rows, r)
     dw = None
     if cfg.weights:
         dw = jnp.zeros(weight.shape, F32).at[ids].add(r * coef.astype(F32)[:, None, None]).astype(weight.dtype)
-    return dw, None, sk, _group_cotangent(sq, group, cfg), None, None
+    return dw, None, acc, _add_sq(sq, norms2, group), None, None
 
 
 _embed.defvjp(_embed_fwd, _embed_bwd)
