@@ -248,35 +248,21 @@ def test_sharded_step_equals_single_device(loss, tables, data):
         np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("data", [1, 3])
-def test_one_backward_step_equals_two_backward_step(data):
-    """grpo.one_backward: the update from the summed per-rollout gradients (no batched backward)
-    equals the default step's up to float summation order; sketches are the same."""
+@pytest.mark.parametrize("path,loss,data", [("one_backward", "paper", 1), ("one_backward", "paper", 3),
+                                            ("fused", "paper", 1), ("fused", "paper", 3),
+                                            pytest.param("fused", "grpo_clip", 1, marks=pytest.mark.slow)])
+def test_update_from_sketcher_equals_two_backward_step(path, loss, data):
+    """The update from the per-rollout sketcher's gradient sum (no second, batched backward) equals
+    the default step's up to float summation order, and so do the sketches, on 1 and 3 devices:
+    grpo.one_backward (summed vmap(grad) gradients) and sketch.fused (the fused sketcher's one
+    backward: its weight cotangent is the update; grpo_clip's later iterations keep the batched
+    backward)."""
     batch = _batch(seed=7)
     mesh = _single_mesh() if data == 1 else sharding.make_mesh(data=data, model=1, devices=jax.devices()[:data])
     outs = []
-    for one in (False, True):
-        cfg, graphdef, params, opt_state, step = _setup(mesh, one_backward=one, lr=1e-3)
-        params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), None)
-        outs.append((jax.device_get(params), jax.device_get(out)))
-    (p1, o1), (p2, o2) = outs
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    for k in o1:
-        np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("loss,data", [("paper", 1), ("paper", 3), pytest.param("grpo_clip", 1, marks=pytest.mark.slow)])
-def test_fused_step_equals_two_backward_step(loss, data):
-    """sketch.fused: the in-run sketches come from the fused sketcher and the (first iteration's)
-    update from the same backward's weight cotangent; parameters and outputs equal the default
-    two-backward step's up to float summation order, on 1 and 3 devices (grpo_clip: its later
-    iterations keep the batched backward)."""
-    batch = _batch(seed=7)
-    mesh = _single_mesh() if data == 1 else sharding.make_mesh(data=data, model=1, devices=jax.devices()[:data])
-    outs = []
-    for fused in (False, True):
-        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss, fused=fused, lr=1e-3, chunk=2 if fused else 1)
+    for on in (False, True):
+        kw = dict(one_backward=on) if path == "one_backward" else dict(fused=on, chunk=2 if on else 1)
+        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss, lr=1e-3, **kw)
         ref = jax.tree.map(jnp.copy, params) if loss == "grpo_clip" else None
         params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), ref)
         outs.append((jax.device_get(params), jax.device_get(out)))

@@ -172,6 +172,56 @@ _CALLEE = re.compile(r"\b(?:condition|body|calls|to_apply)=%([^\s,)}]+)")
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _WHILE = re.compile(r"\swhile\(.*\bcondition=%([^\s,]+), body=%([^\s,]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEF = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = ")
+_CONST = re.compile(r"\bconstant\((-?\d+)\)")
+
+
+def _inferred_trips(line: str, comps: dict[str, list[str]], caller: str) -> int | None:
+    """The trip count of a ``while`` instruction ``line`` (in computation ``caller``) that XLA did
+    not annotate (XLA:TPU's optimised HLO has no ``known_trip_count``), from the loop's own form:
+    its condition is ``counter < N`` with ``counter`` a tuple element and N a constant, the
+    counter's initial value (the while operand's element) a constant c (through copies; 0 when it
+    cannot be resolved - JAX's scans and fori_loops count from 0) and its step 1 (JAX's): N - c.
+    None when the condition has another form."""
+    cond = _WHILE.search(line).group(1)
+    defs = {m.group(1): ln for ln in comps.get(cond, ()) if (m := _DEF.match(ln))}
+    root = next((ln for ln in comps.get(cond, ()) if ln.lstrip().startswith("ROOT ")), "")
+    m = re.search(r"compare\(%([^\s,]+), %([^\s,)]+)\), direction=(LT|GT)", root)
+    f = re.search(r"fusion\(%([^\s,]+), %([^\s,)]+)\),.*\bcalls=%([^\s,]+)", root)
+    if not m and f:  # the compare wrapped in a fusion of (counter, bound): map its parameters back
+        inner = comps.get(f.group(3), ())
+        params = {m2.group(1): int(m2.group(2)) for ln in inner
+                  if (m2 := re.match(r"^\s*%([^\s=]+) = .*\sparameter\((\d+)\)", ln))}
+        root_f = next((ln for ln in inner if ln.lstrip().startswith("ROOT ")), "")
+        c = re.search(r"compare\(%([^\s,]+), %([^\s,)]+)\), direction=(LT|GT)", root_f)
+        if c and c.group(1) in params and c.group(2) in params:
+            ops = (f.group(1), f.group(2))
+            m = (ops[params[c.group(1)]], ops[params[c.group(2)]], c.group(3))
+    if not m:
+        return None
+    a, b, direction = m if isinstance(m, tuple) else m.groups()
+    counter, bound = (a, b) if direction == "LT" else (b, a)
+    c_bound, c_counter = _CONST.search(defs.get(bound, "")), re.search(r"get-tuple-element\(.*index=(\d+)", defs.get(counter, ""))
+    if not c_bound or not c_counter:
+        return None
+    index = int(c_counter.group(1))
+    caller_defs = {m.group(1): ln for ln in comps.get(caller, ()) if (m := _DEF.match(ln))}
+    operand = re.search(r"\swhile\(%([^\s,)]+)\)", line)
+    init = 0
+    tup = caller_defs.get(operand.group(1), "") if operand else ""
+    args = re.search(r"\stuple\((.*?)\)(?:,|$)", tup)
+    if args:
+        name = [x.strip().lstrip("%") for x in args.group(1).split(",")][index] if index < len(args.group(1).split(",")) else ""
+        for _ in range(8):  # through copies / bitcasts to a constant
+            d = caller_defs.get(name, "")
+            if (k := _CONST.search(d)) and " constant(" in d:
+                init = int(k.group(1))
+                break
+            nxt = re.search(r"\s(?:copy|copy-done|bitcast|copy-start)\(%([^\s,)]+)", d)
+            if not nxt:
+                break
+            name = nxt.group(1)
+    return max(int(c_bound.group(1)) - init, 0)
 
 
 def _hlo_computations(text: str) -> tuple[dict[str, list[str]], str, list[str]]:
@@ -210,9 +260,12 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     """XLA's cost analysis of a compiled program (per chip, from its optimised HLO) with every loop
     trip counted: XLA's ``cost_analysis`` counts a ``while`` body once; here each while loop whose
     trip count XLA annotated (``known_trip_count``: ``lax.scan``, ``lax.map``, ``fori_loop``) adds
-    ``trips x (its body's count, nested loops counted the same way) - its body's one-trip count``,
+    ``trips x (its body's count, nested loops counted the same way) - its body's one-trip count``
+    (XLA:TPU does not annotate trip counts: there they come from the loop's condition,
+    :func:`_inferred_trips`),
     and its condition ``trips + 1`` times. A body's one-trip count is XLA's own cost analysis of the
-    module re-entered at that body (``hlo_module_cost_analysis`` with the program's client). A loop
+    module re-entered at that body (``hlo_module_cost_analysis`` with the program's client, or the
+    host CPU client's for a compile-only TPU executable: same cost model, same HLO). A loop
     without a known trip count (a ``while_loop`` that may stop early, e.g. the sampler's decode loop)
     is counted ``unknown_trips`` times when given (the caller's upper bound), else once.
 
@@ -227,10 +280,14 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
 
     try:
         ex = compiled.runtime_executable()
-        client, text = ex.client, ex.hlo_modules()[0].to_string()
-    except Exception as e:  # noqa: BLE001 - a backend whose executables expose no module or client
+        text = ex.hlo_modules()[0].to_string()
+    except Exception as e:  # noqa: BLE001 - a backend whose executables expose no HLO module
         logging.warning("compile: no HLO module to count loop trips in (%s: %s)", type(e).__name__, e)
         return None
+    # A compile-only TPU client has no cost analysis of its own; XLA's HloCostAnalysis of the host
+    # CPU client, run on the TPU-optimised module, gives the same FLOPs and bytes to < 1 %
+    # (docs/benchmarks.md), so it counts the per-body figures there.
+    client = getattr(ex, "client", None) or jax.devices("cpu")[0].client
     comps, entry, lines = _hlo_computations(text)
     cache: dict[str, np.ndarray] = {}
 
@@ -253,9 +310,10 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
             if w:
                 cond, body = w.groups()
                 t = _TRIPS.search(line)
-                trips = int(t.group(1)) if t else unknown_trips
+                known = int(t.group(1)) if t else _inferred_trips(line, comps, name)
+                trips = known if known is not None else unknown_trips
                 inner, inner_loops = extra(body)
-                loops += [trips if t else (None if trips is None else -trips)] + inner_loops * (trips or 1)
+                loops += [known if known is not None else (None if trips is None else -trips)] + inner_loops * (trips or 1)
                 if trips is not None:
                     add += trips * (once(body) + inner) - once(body) + trips * once(cond)
                 else:
