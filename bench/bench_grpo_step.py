@@ -1,10 +1,15 @@
-"""GRPO train step on CPU: the default program (batched backward + per-rollout sketches) vs
-``grpo.one_backward`` (the update from the summed per-rollout gradients; issue 12 item 4).
+"""GRPO train step on CPU: the default program (batched backward + per-rollout vmap(grad) sketches) vs
+``grpo.one_backward`` (the update from the summed per-rollout gradients; issue 12 item 4) vs
+``sketch.fused`` (the fused sketcher: one backward gives the update and the in-run sketches).
 
 The tiny default's shapes (configs/tiny.py: base preset ``tiny``, B x G rollouts, prompt + completion
 lengths, sketch D and chunk), random weights, one device. The two programs are timed in alternating
 rounds so that load from other processes hits both alike; compile (the first call) is excluded; the
 figure is the median seconds per step.
+
+The second table is the ``sketch`` stage's unit of work: one ``targets.ForcedSketcher`` block
+(``targets.block_size`` sequences of the rollout re-sketcher's length, the tiny default's chunk
+and hash tables) with ``vmap(grad)`` and with the fused sketcher, alternating likewise.
 
     python bench/bench_grpo_step.py [--rounds 5 --steps 3]
 """
@@ -32,7 +37,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from behaviortrace_jax.models import qwen2, sharding  # noqa: E402
-from behaviortrace_jax.sketch import sketcher  # noqa: E402
+from behaviortrace_jax.sketch import sketcher, targets  # noqa: E402
 from behaviortrace_jax.train import grpo_loss, grpo_step, train_state  # noqa: E402
 from configs import tiny  # noqa: E402
 
@@ -60,17 +65,17 @@ def main() -> None:
     batch = grpo_step.build_batch(prompts, comps, np.full(n, t, np.int32), rng.standard_normal(n).astype(np.float32),
                                   (0,), shapes, 0)
     steps, states = {}, {}
-    for one in (False, True):
+    programs = {"default": dict(), "one_backward": dict(one_backward=True), "fused": dict(fused=True)}
+    for one, kw in programs.items():
         spec = grpo_step.GRPOStepSpec(shapes, "paper", grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=sk.dim,
-                                      sketch_seed=sk.seed, in_run_rollouts=True, chunk_size=sk.chunk_size,
-                                      one_backward=one)
+                                      sketch_seed=sk.seed, in_run_rollouts=True, chunk_size=sk.chunk_size, **kw)
         steps[one] = grpo_step.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg),
                                                mesh=mesh, param_shardings=p_sh, opt_shardings=o_sh)
         p = jax.device_put(jax.tree.map(np.asarray, params), p_sh)
         states[one] = (p, tx.init(p))
-    times = {False: [], True: []}
+    times = {k: [] for k in programs}
     for r in range(args.rounds + 1):
-        for one in (False, True):
+        for one in programs:
             p, o = states[one]
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -79,11 +84,44 @@ def main() -> None:
             states[one] = (p, o)
             if r:  # round 0 compiles
                 times[one].append((time.perf_counter() - t0) / args.steps)
-    two, one = statistics.median(times[False]), statistics.median(times[True])
+    base = statistics.median(times["default"])
     print(f"{n} rollouts x {g.max_prompt_tokens + t} tokens, {sum(x.size for x in jax.tree.leaves(params)):,} params, "
-          f"D {sk.dim}, chunk {sk.chunk_size}")
-    print(f"default (batched backward + per-rollout): {two * 1e3:.1f} ms/step")
-    print(f"one_backward:                             {one * 1e3:.1f} ms/step  ({one / two:.2f}x)")
+          f"D {sk.dim}, chunk {sk.chunk_size}; median of {args.rounds} rounds x {args.steps} steps")
+    for k in programs:
+        med = statistics.median(times[k])
+        print(f"  {k:<14} {med * 1e3:8.1f} ms/step  ({med / base:.2f}x the default)")
+    sketch_stage(c, cfg, graphdef, params, args)
+
+
+def sketch_stage(c, cfg, graphdef, params, args) -> None:
+    """One ForcedSketcher block (the sketch stage's re-sketcher shapes), vmap(grad) vs fused."""
+    g, tg = c.grpo, c.targets
+    rng = np.random.default_rng(1)
+    length = g.max_prompt_tokens + g.max_new_tokens
+    ex = []
+    for _ in range(tg.block_size):
+        ids = rng.integers(3, cfg.vocab_size, size=length)
+        w = np.zeros(length, np.float32)
+        w[g.max_prompt_tokens:] = 1
+        ex.append(targets.ForcedExample(ids, w))
+    fs = {f: targets.ForcedSketcher(graphdef, cfg, params, dim=c.sketch.dim, seed=c.sketch.seed,
+                                    chunk_size=c.sketch.chunk_size, block_size=tg.block_size,
+                                    length_bucket=tg.length_bucket, use_tables=tg.use_tables, fused=f)
+          for f in (False, True)}
+    times = {f: [] for f in fs}
+    for r in range(args.rounds + 1):
+        for f, sk in fs.items():
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                out = sk(params, ex)
+            if r:
+                times[f].append((time.perf_counter() - t0) / args.steps)
+    a, b = (statistics.median(times[f]) for f in (False, True))
+    rel = float(np.linalg.norm(out.sketches - fs[False](params, ex).sketches) / np.linalg.norm(out.sketches))
+    print(f"ForcedSketcher block: {tg.block_size} sequences x {length} tokens, chunk {c.sketch.chunk_size}, "
+          f"tables {tg.use_tables}")
+    print(f"  vmap(grad)     {a * 1e3:8.1f} ms/block")
+    print(f"  fused          {b * 1e3:8.1f} ms/block  ({b / a:.2f}x; sketches rel. diff {rel:.1e})")
 
 
 if __name__ == "__main__":

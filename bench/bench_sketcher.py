@@ -4,7 +4,10 @@ CPU (default): 16 rollouts x 96 tokens (prompt 32, completion 64), loss = -(mask
 log-prob) (SPEC §3.2), D = 65536, for the tiny Qwen2 (~1M params) and a ~22M-param Qwen2. Methods:
 
 * ``jax_plain``      jit(grad) of the summed loss of the batch (one batched forward+backward);
-* ``jax_sketch_cN``  :class:`PerExampleSketcher` with chunk_size N (hash on the fly; ``_tab``: tables);
+* ``jax_fused_cN``   :class:`PerExampleSketcher` on its fused path (``sketch/fused.py``: one backward
+                     per chunk of N rollouts, per-example gradients formed and hashed per parameter use);
+* ``jax_sketch_cN``  :class:`PerExampleSketcher` on its ``vmap(grad)`` path with chunk_size N (hash on
+                     the fly; ``_tab``: tables);
 * ``torch_ref``      ``torch.func.vmap(grad)`` of transformers' Qwen2ForCausalLM (eager attention)
                      + ``index_add_`` CountSketch with precomputed hash tables, per-example norms.
 
@@ -12,11 +15,13 @@ Timings are interleaved (rep 1 of every method, then rep 2, ...) and the minimum
 ratios are robust to other load on the machine. Peak memory = peak RSS above the resting RSS during
 the first call (JAX: of the AOT-compiled executable, so compilation is excluded), each method in its
 own subprocess (Linux ``/proc/self/clear_refs``), plus XLA's compiled temp bytes for the JAX methods.
-The JAX and torch sketches are cross-checked.
+The fused, vmap(grad) and torch sketches are cross-checked; the last columns are each method's time
+and peak RSS as multiples of the plain step's.
 
     python bench/bench_sketcher.py                       # CPU, both configs (~10 min on 2 cores)
     python bench/bench_sketcher.py --single-thread       # one thread each: robust on a shared machine
     python bench/bench_sketcher.py --configs tiny --reps 3
+    python bench/bench_sketcher.py --fused-chunks 16 --chunks 4 --no-torch   # fused vs vmap(grad) only
     python bench/bench_sketcher.py --gpu                 # Qwen2.5-1.5B-shaped random bf16 model
     python bench/bench_sketcher.py --gpu --override num_hidden_layers=1,vocab_size=4096  # CPU dry run
 
@@ -97,9 +102,9 @@ def jax_plain(graphdef: Any, params: Any, batch: dict) -> tuple[Callable[[], Any
 
 
 def jax_sketch(cfg: qwen2.Qwen2Config, graphdef: Any, params: Any, batch: dict, chunk: int, tables: bool,
-               dim: int) -> tuple[Callable[[], Any], Any, PerExampleSketcher]:
+               dim: int, fused: bool = False) -> tuple[Callable[[], Any], Any, PerExampleSketcher]:
     sk = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=dim, seed=0, chunk_size=chunk,
-                            param_order=qwen2_param_order(cfg), use_tables=tables)
+                            param_order=qwen2_param_order(cfg), use_tables=tables, fused=fused)
     return (lambda: jax.block_until_ready(sk(params, batch))), sk.lower(params, batch), sk
 
 
@@ -162,13 +167,14 @@ def torch_ref(cfg: qwen2.Qwen2Config, params_jax: Any, batch: dict, chunk: int |
 
 def build_method(name: str, cfg: qwen2.Qwen2Config, batch_np: dict, dim: int) -> tuple[Callable, Any, tuple]:
     """(run, lowered or None, the lowered function's arguments) for a method name:
-    jax_plain | jax_sketch_c{N}[_tab] | torch_ref[_c{N}]."""
+    jax_plain | jax_fused_c{N} | jax_sketch_c{N}[_tab] | torch_ref[_c{N}]."""
     graphdef, params, batch = jax_setup(cfg, batch_np)
     if name == "jax_plain":
         return jax_plain(graphdef, params, batch)
-    if name.startswith("jax_sketch_c"):
+    if name.startswith(("jax_sketch_c", "jax_fused_c")):
         chunk = int(name.split("_c")[1].split("_")[0])
-        run, lowered, sk = jax_sketch(cfg, graphdef, params, batch, chunk, name.endswith("_tab"), dim)
+        run, lowered, sk = jax_sketch(cfg, graphdef, params, batch, chunk, name.endswith("_tab"), dim,
+                                      fused=name.startswith("jax_fused"))
         return run, lowered, (params, batch, sk.tables)
     if name.startswith("torch_ref"):
         chunk = int(name.split("_c")[1]) if "_c" in name else None
@@ -198,7 +204,8 @@ def cpu_bench(args: argparse.Namespace) -> None:
     for config in args.configs.split(","):
         cfg = CONFIGS[config]
         batch_np = make_batch(cfg, args.batch, args.seq)
-        methods = ["jax_plain"] + [f"jax_sketch_c{c}" for c in args.chunks] + [f"jax_sketch_c{args.chunks[-1]}_tab"]
+        methods = (["jax_plain"] + [f"jax_fused_c{c}" for c in args.fused_chunks] + [f"jax_sketch_c{c}" for c in args.chunks]
+                   + [f"jax_sketch_c{args.chunks[-1]}_tab"] * (not args.no_tables))
         if not args.no_torch:
             methods.append("torch_ref")
         runs, temp = {}, {}
@@ -216,14 +223,7 @@ def cpu_bench(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 runs[m]()
                 times[m].append(time.perf_counter() - t0)
-        check = ""
-        if "torch_ref" in runs:
-            sk_t, norms_t = runs["torch_ref"]()
-            graphdef, params, b = jax_setup(cfg, batch_np)  # same init seed: the weights torch_ref copied
-            res = jax_sketch(cfg, graphdef, params, b, args.chunks[0], False, args.dim)[2](params, b)
-            rel = np.linalg.norm(np.asarray(res.sketches) - sk_t.numpy()) / np.linalg.norm(sk_t.numpy())
-            reln = np.abs(np.asarray(res.norms) / norms_t.numpy() - 1).max()
-            check = f"; JAX vs torch sketches rel. diff {rel:.1e}, norms max rel. diff {reln:.1e}"
+        check = _cross_check(cfg, batch_np, args, runs)
         mem = {}
         if not args.no_memory:
             for m in methods:
@@ -240,13 +240,37 @@ def cpu_bench(args: argparse.Namespace) -> None:
         base = min(times["jax_plain"])
         print(f"\n{config}: {n_params / 1e6:.2f}M params{check}")
         print(f"  {'method':<22}{'min s':>8}{'median s':>10}{'/ plain':>9}{'torch /':>9}"
-              f"{'peak RSS MB':>13}{'XLA temp MB':>13}")
+              f"{'peak RSS MB':>13}{'/ plain':>9}{'XLA temp MB':>13}")
         for m in methods:
             t, med = min(times[m]), float(np.median(times[m]))
             vs_torch = f"{min(times['torch_ref']) / t:8.2f}x" if "torch_ref" in times else "       -"
-            print(f"  {m:<22}{t:8.3f}{med:10.3f}{t / base:8.2f}x{vs_torch}{mem.get(m, float('nan')):13.0f}"
-                  f"{temp.get(m, float('nan')):13.0f}")
+            rss = mem.get(m, float("nan"))
+            print(f"  {m:<22}{t:8.3f}{med:10.3f}{t / base:8.2f}x{vs_torch}{rss:13.0f}"
+                  f"{rss / mem.get('jax_plain', float('nan')):8.2f}x{temp.get(m, float('nan')):13.0f}")
         print(flush=True)
+
+
+def _cross_check(cfg: qwen2.Qwen2Config, batch_np: dict, args: argparse.Namespace, runs: dict) -> str:
+    """Relative L2 differences of the fused sketches and norms from the vmap(grad) ones and from
+    the torch reference's (same init seed, so the same weights)."""
+    graphdef, params, b = jax_setup(cfg, batch_np)
+    out = {}
+    for fused in (True, False):
+        chunk = args.fused_chunks[0] if fused else args.chunks[0]
+        out[fused] = jax_sketch(cfg, graphdef, params, b, chunk, False, args.dim, fused=fused)[2](params, b)
+
+    def rel(a, ref):
+        a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+        return np.linalg.norm(a - ref) / np.linalg.norm(ref)
+
+    msg = (f"; fused vs vmap(grad): sketches rel. diff {rel(out[True].sketches, out[False].sketches):.1e}, "
+           f"norms max rel. diff {np.abs(np.asarray(out[True].norms) / np.asarray(out[False].norms) - 1).max():.1e}")
+    if "torch_ref" in runs:
+        sk_t, norms_t = runs["torch_ref"]()
+        for name, res in (("fused", out[True]), ("vmap(grad)", out[False])):
+            reln = np.abs(np.asarray(res.norms) / norms_t.numpy() - 1).max()
+            msg += f"; {name} vs torch: sketches {rel(res.sketches, sk_t.numpy()):.1e}, norms {reln:.1e}"
+    return msg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,6 +287,9 @@ def gpu_bench(args: argparse.Namespace) -> None:
           f"bf16, batch {args.batch} x {args.seq} tokens, D = {args.dim}, reps {args.reps}", flush=True)
     graphdef, params, batch = jax_setup(cfg, make_batch(cfg, args.batch, args.seq))
     methods = {"plain fwd+bwd": jax_plain(graphdef, params, batch)[1:]}
+    for c in args.fused_chunks:
+        _, lowered, sk = jax_sketch(cfg, graphdef, params, batch, c, False, args.dim, fused=True)
+        methods[f"fused sketch chunk {c}"] = (lowered, (params, batch, sk.tables))
     for c in args.chunks:
         for tab in (False, True):
             _, lowered, sk = jax_sketch(cfg, graphdef, params, batch, c, tab, args.dim)
@@ -295,7 +322,9 @@ def main() -> None:
     ap.add_argument("--configs", default="tiny,small")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=96)
-    ap.add_argument("--chunks", default=None, help="comma-separated chunk sizes (CPU: 16,4; GPU: 4,8)")
+    ap.add_argument("--chunks", default=None, help="vmap(grad) chunk sizes, comma-separated (CPU: 16,4; GPU: 4,8)")
+    ap.add_argument("--fused-chunks", default="16", help="fused-sketcher chunk sizes (16 = the whole batch)")
+    ap.add_argument("--no-tables", action="store_true", help="skip the vmap(grad) method with hash tables")
     ap.add_argument("--dim", type=int, default=65536)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
@@ -307,6 +336,7 @@ def main() -> None:
     ap.add_argument("--_child", nargs=2, metavar=("CONFIG", "METHOD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.chunks = [int(c) for c in (args.chunks or ("4,8" if args.gpu else "16,4")).split(",")]
+    args.fused_chunks = [int(c) for c in args.fused_chunks.split(",") if c]
     if args._child:
         child_memory(*args._child, args.batch, args.seq, args.dim)
     elif args.gpu:

@@ -139,7 +139,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.sketch = ml_collections.ConfigDict()
     c.sketch.dim = 65536  # SPEC §3.1: D = 2**16.
     c.sketch.seed = 0  # SPEC §3.1: grad_sample_seed.
-    c.sketch.chunk_size = 4  # Examples per vmap(grad) chunk (peak memory ~ chunk x params).
+    c.sketch.chunk_size = 4  # Examples per sketcher chunk: one vmap(grad) (peak memory ~ chunk x params) or one fused backward.
+    # Per-example sketches from ONE backward of the batched loss per chunk (sketch/fused.py) in every sketcher (in-run
+    # rollouts, whose backward then also gives the GRPO update; targets, re-sketcher, draws) instead of vmap(grad).
+    c.sketch.fused = False
     c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO (new).
     c.sketch.in_run_tables = False  # In-run sketches read int32 hash tables (4 B/param on device) instead of hashing in the step.
     # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):

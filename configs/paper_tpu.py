@@ -46,7 +46,7 @@ def get_config(seed: int = 0):
     c.grpo.sum_dtype = "bfloat16"
     c.compile.target = "tpu:v5e:2x4"
     c.compile.model = "qwen2p5_1p5b"
-    # The GRPO step FLOP ratio is analytic (stages/compile.configured_flop_ratio): no need to also
-    # compile the step without in-run sketches (a program this config never runs).
-    c.compile.both_sketch_variants = False
+    # The GRPO step's FLOP and bytes ratios are XLA's counts of the step with over without in-run
+    # sketches (stages/compile.loop_counted_cost): both variants are compiled.
+    c.compile.both_sketch_variants = True
     return c

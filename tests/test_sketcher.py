@@ -160,10 +160,12 @@ def test_flat_params_of_nnx_state_drops_value_attribute():
     assert set(flat_params(state)) == {("dense", "kernel"), ("dense", "bias")}
 
 
-@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie):
+@pytest.mark.parametrize("tie,fused", [(True, True), (True, False), pytest.param(False, True, marks=pytest.mark.slow),
+                                      pytest.param(False, False, marks=pytest.mark.slow)])
+def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie, fused):
     """JAX per-example sketches of -(masked mean completion log-prob) of a tiny Qwen2 equal the numpy
-    CountSketch of transformers' per-example gradients in HF ``model.parameters()`` order (SPEC §3.2)."""
+    CountSketch of transformers' per-example gradients in HF ``model.parameters()`` order (SPEC §3.2),
+    on both sketcher paths (the fused one-backward sketcher and vmap(grad))."""
     torch = pytest.importorskip("torch")
     from flax import nnx
     from transformers import AutoModelForCausalLM
@@ -187,7 +189,9 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie):
     batch = {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(am, jnp.int32),
              "loss_mask": jnp.asarray(loss_mask)}
     order = qwen2_param_order(model.config)
-    sk = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=2**14, chunk_size=2, param_order=order)
+    sk = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=2**14, chunk_size=2, param_order=order,
+                            fused=fused)
+    assert sk.fused == fused
     out = sk(params, batch)
 
     tm = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").float().eval()
@@ -231,20 +235,22 @@ def _rollout_batch(b=6, t=12, vocab=80):
             "loss_mask": jnp.asarray((np.arange(t) >= 5)[None].repeat(b, 0), jnp.float32)}
 
 
-@pytest.mark.parametrize("family", ["qwen2", pytest.param("llama", marks=pytest.mark.slow),
-                                    pytest.param("qwen3", marks=pytest.mark.slow)])
-def test_scan_layers_sketches_equal_unrolled(family):
+@pytest.mark.parametrize("family,fused", [("qwen2", False), ("qwen2", True), pytest.param("llama", False, marks=pytest.mark.slow),
+                                          pytest.param("qwen3", False, marks=pytest.mark.slow)])
+def test_scan_layers_sketches_equal_unrolled(family, fused):
     """model.scan_layers: the decoder scans over its layers and the sketcher differentiates with
-    respect to the stacked layers and sketches them in a lax.scan (traced per-layer offsets); the
-    sketches equal the unrolled sketcher's (same hashes, same scatter order; gradients to fp32
-    rounding) and the numpy CountSketch of the per-example gradients."""
+    respect to the stacked layers and sketches them in a lax.scan (traced per-layer offsets; fused:
+    inside the scan's own backward); the sketches equal the unrolled sketcher's (same hashes;
+    gradients to fp32 rounding) and the numpy CountSketch of the per-example gradients."""
     from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order
 
     cfg, gd, params = _tiny_decoder(family, False)
     cfg_s, gd_s, _ = _tiny_decoder(family, True)
     batch = _rollout_batch()
-    ref_sk = PerExampleSketcher(completion_loss(gd), params, dim=DIM, chunk_size=4, param_order=hf_param_order(cfg))
-    sk = PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, chunk_size=4, param_order=hf_param_order(cfg_s))
+    ref_sk = PerExampleSketcher(completion_loss(gd), params, dim=DIM, chunk_size=4, param_order=hf_param_order(cfg),
+                                fused=fused)
+    sk = PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, chunk_size=4, param_order=hf_param_order(cfg_s),
+                            fused=fused)
     assert sk.scan_layers and not ref_sk.scan_layers and sk.layout == ref_sk.layout
     assert "while" in sk.lower(params, batch).as_text()
     ref, out = ref_sk(params, batch), sk(params, batch)
@@ -267,7 +273,8 @@ def test_scan_layers_sketches_equal_unrolled(family):
 def test_scan_layers_sketch_and_sum_and_shard_map():
     """sketch_and_sum with scan_layers: the summed gradient comes back in the parameters' own
     (unstacked) structure and equals the unrolled one; under shard_map over a data mesh of fake CPU
-    devices the sketches equal the one-device ones."""
+    devices the sketches equal the one-device ones. The reference is the unrolled vmap(grad) path,
+    the scanned sketcher the fused one."""
     from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order
 
     devs = np.array(jax.devices())
@@ -276,7 +283,8 @@ def test_scan_layers_sketch_and_sum_and_shard_map():
     cfg, gd, params = _tiny_decoder("qwen2", False, layers=2)
     cfg_s, gd_s, _ = _tiny_decoder("qwen2", True, layers=2)
     batch = _rollout_batch(b=8)
-    ref_sk = PerExampleSketcher(completion_loss(gd), params, dim=DIM, chunk_size=1, param_order=hf_param_order(cfg))
+    ref_sk = PerExampleSketcher(completion_loss(gd), params, dim=DIM, chunk_size=1, param_order=hf_param_order(cfg),
+                                fused=False)
     ref, ref_sum, ref_vals = jax.jit(ref_sk.sketch_and_sum)(params, batch)
     mesh = Mesh(devs[:4].reshape(4, 1), ("data", "model"))
     on_mesh = jax.device_put(params, NamedSharding(mesh, P()))
@@ -293,7 +301,8 @@ def test_scan_layers_sketch_and_sum_and_shard_map():
     text = sk.lower(on_mesh, batch).as_text()
     assert "shard_map" in text or "manual" in text.lower()
     with pytest.raises(ValueError, match="use_tables"):
-        PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, param_order=hf_param_order(cfg_s), use_tables=True)
+        PerExampleSketcher(completion_loss(gd_s), params, dim=DIM, param_order=hf_param_order(cfg_s), use_tables=True,
+                           fused=False)
 
 
 def test_sketch_and_sum_acc_dtype():

@@ -21,6 +21,7 @@ float32 cos/sin, softmax in float32, logits returned in float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, ClassVar, NamedTuple
 
@@ -218,8 +219,42 @@ def check_model_type(d: dict, src: str, model_type: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+def linear_apply(x: jax.Array, weight: jax.Array, bias: jax.Array | None, dtype: Any) -> jax.Array:
+    """``x @ weight.T (+ bias)`` in ``dtype`` (weight [out, in], x [..., in]): :class:`Linear`'s product."""
+    y = jnp.einsum("...i,oi->...o", x.astype(dtype), weight.astype(dtype))
+    if bias is not None:
+        y = y + bias.astype(dtype)
+    return y
+
+
+def scale_apply(weight: jax.Array, h: jax.Array) -> jax.Array:
+    """``weight.astype(h.dtype) * h``: an :class:`RMSNorm`'s scale of its normalised input h [..., d]."""
+    return weight.astype(h.dtype) * h
+
+
+def embed_apply(weight: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:
+    """The embedding rows ``weight[ids]`` [..., d] in ``dtype``."""
+    return weight[ids].astype(dtype)
+
+
+def head_apply(x: jax.Array, weight: jax.Array, dtype: Any) -> jax.Array:
+    """The float32 logits ``x @ weight.T`` [B, T, V] of the final hidden states x [B, T, d] (weight [V, d],
+    the lm_head or the tied embedding), accumulated in float32."""
+    logits = jnp.einsum("btd,vd->btv", x, weight.astype(dtype), preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32)
+
+
+def _sub(taps: Any, *names: str | int) -> Any:
+    """``taps.sub(*names)`` (the taps of a submodule), or None when the forward runs without taps."""
+    return None if taps is None else taps.sub(*names)
+
+
 class Linear(nnx.Module):
-    """``y = x @ weight.T (+ bias)`` with ``weight [out, in]`` (HF / torch layout)."""
+    """``y = x @ weight.T (+ bias)`` with ``weight [out, in]`` (HF / torch layout).
+
+    ``tap`` (see :func:`forward`): ``tap.linear(x, weight, bias, dtype)`` computes the same ``y``
+    and, in the backward pass, also what the tap collects from this use of the weights.
+    """
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, cfg: DecoderConfig, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(0.02)
@@ -227,24 +262,28 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), cfg.jnp_param_dtype)) if bias else None
         self.dtype = cfg.jnp_compute_dtype
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
+    def __call__(self, x: jax.Array, tap: Any = None) -> jax.Array:
+        bias = None if self.bias is None else self.bias[...]
+        if tap is not None:
+            return tap.linear(x, self.weight[...], bias, self.dtype)
+        return linear_apply(x, self.weight[...], bias, self.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """HF Qwen2RMSNorm / LlamaRMSNorm / Qwen3RMSNorm: normalise in float32, cast back, scale by ``weight [d]``."""
+    """HF Qwen2RMSNorm / LlamaRMSNorm / Qwen3RMSNorm: normalise in float32, cast back, scale by ``weight [d]``.
+
+    ``tap``: ``tap.scale(weight, normalised x)`` computes the same product (see :func:`forward`)."""
 
     def __init__(self, d: int, *, cfg: DecoderConfig):
         self.weight = nnx.Param(jnp.ones((d,), cfg.jnp_param_dtype))
         self.eps = cfg.rms_norm_eps
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, tap: Any = None) -> jax.Array:
         h = x.astype(jnp.float32)
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * h.astype(x.dtype)
+        if tap is not None:
+            return tap.scale(self.weight[...], h.astype(x.dtype))
+        return scale_apply(self.weight[...], h.astype(x.dtype))
 
 
 class Embedding(nnx.Module):
@@ -289,14 +328,14 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm
         self.n_heads, self.n_kv, self.head_dim = h, kv, hd
 
-    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
+    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None, taps=None):
         """x [B,T,d]; cos/sin [B,T,hd]; mask bool [B,T,S]; kv_cache (k, v) [B,S_max,n_kv,hd]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.n_kv, self.head_dim)
+        q = self.q_proj(x, _sub(taps, "q_proj")).reshape(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x, _sub(taps, "k_proj")).reshape(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x, _sub(taps, "v_proj")).reshape(b, t, self.n_kv, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, _sub(taps, "q_norm")), self.k_norm(k, _sub(taps, "k_norm"))
         c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
@@ -315,7 +354,7 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         out = jnp.einsum("bkrts,bskd->btkrd", probs, v).reshape(b, t, self.n_heads * self.head_dim)
-        return self.o_proj(out), new_cache
+        return self.o_proj(out, _sub(taps, "o_proj")), new_cache
 
 
 class MLP(nnx.Module):
@@ -325,8 +364,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(d, m, bias=False, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(m, d, bias=False, cfg=cfg, rngs=rngs)
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, taps=None):
+        gate, up = self.gate_proj(x, _sub(taps, "gate_proj")), self.up_proj(x, _sub(taps, "up_proj"))
+        return self.down_proj(jax.nn.silu(gate) * up, _sub(taps, "down_proj"))
 
 
 class DecoderLayer(nnx.Module):
@@ -336,10 +376,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
 
-    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None):
-        a, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_index)
+    def __call__(self, x, cos, sin, mask, kv_cache=None, cache_index=None, taps=None):
+        a, new_cache = self.self_attn(self.input_layernorm(x, _sub(taps, "input_layernorm")), cos, sin, mask,
+                                      kv_cache, cache_index, _sub(taps, "self_attn"))
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), new_cache
+        h = self.post_attention_layernorm(x, _sub(taps, "post_attention_layernorm"))
+        return x + self.mlp(h, _sub(taps, "mlp")), new_cache
 
 
 class DecoderModel(nnx.Module):
@@ -389,7 +431,7 @@ class DecoderForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, attention_mask: jax.Array,
                  cache: KVCache | None = None, cache_index: jax.Array | int | None = None,
-                 stacked_layers: nnx.State | None = None) -> tuple[jax.Array, KVCache | None]:
+                 stacked_layers: nnx.State | None = None, taps: Any = None) -> tuple[jax.Array, KVCache | None]:
         """Runs the decoder.
 
         Args:
@@ -403,6 +445,7 @@ class DecoderForCausalLM(nnx.Module):
             stacked_layers: the layers' parameters stacked (:func:`stack_layers`); with
                 ``config.scan_layers`` the scan runs on them instead of the module's own layer
                 parameters (which must then hold the same values); ignored otherwise.
+            taps: None, or parameter-use taps (see :func:`forward`); not with a cache.
 
         Returns:
             (logits float32 [B, T, V], the updated cache or None).
@@ -410,7 +453,12 @@ class DecoderForCausalLM(nnx.Module):
         cfg = self.config
         dt = cfg.jnp_compute_dtype
         b, t = input_ids.shape
-        x = self.model.embed_tokens.weight[...][input_ids].astype(dt)
+        if taps is not None and cache is not None:
+            raise ValueError("decoder taps (per-example sketches) take no KV cache")
+        if taps is None:
+            x = embed_apply(self.model.embed_tokens.weight[...], input_ids, dt)
+        else:
+            x = taps.sub("model", "embed_tokens").embed(self.model.embed_tokens.weight[...], input_ids, dt)
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_inv_freq())
         valid = attention_mask.astype(bool)
         if cache is None:
@@ -424,50 +472,73 @@ class DecoderForCausalLM(nnx.Module):
             causal = jnp.arange(s_max, dtype=jnp.int32)[None, :] <= q_slot[:, None]
             mask = causal[None] & valid[:, None, :]
         if cfg.scan_layers:
-            x, new_cache = self._scan_layers(x, cos, sin, mask, cache, cache_index, stacked_layers)
+            x, new_cache = self._scan_layers(x, cos, sin, mask, cache, cache_index, stacked_layers, taps)
         else:
             new_k, new_v = [], []
             for i, layer in enumerate(self.model.layers):
                 kv = None if cache is None else (cache.k[i], cache.v[i])
-                if self.remat and cache is None:
+                lt = _sub(taps, *LAYERS_PATH, i)
+                if self.remat and cache is None and taps is not None:
+                    x, c = nnx.remat(functools.partial(_tapped_layer, lt))(layer, x, cos, sin, mask, taps.carry())
+                    taps.set_carry(c)
+                elif self.remat and cache is None:
                     x, _ = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
                 else:
-                    x, nkv = layer(x, cos, sin, mask, kv, cache_index)
+                    x, nkv = layer(x, cos, sin, mask, kv, cache_index, lt)
                     if nkv is not None:
                         new_k.append(nkv[0])
                         new_v.append(nkv[1])
             new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        x = self.model.norm(x)
+        x = self.model.norm(x, _sub(taps, "model", "norm"))
         w = self.model.embed_tokens.weight if cfg.tie_word_embeddings else self.lm_head.weight
-        logits = jnp.einsum("btd,vd->btv", x, w[...].astype(dt), preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), new_cache
+        if taps is not None:
+            head = ("model", "embed_tokens") if cfg.tie_word_embeddings else ("lm_head",)
+            return taps.sub(*head).head(x, w[...], dt), None
+        return head_apply(x, w[...], dt), new_cache
 
-    def _scan_layers(self, x, cos, sin, mask, cache, cache_index, stacked):
+    def _scan_layers(self, x, cos, sin, mask, cache, cache_index, stacked, taps=None):
         """The decoder layers as one ``lax.scan`` over their stacked parameters (``scan_layers``).
 
         The body is ``nnx.merge(layer graphdef, one layer's parameters)`` applied to the carry x;
         with ``remat`` and no cache it is ``jax.checkpoint``-ed saving nothing but its input (what
         ``nnx.remat`` does per layer unrolled). With a cache, the per-layer k/v enter as scan inputs
-        (stacked [L, B, S_max, n_kv, hd]) and leave as scan outputs, unstacked into a KVCache.
+        (stacked [L, B, S_max, n_kv, hd]) and leave as scan outputs, unstacked into a KVCache. With
+        ``taps`` the layer index enters as a scan input too (``taps.sub("model", "layers", i)``
+        with a traced i).
         """
         layer_gd, _ = nnx.split(self.model.layers[0], nnx.Param)
         if stacked is None:
             stacked = jax.tree.map(lambda *a: jnp.stack(a),
                                    *[nnx.state(lyr, nnx.Param) for lyr in self.model.layers])
 
-        def body(h, xs):
-            st, kv = xs
-            h, nkv = nnx.merge(layer_gd, st)(h, cos, sin, mask, kv, cache_index)
-            return h, nkv
+        def body(carry, xs):
+            st, kv, i = xs
+            if i is None:
+                return nnx.merge(layer_gd, st)(carry, cos, sin, mask, kv, cache_index)
+            h, c = carry
+            return _tapped_layer(taps.sub(*LAYERS_PATH, i), nnx.merge(layer_gd, st), h, cos, sin, mask, c), None
 
         if cache is None:
             if self.remat:
                 body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
-            x, _ = jax.lax.scan(body, x, (stacked, None))
+            if taps is None:
+                return jax.lax.scan(body, x, (stacked, None, None))[0], None
+            idx = jnp.arange(len(self.model.layers), dtype=jnp.int32)
+            (x, c), _ = jax.lax.scan(body, (x, taps.carry()), (stacked, None, idx))
+            taps.set_carry(c)
             return x, None
-        x, (ks, vs) = jax.lax.scan(body, x, (stacked, (jnp.stack(cache.k), jnp.stack(cache.v))))
+        x, (ks, vs) = jax.lax.scan(body, x, (stacked, (jnp.stack(cache.k), jnp.stack(cache.v)), None))
         n = len(cache.k)
         return x, KVCache(k=tuple(ks[i] for i in range(n)), v=tuple(vs[i] for i in range(n)))
+
+
+def _tapped_layer(taps: Any, layer: DecoderLayer, x, cos, sin, mask, carry) -> tuple[jax.Array, Any]:
+    """(output, carry) of ``layer`` with ``taps`` whose loop-carried state (``taps.carry()``: the
+    fused sketcher's accumulators) enters as ``carry``: the form ``nnx.remat`` and ``lax.scan``
+    need (what a tapped layer reads and writes goes in and out explicitly)."""
+    taps.set_carry(carry)
+    y, _ = layer(x, cos, sin, mask, None, None, taps)
+    return y, taps.carry()
 
 
 class StackedParams(NamedTuple):
@@ -528,7 +599,7 @@ def unstack_layers(params: StackedParams) -> nnx.State:
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array, positions: jax.Array,
-            attention_mask: jax.Array) -> jax.Array:
+            attention_mask: jax.Array, taps: Any = None) -> jax.Array:
     """Pure forward for ``jax.jit`` / ``jax.grad``: the way other modules call the model.
 
     ``graphdef, params = nnx.split(model, nnx.Param)`` once; pass them here (params may be sharded,
@@ -537,14 +608,25 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array, pos
     then scans over the stacked leaves directly, so a gradient with respect to them comes out
     stacked [L, ...]; same logits either way.
 
+    ``taps`` (default None: the plain forward) routes every use of a parameter through an object
+    that computes the same values and may give the use its own backward pass (the fused
+    per-example sketcher, ``sketch/fused.py``). Its methods: ``sub(*names)``, the taps of a
+    submodule (names are NNX attribute names and layer indices; a scanned layer's index is a
+    traced int32 scalar); ``linear(x, weight, bias, dtype)`` (:class:`Linear`; ``bias`` may be
+    None); ``scale(weight, h)`` (:class:`RMSNorm`: ``weight.astype(h.dtype) * h``);
+    ``embed(weight, ids, dtype)`` (``weight[ids].astype(dtype)``); ``head(x, weight, dtype)`` (the
+    float32 logits ``x @ weight.T``; on the embedding's taps for a tied head); ``carry()`` /
+    ``set_carry(c)``: the state the taps thread from use to use (a pytree of arrays), which the
+    layer loops (``lax.scan``, ``nnx.remat``) pass in and out explicitly.
+
     Returns:
         logits float32 [B, T, V].
     """
     if isinstance(params, StackedParams):
         return _merge_stacked(graphdef, params)(input_ids, positions, attention_mask,
-                                                stacked_layers=params.layers)[0]
+                                                stacked_layers=params.layers, taps=taps)[0]
     model = nnx.merge(graphdef, params)
-    return model(input_ids, positions, attention_mask)[0]
+    return model(input_ids, positions, attention_mask, taps=taps)[0]
 
 
 def forward_with_cache(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array,

@@ -352,7 +352,17 @@ def segment_bucket_sign_at(offset_hi: jax.Array, offset_lo: jax.Array, n: int, d
     """
     if not 0 <= n < 1 << 32:
         raise ValueError(f"segment length out of range: n={n}")
-    local = jax.lax.iota(_U32, n)
+    return index_bucket_sign(offset_hi, offset_lo, jax.lax.iota(_U32, n), dim, seed)
+
+
+def index_bucket_sign(offset_hi: jax.Array, offset_lo: jax.Array, local: jax.Array, dim: int, seed: int = 0
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Hash of the global indices ``offset + local`` (JAX, jittable): ``offset = offset_hi * 2**32 +
+    offset_lo`` given as (possibly traced) uint32 scalars, ``local`` any uint32 array of indices
+    inside the parameter (e.g. ``token_id * d + column`` for embedding rows). The (hi, lo) sum
+    carries across 2**32; bit-exact with :func:`numpy_bucket_sign` for every index < 2**64.
+    Returns (bucket int32, sign float32), shaped like ``local``."""
+    local = jnp.asarray(local).astype(_U32)
     lo = local + jnp.asarray(offset_lo).astype(_U32)
     hi = jnp.asarray(offset_hi).astype(_U32) + (lo < local).astype(_U32)  # carry out of the low word
     return bucket_sign_u32(hi, lo, dim, seed)

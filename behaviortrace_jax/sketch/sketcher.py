@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.sketch.countsketch import (ParamLayout, StackedLayout, check_dim, layout_tables, sketch_batch,
                                                   sketch_batch_stacked, sketch_tree)
+from behaviortrace_jax.sketch import fused as fused_lib
+from behaviortrace_jax.sketch.fused import DecoderLoss
 
 PyTree = Any
 DATA_AXIS = "data"  # the mesh axis of examples (models/sharding.DATA)
@@ -166,10 +168,11 @@ def hf_param_order(config: Any, group_fn: Callable[[str], str] | None = None) ->
 qwen2_param_order = hf_param_order  # the name before model families
 
 
-def completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
+def completion_loss(graphdef: Any) -> DecoderLoss:
     """The rollout-level loss of SPEC §3.2 for :class:`PerExampleSketcher`.
 
-    Returns ``loss(params, example)`` with ``example = {"input_ids": int32[T],
+    Returns a ``fused.DecoderLoss``: ``loss(params, example)`` (batched: ``loss.per_example(params,
+    batch, taps)`` -> [B], so the sketcher takes its fused path) with ``example = {"input_ids": int32[T],
     "attention_mask": int32[T] (1 = real token, left padding allowed), "loss_mask": float32[T]}``
     where ``loss_mask[t] = 1`` marks completion tokens t (predicted from position t - 1) that are not
     EOS; the loss is ``-sum(mask * logp) / sum(mask)`` (masked mean log-prob, no advantage, no 1/B).
@@ -177,14 +180,14 @@ def completion_loss(graphdef: Any) -> Callable[[PyTree, dict], jax.Array]:
     """
     from behaviortrace_jax.models import decoder
 
-    def loss(params: PyTree, ex: dict) -> jax.Array:
-        ids, am = ex["input_ids"][None], ex["attention_mask"][None]
-        logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(am), am)
-        logp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])[0]
-        m = ex["loss_mask"][1:].astype(jnp.float32)
-        return -jnp.sum(logp * m) / jnp.maximum(jnp.sum(m), 1.0)
+    def per_example(params: PyTree, batch: dict, taps: Any = None) -> jax.Array:
+        ids, am = batch["input_ids"], batch["attention_mask"]
+        logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(am), am, taps=taps)
+        logp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
+        m = batch["loss_mask"][:, 1:].astype(jnp.float32)
+        return -jnp.sum(logp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
-    return loss
+    return DecoderLoss(per_example)
 
 
 qwen2_completion_loss = completion_loss  # the name before model families
@@ -259,16 +262,30 @@ def _batch_size(batch: PyTree) -> int:
 class PerExampleSketcher:
     """Per-example CountSketches and exact gradient norms of ``loss`` over a batch (SPEC §3.2).
 
+    Two paths, the same outputs (to float rounding):
+
+    * **fused** (a ``fused.DecoderLoss`` such as :func:`completion_loss`, for a decoder of any
+      registered family in HF order): ONE backward pass of the batched loss per chunk, in which
+      each parameter use forms its per-example gradients from its saved input and incoming
+      cotangent, hashes them into the sketches and drops them (``sketch/fused.py``); no example's
+      whole gradient ever exists, and the same backward gives the (weighted) gradient sum of
+      :meth:`sketch_and_sum`. This is ``vmap(grad)`` fused with the CountSketch one layer at a
+      time inside a single batched backward instead of one backward per example.
+    * **vmap(grad)** (any other ``loss(params, example)``): ``vmap(grad(loss))`` per chunk, each
+      example's whole gradient sketched straight away.
+
     Args:
         loss_fn: pure ``loss(params, example) -> float scalar``; ``example`` is one element of the
-            batch pytree (leading axis removed).
+            batch pytree (leading axis removed). A ``fused.DecoderLoss`` also gives its batched form.
         params: the parameters, or a pytree of ``jax.ShapeDtypeStruct`` with their shapes.
         dim: sketch width D (power of two; SPEC: 65536). seed: hash seed (SPEC: 0).
-        chunk_size: examples per ``vmap(grad)`` chunk; peak memory ~ chunk_size x params.
+        chunk_size: examples per chunk (one fused backward, or one ``vmap(grad)``); peak memory
+            ~ chunk_size x params for ``vmap(grad)``, ~ one batched backward of a chunk when fused.
         param_order: a :class:`ParamOrder`; default :func:`tree_param_order` (flatten order).
         use_tables: precompute device hash tables (4 bytes/parameter, held by the sketcher)
             instead of hashing inside the jitted function (see docs/benchmarks.md). With a mesh
-            they are placed replicated on it (created on the first call).
+            they are placed replicated on it (created on the first call). The fused path hashes on
+            the fly (once per chunk for all its examples) and ignores this.
         mesh: optional ``jax.sharding.Mesh`` with a ``"data"`` axis: run per device under
             ``jax.shard_map`` (used when that axis has > 1 device and divides the batch; else the
             plain jitted loop). A ``"model"`` axis > 1 stays automatic (partially manual shard_map).
@@ -278,10 +295,16 @@ class PerExampleSketcher:
             parameters to ``decoder.forward`` / ``forward_with_cache`` untouched), the per-example
             gradient comes out stacked [L, ...] and its layer leaves are sketched in a ``lax.scan``
             over the layers, hashing on the fly with traced per-layer offsets
-            (``countsketch.sketch_batch_stacked``): same sketches, one compiled layer, no tables.
+            (``countsketch.sketch_batch_stacked``; fused: the scan's own backward, offsets looked up
+            by the traced layer index): same sketches, one compiled layer, no tables.
+        fused: None (default) = the fused path when ``loss_fn`` is a ``fused.DecoderLoss``; True
+            requires it; False forces ``vmap(grad)``.
+        tile_elements: fused path: per-example gradient values held at once per parameter use
+            (the batch's rows of a large weight are formed in tiles of this many values).
     Raises:
-        ValueError: bad dim/chunk_size; ``scan_layers`` with ``use_tables`` or with an order that is
-            not a decoder's; at call time, batch leaves without a common leading axis.
+        ValueError: bad dim/chunk_size; ``scan_layers`` with ``use_tables`` (``vmap(grad)`` path) or
+            with an order that is not a decoder's; ``fused=True`` for a loss that is not a
+            ``fused.DecoderLoss``; at call time, batch leaves without a common leading axis.
 
     ``__call__(params, batch)`` returns :class:`PerExampleSketches`; ``lower(params, batch)`` gives the
     ``jax.stages.Lowered`` of the jitted function (for cost / memory analysis).
@@ -290,14 +313,24 @@ class PerExampleSketcher:
     def __init__(self, loss_fn: Callable[[PyTree, PyTree], jax.Array], params: PyTree, *,
                  dim: int = 65536, seed: int = 0, chunk_size: int = 4,
                  param_order: ParamOrder | None = None, use_tables: bool = False,
-                 mesh: jax.sharding.Mesh | None = None, scan_layers: bool | None = None):
+                 mesh: jax.sharding.Mesh | None = None, scan_layers: bool | None = None,
+                 fused: bool | None = None, tile_elements: int = fused_lib.TILE_ELEMENTS):
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
         self.order = param_order if param_order is not None else tree_param_order(params)
         self.layout = self.order.layout(params)
         self.group_names, self._group_idx = self.order.groups()
-        self.use_tables = bool(use_tables)
+        is_decoder_loss = isinstance(loss_fn, DecoderLoss)
+        if fused and not is_decoder_loss:
+            raise ValueError("PerExampleSketcher(fused=True) needs a fused.DecoderLoss (e.g. completion_loss), "
+                             f"got {type(loss_fn).__name__}")
+        self._plan = None
+        if is_decoder_loss and fused is not False:
+            self._plan = fused_lib.FusedPlan(self.order.paths, self.layout.offsets, self._group_idx,
+                                             len(self.group_names), dim=self.dim, seed=self.seed,
+                                             tile_elements=tile_elements)
+        self.use_tables = bool(use_tables) and self._plan is None
         self.mesh = mesh if mesh is not None and dict(mesh.shape).get(DATA_AXIS, 1) > 1 else None
         scan = self.order.scan_layers if scan_layers is None else bool(scan_layers)
         if scan and self.use_tables:
@@ -306,6 +339,11 @@ class PerExampleSketcher:
         self._scan = _LayerScan(self.order, self.layout) if scan else None
         self._tables = None
         self._jitted = jax.jit(self._run)
+
+    @property
+    def fused(self) -> bool:
+        """Whether this sketcher takes the fused one-backward path (see the class docstring)."""
+        return self._plan is not None
 
     @property
     def tables(self) -> list[jax.Array] | None:
@@ -337,21 +375,19 @@ class PerExampleSketcher:
         return self._run(params, batch, tables)
 
     def sketch_and_sum(self, params: PyTree, batch: PyTree, tables: Any = None, acc_dtype: Any = jnp.float32,
-                       weights: jax.Array | None = None) -> tuple[PerExampleSketches, PyTree, jax.Array]:
-        """Traceable, like :meth:`sketch`, and also returns the SUM of the per-example gradients
-        (in ``acc_dtype``, default float32, the structure of ``params``; padding excluded; summed
-        over devices under a mesh) and the per-example losses float32[B]: the batch gradient of
-        ``sum_i loss_i`` without a second, batched backward. The sum runs in
-        another order than a batched backward's reduction, so it equals that gradient up to float
-        rounding, not bit for bit. ``acc_dtype`` is the accumulator's dtype (each example's
-        contribution is formed in float32, then cast): bfloat16 halves its memory (at 1.54B, 2.9
-        instead of 5.75 GiB) at bf16 rounding per added example.
-
-        ``weights`` (float32 [B], split like the batch) makes the sum ``sum_i w_i * grad loss_i``
-        (the gradient of ``sum_i w_i * loss_i``) while the sketches, norms and returned losses stay
-        those of the unweighted ``loss_i``: e.g. the GRPO step sketches each rollout's
-        advantage-free loss and sums the gradients with its loss coefficients."""
-        return self._run(params, batch, tables, with_sum=True, acc_dtype=acc_dtype, weights=weights)
+                       coefficients: jax.Array | None = None) -> tuple[PerExampleSketches, PyTree, jax.Array]:
+        """Traceable, like :meth:`sketch`, and also returns the weighted SUM of the per-example
+        gradients ``sum_i c_i grad loss_i`` (``coefficients`` c float [B]; None = all ones: the
+        batch gradient of ``sum_i loss_i``) in ``acc_dtype`` (default float32; the structure of
+        ``params``; padding excluded; summed over devices under a mesh) and the per-example losses
+        float32[B]. The sketches and norms stay those of ``grad loss_i`` whatever c is. Fused path:
+        the weight cotangents of the same backward that makes the sketches; ``vmap(grad)`` path:
+        the per-example gradients added up. Either sums in another order than one batched
+        backward's reduction, so it equals that gradient up to float rounding, not bit for bit.
+        ``acc_dtype`` is the dtype of the sum across chunks (each chunk's contribution is formed in
+        float32, then cast): bfloat16 halves its memory (at 1.54B, 2.9 instead of 5.75 GiB) at bf16
+        rounding per added chunk (``vmap(grad)``: per example)."""
+        return self._run(params, batch, tables, with_sum=True, acc_dtype=acc_dtype, coefficients=coefficients)
 
     @property
     def scan_layers(self) -> bool:
@@ -374,12 +410,12 @@ class PerExampleSketcher:
         return sk, sq
 
     def _run(self, params: PyTree, batch: PyTree, tables: Any, with_sum: bool = False,
-             acc_dtype: Any = jnp.float32, weights: jax.Array | None = None) -> Any:
+             acc_dtype: Any = jnp.float32, coefficients: jax.Array | None = None) -> Any:
         if self.use_tables and tables is None:
             raise ValueError("PerExampleSketcher(use_tables=True): pass the hash tables")
         b = _batch_size(batch)
-        if with_sum and weights is not None and tuple(weights.shape) != (b,):
-            raise ValueError(f"sketch_and_sum: weights of shape {tuple(weights.shape)}, expected ({b},)")
+        if coefficients is not None and tuple(jnp.shape(coefficients)) != (b,):
+            raise ValueError(f"sketch_and_sum: coefficients of shape {jnp.shape(coefficients)}, expected ({b},)")
         mesh = self.mesh
         if self._scan is not None:  # stacked once per call, before any shard_map (a 1/n copy under FSDP)
             from behaviortrace_jax.models import decoder
@@ -387,15 +423,15 @@ class PerExampleSketcher:
             params = decoder.stack_layers(params)
         if mesh is not None and b % mesh.shape[DATA_AXIS] == 0:
             rep, data = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(DATA_AXIS)
-            local = jax.shard_map(lambda p, x, t, w: self._local(p, x, t, with_sum, DATA_AXIS, acc_dtype, w),
-                                  mesh=mesh, in_specs=(rep, data, rep, data if weights is not None else rep),
+            local = jax.shard_map(lambda p, x, t, c: self._local(p, x, t, with_sum, DATA_AXIS, acc_dtype, c),
+                                  mesh=mesh, in_specs=(rep, data, rep, data),
                                   out_specs=(data, rep, data) if with_sum else data,
                                   axis_names={DATA_AXIS}, check_vma=False)
-            return local(params, batch, tables, weights)
-        return self._local(params, batch, tables, with_sum, None, acc_dtype, weights)
+            return local(params, batch, tables, coefficients)
+        return self._local(params, batch, tables, with_sum, None, acc_dtype, coefficients)
 
     def _local(self, params: PyTree, batch: PyTree, tables: Any, with_sum: bool = False,
-               axis: str | None = None, acc_dtype: Any = jnp.float32, weights: jax.Array | None = None) -> Any:
+               axis: str | None = None, acc_dtype: Any = jnp.float32, coefficients: jax.Array | None = None) -> Any:
         b = _batch_size(batch)
         c = min(self.chunk_size, b)
         n = -(-b // c)
@@ -403,14 +439,33 @@ class PerExampleSketcher:
             take = jnp.minimum(jnp.arange(n * c), b - 1)
             batch = jax.tree.map(lambda x: x[take], batch)
         chunks = jax.tree.map(lambda x: x.reshape((n, c) + x.shape[1:]), batch)
+        valid = (jnp.arange(n * c) < b).astype(jnp.float32)
+        if coefficients is not None:
+            valid = valid * jnp.pad(jnp.asarray(coefficients, jnp.float32), (0, n * c - b))
+        weights = valid.reshape(n, c)
+        if self._plan is not None:
+            sk, norms, groups, gsum, vals = self._fused_chunks(params, chunks, weights, with_sum, acc_dtype, n)
+        else:
+            sk, norms, groups, gsum, vals = self._vmap_chunks(params, chunks, weights, tables, with_sum, acc_dtype)
+        out = PerExampleSketches(sk.reshape(n * c, self.dim)[:b], norms.reshape(n * c)[:b],
+                                 groups.reshape(n * c, -1)[:b])
+        if not with_sum:
+            return out
+        if axis is not None:
+            gsum = jax.lax.psum(gsum, axis)
+        if self._scan is not None:  # back to the parameters' own structure
+            from behaviortrace_jax.models import decoder
+
+            gsum = decoder.unstack_layers(gsum)
+        return out, gsum, vals.reshape(n * c)[:b].astype(jnp.float32)
+
+    def _vmap_chunks(self, params: PyTree, chunks: PyTree, weights: jax.Array, tables: Any, with_sum: bool,
+                     acc_dtype: Any) -> tuple:
+        """``vmap(grad)`` per chunk: (sketches, norms, group norms, the weighted sum or None, losses or None)."""
+        gsum = vals = None
         if not with_sum:
             sk, sq = jax.lax.map(lambda ex: self._chunk(params, tables, ex), chunks)
         else:
-            valid = (jnp.arange(n * c) < b).astype(jnp.float32)
-            if weights is not None:  # each example's gradient enters the sum times its weight
-                valid = valid * jnp.pad(weights.astype(jnp.float32), (0, n * c - b))
-            valid = valid.reshape(n, c)
-
             def body(acc, xs):
                 ex, v = xs
                 vals, grads = jax.vmap(jax.value_and_grad(self.loss_fn), in_axes=(None, 0))(params, ex)
@@ -420,20 +475,32 @@ class PerExampleSketcher:
                 return acc, (sk, sq, vals)
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), params)
-            gsum, (sk, sq, vals) = jax.lax.scan(body, zeros, (chunks, valid))
-            if axis is not None:
-                gsum = jax.lax.psum(gsum, axis)
-            if self._scan is not None:  # back to the parameters' own structure
-                from behaviortrace_jax.models import decoder
-
-                gsum = decoder.unstack_layers(gsum)
-        sk, sq = sk.reshape(n * c, self.dim)[:b], sq.reshape(n * c, -1)[:b]
+            gsum, (sk, sq, vals) = jax.lax.scan(body, zeros, (chunks, weights))
+        sq = sq.reshape(-1, sq.shape[-1])
         groups = jnp.stack([sum(sq[:, k] for k, g in enumerate(self._group_idx) if g == j)
                             for j in range(len(self.group_names))], axis=1)
-        out = PerExampleSketches(sk, jnp.sqrt(jnp.sum(sq, axis=1)), jnp.sqrt(groups))
-        if with_sum:
-            return out, gsum, vals.reshape(n * c)[:b].astype(jnp.float32)
-        return out
+        return sk, jnp.sqrt(jnp.sum(sq, axis=1)), jnp.sqrt(groups), gsum, vals
+
+    def _fused_chunks(self, params: PyTree, chunks: PyTree, weights: jax.Array, with_sum: bool, acc_dtype: Any,
+                      n: int) -> tuple:
+        """One fused backward per chunk (``fused.fused_grads``): (sketches, norms, group norms, the
+        weighted sum or None, losses)."""
+        run = lambda ex, w: fused_lib.fused_grads(self._plan, self.loss_fn, params, ex, w if with_sum else None)  # noqa: E731
+        cast = lambda g: jax.tree.map(lambda x: x.astype(acc_dtype), g)  # noqa: E731
+        if n == 1:  # the whole batch in one backward: no loop
+            vals, grads, sk, sq = run(jax.tree.map(lambda x: x[0], chunks), weights[0])
+            gsum, sk, sq, vals = (cast(grads) if with_sum else None), sk[None], sq[None], vals[None]
+        elif not with_sum:
+            vals, _, sk, sq = jax.lax.map(lambda xs: run(*xs), (chunks, weights))
+            gsum = None
+        else:
+            def body(acc, xs):
+                vals, grads, sk, sq = run(*xs)
+                return jax.tree.map(lambda a, g: (a + g.astype(jnp.float32)).astype(a.dtype), acc, grads), (sk, sq, vals)
+
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, acc_dtype), params)
+            gsum, (sk, sq, vals) = jax.lax.scan(body, zeros, (chunks, weights))
+        return sk, jnp.sqrt(jnp.sum(sq, axis=-1)), jnp.sqrt(sq), gsum, vals
 
 
 def sketch_vector(grads: PyTree | Sequence[jax.Array], order: ParamOrder | ParamLayout, dim: int = 65536,

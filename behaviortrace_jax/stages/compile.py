@@ -16,10 +16,11 @@ target's devices, then compiled. ``config.compile.target``:
 * ``local``: the attached devices (a GPU, a TPU VM).
 
 Per program: compile seconds, host peak RSS, per-chip bytes of ``compiled.memory_analysis()``
-(arguments, outputs, temps, aliased, generated code) against the chip's memory, FLOPs and bytes of
-``compiled.cost_analysis()`` and a roofline ``max(FLOPs / peak, bytes / bandwidth)`` from
-:data:`CHIPS`. XLA's cost analysis counts a loop body (``lax.map``, ``while_loop``) once, so
-``analytic_flops`` counts the model's matmul FLOPs times every trip (see :func:`model_flops`).
+(arguments, outputs, temps, aliased, generated code) against the chip's memory, XLA's FLOPs and
+bytes accessed per chip with every loop trip counted (:func:`loop_counted_cost`: XLA's own cost
+analysis counts a ``while`` body - ``lax.scan``, ``lax.map``, the decode loop - once) and a roofline
+``max(FLOPs / peak, bytes / bandwidth)`` from :data:`CHIPS` on those counts. The GRPO step's FLOP and
+bytes ratios (with over without in-run rollout sketches) are of the same counts.
 Writes ``W/compile_report.{json,md}``; raises :class:`DoesNotFit` naming each program over budget.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import resource
 import time
 from typing import Any, Callable
@@ -198,48 +200,178 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     return cfg.replace(num_hidden_layers=c.num_layers) if c.num_layers > 0 else cfg
 
 
-def model_flops(cfg: decoder.DecoderConfig, rows: int, length: int, *, backward: bool = False,
-                context: int | None = None) -> float:
-    """Analytic matmul FLOPs of a forward (x3 with ``backward``) over ``rows x length`` tokens:
-    2 x (linear weights + LM head) per token, plus attention 4 x heads x head_dim x context per token
-    (``context`` = attended positions; default ``length``, causal halved). Elementwise work ignored."""
-    d, h, kv, hd, f = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
-    per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
-    tokens = rows * length
-    ctx = context if context is not None else length / 2
-    fwd = 2 * tokens * (cfg.num_hidden_layers * per_layer + d * cfg.vocab_size)
-    fwd += 4 * tokens * cfg.num_hidden_layers * h * hd * ctx
-    return fwd * (3 if backward else 1)
+# ------------------------------------------------------------------------------------------------
+# XLA's own cost analysis with every loop trip counted
+# ------------------------------------------------------------------------------------------------
+
+COST_KEYS = (("flops", "flops"), ("bytes accessed", "bytes_accessed"), ("transcendentals", "transcendentals"))
+_COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+) \(")
+_CALLEE = re.compile(r"\b(?:condition|body|calls|to_apply)=%([^\s,)}]+)")
+_CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_WHILE = re.compile(r"\swhile\(.*\bcondition=%([^\s,]+), body=%([^\s,]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEF = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = ")
+_CONST = re.compile(r"\bconstant\((-?\d+)\)")
 
 
-# Elementwise FLOPs per gradient coordinate per rollout of an in-run sketch: the float32 cast times
-# the sign and the scatter-add (2), the square and sum of the exact norm (2); the one-backward
-# accumulator adds 2 (multiply by the validity weight, add). Hashing (integer ops or a table gather)
-# is not counted as FLOPs.
-SKETCH_FLOPS_PER_COORD = 4
-SUM_FLOPS_PER_COORD = 2
+def _inferred_trips(line: str, comps: dict[str, list[str]], caller: str) -> int | None:
+    """The trip count of a ``while`` instruction ``line`` (in computation ``caller``) that XLA did
+    not annotate (XLA:TPU's optimised HLO has no ``known_trip_count``), from the loop's own form:
+    its condition is ``counter < N`` with ``counter`` a tuple element and N a constant, the
+    counter's initial value (the while operand's element) a constant c (through copies; 0 when it
+    cannot be resolved - JAX's scans and fori_loops count from 0) and its step 1 (JAX's): N - c.
+    None when the condition has another form."""
+    cond = _WHILE.search(line).group(1)
+    defs = {m.group(1): ln for ln in comps.get(cond, ()) if (m := _DEF.match(ln))}
+    root = next((ln for ln in comps.get(cond, ()) if ln.lstrip().startswith("ROOT ")), "")
+    m = re.search(r"compare\(%([^\s,]+), %([^\s,)]+)\), direction=(LT|GT)", root)
+    f = re.search(r"fusion\(%([^\s,]+), %([^\s,)]+)\),.*\bcalls=%([^\s,]+)", root)
+    if not m and f:  # the compare wrapped in a fusion of (counter, bound): map its parameters back
+        inner = comps.get(f.group(3), ())
+        params = {m2.group(1): int(m2.group(2)) for ln in inner
+                  if (m2 := re.match(r"^\s*%([^\s=]+) = .*\sparameter\((\d+)\)", ln))}
+        root_f = next((ln for ln in inner if ln.lstrip().startswith("ROOT ")), "")
+        c = re.search(r"compare\(%([^\s,]+), %([^\s,)]+)\), direction=(LT|GT)", root_f)
+        if c and c.group(1) in params and c.group(2) in params:
+            ops = (f.group(1), f.group(2))
+            m = (ops[params[c.group(1)]], ops[params[c.group(2)]], c.group(3))
+    if not m:
+        return None
+    a, b, direction = m if isinstance(m, tuple) else m.groups()
+    counter, bound = (a, b) if direction == "LT" else (b, a)
+    c_bound, c_counter = _CONST.search(defs.get(bound, "")), re.search(r"get-tuple-element\(.*index=(\d+)", defs.get(counter, ""))
+    if not c_bound or not c_counter:
+        return None
+    index = int(c_counter.group(1))
+    caller_defs = {m.group(1): ln for ln in comps.get(caller, ()) if (m := _DEF.match(ln))}
+    operand = re.search(r"\swhile\(%([^\s,)]+)\)", line)
+    init = 0
+    tup = caller_defs.get(operand.group(1), "") if operand else ""
+    args = re.search(r"\stuple\((.*?)\)(?:,|$)", tup)
+    if args:
+        name = [x.strip().lstrip("%") for x in args.group(1).split(",")][index] if index < len(args.group(1).split(",")) else ""
+        for _ in range(8):  # through copies / bitcasts to a constant
+            d = caller_defs.get(name, "")
+            if (k := _CONST.search(d)) and " constant(" in d:
+                init = int(k.group(1))
+                break
+            nxt = re.search(r"\s(?:copy|copy-done|bitcast|copy-start)\(%([^\s,)]+)", d)
+            if not nxt:
+                break
+            name = nxt.group(1)
+    return max(int(c_bound.group(1)) - init, 0)
 
 
-def grpo_step_flops(cfg: decoder.DecoderConfig, n_params: int, rollouts: int, tokens: int,
-                    spec: grpo.GRPOStepSpec) -> float:
-    """Analytic FLOPs of one GRPO step of ``spec`` (whole program, all chips, every loop trip; SPEC
-    §2.2 step 4).
+def _hlo_computations(text: str) -> tuple[dict[str, list[str]], str, list[str]]:
+    """({computation name: its instruction lines}, entry name, the module text's lines) of an HLO
+    module printed by ``HloModule.to_string()``."""
+    lines = text.splitlines()
+    comps: dict[str, list[str]] = {}
+    entry, current = "", None
+    for line in lines:
+        m = _COMPUTATION.match(line)
+        if m and line.rstrip().endswith("{"):
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif current is not None and line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry, lines
 
-    A forward for the old log-probs when the loss ``needs_old_logprobs`` and one for the reference
-    when it ``needs_reference``, a batched forward/backward per inner iteration; with in-run rollout
-    sketches a per-rollout forward/backward (the same matmuls, batch 1) plus
-    :data:`SKETCH_FLOPS_PER_COORD` per gradient coordinate per rollout; ``one_backward`` drops the
-    batched backward (the summed per-rollout gradients are the update) and adds
-    :data:`SUM_FLOPS_PER_COORD` per coordinate.
+
+def _with_entry(lines: list[str], name: str) -> str:
+    """The module text with computation ``name`` as its entry (the header's entry layout dropped)."""
+    out = []
+    for i, line in enumerate(lines):
+        if i == 0 and line.startswith("HloModule"):
+            line = line.split(",")[0]
+        m = _COMPUTATION.match(line)
+        if m and line.rstrip().endswith("{"):
+            line = ("ENTRY " if m.group(2) == name else "") + line[len(m.group(1) or ""):]
+        out.append(line)
+    return "\n".join(out)
+
+
+def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[str, Any] | None:
+    """XLA's cost analysis of a compiled program (per chip, from its optimised HLO) with every loop
+    trip counted: XLA's ``cost_analysis`` counts a ``while`` body once; here each while loop whose
+    trip count XLA annotated (``known_trip_count``: ``lax.scan``, ``lax.map``, ``fori_loop``) adds
+    ``trips x (its body's count, nested loops counted the same way) - its body's one-trip count``
+    (XLA:TPU does not annotate trip counts: there they come from the loop's condition,
+    :func:`_inferred_trips`),
+    and its condition ``trips + 1`` times. A body's one-trip count is XLA's own cost analysis of the
+    module re-entered at that body (``hlo_module_cost_analysis`` with the program's client, or the
+    host CPU client's for a compile-only TPU executable: same cost model, same HLO). A loop
+    without a known trip count (a ``while_loop`` that may stop early, e.g. the sampler's decode loop)
+    is counted ``unknown_trips`` times when given (the caller's upper bound), else once.
+
+    Returns ``{"flops", "bytes_accessed", "transcendentals"}`` (every trip), the same keys with
+    ``_one_trip`` (XLA's own figure), ``loops`` (trip count of every loop, nested ones as often as
+    they appear; None where unknown and counted once, ``-n`` where unknown and counted n =
+    ``unknown_trips`` times), or None where the executable gives no HLO
+    module or client (then the caller keeps XLA's one-trip figures).
     """
-    loss = spec.loss_spec
-    fl = model_flops(cfg, rollouts, tokens) * (int(loss.needs_old_logprobs) + int(loss.needs_reference))
-    if not spec.one_backward:
-        fl += model_flops(cfg, rollouts, tokens, backward=True) * spec.inner_iterations
-    if spec.in_run_rollouts:
-        fl += model_flops(cfg, rollouts, tokens, backward=True)
-        fl += float(n_params) * rollouts * (SKETCH_FLOPS_PER_COORD + (SUM_FLOPS_PER_COORD if spec.one_backward else 0))
-    return fl
+    from jax._src.lib import _jax
+    import jaxlib._hlo as hlo
+
+    try:
+        ex = compiled.runtime_executable()
+        text = ex.hlo_modules()[0].to_string()
+    except Exception as e:  # noqa: BLE001 - a backend whose executables expose no HLO module
+        logging.warning("compile: no HLO module to count loop trips in (%s: %s)", type(e).__name__, e)
+        return None
+    # A compile-only TPU client has no cost analysis of its own; XLA's HloCostAnalysis of the host
+    # CPU client, run on the TPU-optimised module, gives the same FLOPs and bytes to < 1 %
+    # (docs/benchmarks.md), so it counts the per-body figures there.
+    client = getattr(ex, "client", None) or jax.devices("cpu")[0].client
+    comps, entry, lines = _hlo_computations(text)
+    cache: dict[str, np.ndarray] = {}
+
+    def once(name: str) -> np.ndarray:
+        if name not in cache:
+            mod = hlo.hlo_module_from_text(_with_entry(lines, name))
+            ca = _jax.hlo_module_cost_analysis(client, mod)
+            cache[name] = np.array([float(ca.get(k, 0.0)) for k, _ in COST_KEYS])
+        return cache[name]
+
+    memo: dict[str, tuple[np.ndarray, list]] = {}
+
+    def extra(name: str) -> tuple[np.ndarray, list]:
+        """(what counting every trip adds to ``once`` for the loops reachable from ``name``, their trips)."""
+        if name in memo:
+            return memo[name]
+        add, loops = np.zeros(len(COST_KEYS)), []
+        for line in comps.get(name, ()):
+            w = _WHILE.search(line)
+            if w:
+                cond, body = w.groups()
+                t = _TRIPS.search(line)
+                known = int(t.group(1)) if t else _inferred_trips(line, comps, name)
+                trips = known if known is not None else unknown_trips
+                inner, inner_loops = extra(body)
+                loops += [known if known is not None else (None if trips is None else -trips)] + inner_loops * (trips or 1)
+                if trips is not None:
+                    add += trips * (once(body) + inner) - once(body) + trips * once(cond)
+                else:
+                    add += inner
+                continue
+            callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for g in _CALLEES.findall(line)
+                                               for c in g.split(",") if c.strip()]
+            for c in callees:
+                a, lp = extra(c)
+                add, loops = add + a, loops + lp
+        memo[name] = (add, loops)
+        return memo[name]
+
+    total_once = once(entry)
+    added, loops = extra(entry)
+    total = total_once + added
+    out: dict[str, Any] = {key: float(v) for (_, key), v in zip(COST_KEYS, total)}
+    out.update({f"{key}_one_trip": float(v) for (_, key), v in zip(COST_KEYS, total_once)})
+    out["loops"] = loops
+    return out
 
 
 def _sds(shape, dtype, sh) -> jax.ShapeDtypeStruct:
@@ -275,13 +407,14 @@ def _memory(compiled) -> dict[str, int]:
 
 @dataclasses.dataclass
 class Program:
-    """One jitted program: ``lower()`` returns its ``jax.stages.Lowered``; ``analytic_flops`` (whole
-    program, all chips, every loop trip) and ``loop_trips`` document how XLA's count relates."""
+    """One jitted program: ``lower()`` returns its ``jax.stages.Lowered``; ``note`` says its shapes;
+    ``max_trips``: the trip count to count for a loop whose trip count XLA does not know (an upper
+    bound, e.g. the decode loop's max_new_tokens - 1 steps; see :func:`loop_counted_cost`)."""
 
     name: str
     lower: Callable[[], Any]
-    analytic_flops: float
     note: str = ""
+    max_trips: int | None = None
 
 
 def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
@@ -309,8 +442,7 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
     ids = _sds((rows, p), jnp.int32, data)
     live = _sds((rows,), jnp.bool_, data)
     prefill_args = (params, ids, ids, live, key, f32, f32, f32)
-    progs.append(Program("sampler_prefill", lambda: smp._prefill.lower(*prefill_args),
-                         model_flops(cfg, rows, p), f"{rows} rows x {p} prompt tokens"))
+    progs.append(Program("sampler_prefill", lambda: smp._prefill.lower(*prefill_args), f"{rows} rows x {p} prompt tokens"))
 
     def lower_decode():
         out = smp._prefill.lower(*prefill_args).out_info
@@ -318,9 +450,8 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
         st = jax.tree.map(lambda o: _sds(o.shape, o.dtype, data if o.shape and o.shape[0] == rows else rep), out)
         return smp._decode.lower(params, st, key, f32, f32, f32)
 
-    progs.append(Program("sampler_decode", lower_decode,
-                         model_flops(cfg, rows, g.max_new_tokens - 1, context=p + g.max_new_tokens / 2),
-                         f"while_loop of {g.max_new_tokens - 1} trips: XLA counts one"))
+    progs.append(Program("sampler_decode", lower_decode, f"while_loop of at most {g.max_new_tokens - 1} trips "
+                         "(counted as that many)", max_trips=g.max_new_tokens - 1))
 
     # --- SFT step (batch sft.batch_size x (prompt + completion) tokens, no shared prefix at batch 1)
     s = config.sft
@@ -334,8 +465,7 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
                  "mask": _sds((s.batch_size, sft_len), jnp.int32, bsh),
                  "targets": _sds((s.batch_size, sft_len), jnp.float32, bsh)}
     prefix = _sds((0,), jnp.int32, rep)
-    progs.append(Program("sft_step", lambda: sft_step.lower(state, prefix, sft_batch),
-                         model_flops(cfg, s.batch_size, sft_len, backward=True), f"batch {s.batch_size} x {sft_len}"))
+    progs.append(Program("sft_step", lambda: sft_step.lower(state, prefix, sft_batch), f"batch {s.batch_size} x {sft_len}"))
 
     # --- GRPO step: every requested loss, in-run rollout sketches as configured (and off, for the ratio)
     shapes = grpo.GRPOStepSpec.from_config(config).shapes
@@ -344,7 +474,6 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
               "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, data),
               "advantages": _sds((n,), jnp.float32, data)}
     order = sketcher.hf_param_order(cfg)
-    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(abs_params))
     losses = sorted(grpo_loss.LOSSES) if config.compile.losses == "all" else [
         x.strip() for x in (config.compile.losses or g.loss).split(",") if x.strip()]
     variants = [sk.in_run_rollouts] + ([not sk.in_run_rollouts] if config.compile.both_sketch_variants else [])
@@ -354,22 +483,17 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
             fn = grpo.make_train_step(graphdef, abs_params, tx, spec, order=order, mesh=mesh, param_shardings=param_sh,
                                       opt_shardings=state_sh.opt_state)
             ref = params if spec.loss_spec.needs_reference else None
-            fl = grpo_step_flops(cfg, n_params, n, t, spec)
             name = f"grpo_step[{loss},in_run={'on' if in_run else 'off'}]"
-            note_one = "; one backward (summed per-rollout gradients)" if spec.one_backward else ""
-            progs.append(Program(name, (lambda fn=fn, ref=ref: fn.lower(params, state.opt_state, gbatch, ref)), fl,
-                                 f"{n} rollouts x {t} tokens" + (f"; per-rollout sketches in lax.map of "
-                                                                 f"{-(-n // sk.chunk_size)} trips" if in_run else "")
-                                 + note_one))
+            progs.append(Program(name, (lambda fn=fn, ref=ref: fn.lower(params, state.opt_state, gbatch, ref)),
+                                 f"{n} rollouts x {t} tokens" + (f"; {step_path(spec)}" if in_run else "")))
 
     # --- metagradient: the vjp of one weighted GRPO step (train/metagradient.py; the reverse sweep's program)
-    progs.append(metagradient_program(config, graphdef, params, param_sh, state, state_sh, gbatch, mesh,
-                                      model_flops(cfg, n, t, backward=True)))
+    progs.append(metagradient_program(config, graphdef, params, param_sh, state, state_sh, gbatch, mesh))
 
     # --- checkpoint target sketcher, rollout re-sketcher, draws sketcher (targets.ForcedSketcher)
     fs = targets.ForcedSketcher(graphdef, cfg, abs_params, dim=sk.dim, seed=sk.seed, chunk_size=sk.chunk_size,
                                 block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0,
-                                use_tables=tg.use_tables, mesh=mesh)
+                                use_tables=tg.use_tables, mesh=mesh, fused=bool(sk.get("fused", False)))
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
     ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
     lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
@@ -381,24 +505,23 @@ def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig
         fb = {"input_ids": _sds((b, length), jnp.int32, fsh), "attention_mask": _sds((b, length), jnp.int32, fsh),
               "loss_mask": _sds((b, length), jnp.float32, fsh)}
         progs.append(Program(name, (lambda fb=fb: fs.sketcher.lower(params, fb)),
-                             model_flops(cfg, b, length, backward=True),
-                             f"{b} sequences x {length}; lax.map of {b // fs.chunk_size} trips"))
+                             f"{b} sequences x {length}; {'fused' if fs.sketcher.fused else 'vmap(grad)'} sketcher, "
+                             f"{b // fs.chunk_size} chunks"))
     fb_len = lengths["target_sketcher"]
     lp_args = (params, _sds((b, fb_len), jnp.int32, fsh), _sds((b, fb_len), jnp.int32, fsh),
                _sds((b, fb_len), jnp.float32, fsh))
-    progs.append(Program("target_mean_logprob", lambda: fs._mean_lp.lower(*lp_args), model_flops(cfg, b, fb_len),
+    progs.append(Program("target_mean_logprob", lambda: fs._mean_lp.lower(*lp_args),
                          f"lax.map of {b // fs.chunk_size} trips"))
     only = [x.strip() for x in config.compile.programs.split(",") if x.strip()]
     return [pr for pr in progs if not only or any(pr.name.startswith(o) for o in only)]
 
 
 def metagradient_program(config: ml_collections.ConfigDict, graphdef, params, param_sh, state, state_sh,
-                         gbatch: dict, mesh, step_flops: float) -> Program:
+                         gbatch: dict, mesh) -> Program:
     """``metagradient_step_vjp``: the backward of :class:`train.metagradient.MetaStep` for the configured
     loss and ``metagradient.advantages``' first mode (the vjp of one weighted GRPO step in params, Adam
-    moments and weights), as the ``metagradient`` stage runs it once per replayed step. Analytic FLOPs:
-    4 forward+backward passes (the step's gradient to linearise, its transpose ~ twice that, the
-    optimizer's elementwise work ignored); XLA's count covers the whole program (no loops)."""
+    moments and weights), as the ``metagradient`` stage runs it once per replayed step; XLA's count
+    covers the whole program."""
     from behaviortrace_jax.train import metagradient as mg_lib
 
     spec = grpo.GRPOStepSpec.from_config(config)
@@ -414,28 +537,22 @@ def metagradient_program(config: ml_collections.ConfigDict, graphdef, params, pa
     floats = mg_lib.opt_float_leaves(state.opt_state)
     return Program("metagradient_step_vjp", lambda: meta.backward.lower(params, state.opt_state, batch, weights, ref,
                                                                         params, floats),
-                   4 * step_flops, f"{spec.shapes.num_rollouts} rollouts; advantages {mode}; held per step: params + "
+                   f"{spec.shapes.num_rollouts} rollouts; advantages {mode}; held per step: params + "
                    "Adam moments (the state) and their cotangents")
 
 
-def configured_flop_ratio(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig) -> dict[str, Any]:
-    """The GRPO step's analytic FLOP ratio for the configured path (issue 12 item 4; target <= 1.15):
-    :func:`grpo_step_flops` of the step as ``config`` runs it (``grpo.loss``, ``sketch.in_run_rollouts``,
-    ``grpo.one_backward``) over the same step without in-run rollout sketches. No compile needed."""
-    g = config.grpo
-    n, t = g.prompts_per_step * g.group_size, g.max_prompt_tokens + g.max_new_tokens
-    n_params = decoder.count_params(cfg)
-    spec = grpo.GRPOStepSpec.from_config(config)
-    off_spec = grpo.GRPOStepSpec.from_config(config, in_run_rollouts=False)
-    on = grpo_step_flops(cfg, n_params, n, t, spec)
-    off = grpo_step_flops(cfg, n_params, n, t, off_spec)
-    path = (f"{g.loss}, in-run rollout sketches {'on' if spec.in_run_rollouts else 'off'}"
-            + (", one backward (summed per-rollout gradients)" if spec.one_backward else
-               (", batched backward + per-rollout backward" if spec.in_run_rollouts else "")))
-    return {"ratio": on / off, "path": path, "flops": on, "flops_without_in_run": off}
+def step_path(spec: grpo.GRPOStepSpec) -> str:
+    """How the GRPO step of ``spec`` gets its update and in-run sketches, in words (the report's)."""
+    if not spec.in_run_rollouts:
+        return f"{spec.loss}, in-run rollout sketches off"
+    how = ("fused sketcher: one backward for the update and the sketches" if spec.fused and spec.update_from_sketcher
+           else "fused sketcher for the sketches + batched backward" if spec.fused
+           else "one backward (summed per-rollout gradients)" if spec.update_from_sketcher
+           else "batched backward + per-rollout vmap(grad)")
+    return f"{spec.loss}, in-run rollout sketches on, {how}, chunk {spec.chunk_size}"
 
 
-def compile_program(pr: Program, chip: Chip | None, memory: float | None, n_chips: int) -> dict[str, Any]:
+def compile_program(pr: Program, chip: Chip | None, memory: float | None) -> dict[str, Any]:
     """Lowers and compiles one program; its report row."""
     t0 = time.perf_counter()
     lowered = pr.lower()
@@ -450,19 +567,22 @@ def compile_program(pr: Program, chip: Chip | None, memory: float | None, n_chip
         return {"name": pr.name, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
                 "host_peak_rss_bytes": _rss_bytes(), "argument_bytes": None, "output_bytes": None,
                 "temp_bytes": need[0], "alias_bytes": None, "generated_code_bytes": None, "total_bytes": need[0],
-                "flops": 0.0, "bytes_accessed": 0.0, "analytic_flops_per_chip": pr.analytic_flops / n_chips,
-                "note": f"{pr.note}; XLA: {need[2]}", "roofline_s": None, "memory_bytes": need[1] or memory,
-                "fits": False}
+                "flops": 0.0, "bytes_accessed": 0.0, "flops_one_trip": 0.0, "bytes_accessed_one_trip": 0.0,
+                "loops": None, "note": f"{pr.note}; XLA: {need[2]}", "roofline_s": None,
+                "memory_bytes": need[1] or memory, "fits": False}
     t2 = time.perf_counter()
-    mem, cost = _memory(compiled), _cost(compiled)
+    mem, once = _memory(compiled), _cost(compiled)
+    counted = loop_counted_cost(compiled, pr.max_trips)
+    cost = {"flops": once["flops"], "bytes_accessed": once["bytes_accessed"], "flops_one_trip": once["flops"],
+            "bytes_accessed_one_trip": once["bytes_accessed"], "loops": None}
+    if counted is not None:
+        cost.update({k: counted[k] for k in ("flops", "bytes_accessed", "loops")})
     row: dict[str, Any] = {"name": pr.name, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
                            "host_peak_rss_bytes": _rss_bytes(), **{f"{k}_bytes": v for k, v in mem.items()},
-                           "flops": cost["flops"], "bytes_accessed": cost["bytes_accessed"],
-                           "analytic_flops_per_chip": pr.analytic_flops / n_chips, "note": pr.note}
+                           **cost, "note": pr.note}
     if chip is not None:
-        flops = max(cost["flops"], row["analytic_flops_per_chip"])
-        row["roofline_s"] = max(flops / chip.peak_flops, cost["bytes_accessed"] / chip.hbm_bw)
-        row["roofline_compute_s"] = flops / chip.peak_flops
+        row["roofline_s"] = max(cost["flops"] / chip.peak_flops, cost["bytes_accessed"] / chip.hbm_bw)
+        row["roofline_compute_s"] = cost["flops"] / chip.peak_flops
     else:
         row["roofline_s"] = None
     row["memory_bytes"] = memory
@@ -493,28 +613,32 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"mesh {report['mesh']})\n\nModel: {report['model']}. Host peak RSS {report['host_peak_rss_bytes'] / 1e9:.2f} GB; "
             f"stage {report['stage_s']:.1f} s.\n\n"
             "| program | compile s | args GiB | out GiB | temp GiB | alias GiB | code GiB | total GiB | of GiB | "
-            "XLA FLOPs/chip | analytic FLOPs/chip | XLA bytes/chip | roofline s | fits |\n"
+            "FLOPs/chip | bytes/chip | loop trips | roofline s | fits |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in report["programs"]:
         rl = "-" if r["roofline_s"] is None else f"{r['roofline_s']:.3g}"
         fl = lambda v: "-" if not v else f"{v:.3g}"  # noqa: E731
+        loops = r.get("loops")
+        trips = "-" if not loops else ", ".join("?" if x is None else f"<={-x}" if x < 0 else str(x)
+                                                for x in sorted(set(loops), key=str))
         lines.append(f"| {r['name']} | {r['compile_s']:.1f} | {_fmt_gib(r.get('argument_bytes'))} | "
                      f"{_fmt_gib(r.get('output_bytes'))} | {_fmt_gib(r.get('temp_bytes'))} | "
                      f"{_fmt_gib(r.get('alias_bytes'))} | {_fmt_gib(r.get('generated_code_bytes'))} | "
                      f"{_fmt_gib(r.get('total_bytes'))} | {_fmt_gib(r['memory_bytes'])} | {fl(r['flops'])} | "
-                     f"{r['analytic_flops_per_chip']:.3g} | {fl(r['bytes_accessed'])} | {rl} | {r['fits']} |")
-    ratio, xla = report["grpo_step_flop_ratio"], report.get("grpo_step_flop_ratio_xla")
-    tail = ("\n\nXLA's cost analysis counts a loop body (lax.map, while_loop) once: the XLA FLOPs of the "
-            "sampler decode, the sketchers and the GRPO step with in-run sketches are one trip's worth. "
-            "`analytic FLOPs` = matmul FLOPs of every trip (2 x weights per token forward, x3 with the "
-            "backward, + attention); the roofline uses max(XLA, analytic) FLOPs. XLA:TPU's 'bytes accessed' is "
-            "inflated by several scatters into one accumulator (../shared/notes/AOT_FINDINGS.md), so "
-            "bandwidth-bound rooflines of sketching programs are upper bounds.\n\n"
-            f"grpo_step_flop_ratio (analytic, the configured path over the same step without in-run "
-            f"rollout sketches; target <= 1.15): {'-' if ratio is None else f'{ratio:.3f}'}"
-            f" [{report.get('grpo_step_flop_ratio_path') or '-'}]; XLA's own (one loop trip, both variants "
-            f"compiled): {'-' if xla is None else f'{xla:.3f}'}\n")
+                     f"{fl(r['bytes_accessed'])} | {trips} | {rl} | {r['fits']} |")
+    ratio, bratio = report.get("grpo_step_flop_ratio"), report.get("grpo_step_bytes_ratio")
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    tail = ("\n\nFLOPs and bytes are XLA's own cost analysis of each compiled program per chip with every "
+            "loop trip counted (stages/compile.loop_counted_cost: XLA counts a while body once; each loop "
+            "with a known trip count adds trips x its body's count); `loop trips` lists the distinct trip "
+            "counts (<=n: no known trip count, counted n times as an upper bound; ? = unknown, counted once). The roofline is max(FLOPs / peak, bytes / bandwidth). "
+            "XLA:TPU's 'bytes accessed' is inflated by several scatters into one accumulator "
+            "(../shared/notes/AOT_FINDINGS.md), so bandwidth-bound rooflines of sketching programs are "
+            "upper bounds.\n\n"
+            f"GRPO step with over without in-run rollout sketches [{report.get('grpo_step_path') or '-'}]: "
+            f"FLOP ratio {fmt(ratio)}, bytes ratio {fmt(bratio)} (both variants compiled; "
+            "`compile.both_sketch_variants`)\n")
     return head + "\n".join(lines) + tail
 
 
@@ -533,23 +657,22 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows = []
     for pr in programs:
         logging.info("compile: %s ...", pr.name)
-        row = compile_program(pr, chip, memory, len(devs))
+        row = compile_program(pr, chip, memory)
         rows.append(row)
         logging.info("compile: %s in %.1f s, %s GiB/chip, fits=%s", pr.name, row["compile_s"],
                      _fmt_gib(row.get("total_bytes")), row["fits"])
     by = {r["name"]: r for r in rows}
-    ratio_xla = None
+    ratio = bratio = None
     on, off = f"grpo_step[{config.grpo.loss},in_run=on]", f"grpo_step[{config.grpo.loss},in_run=off]"
     if on in by and off in by and by[off]["flops"] and by[on]["flops"]:
-        ratio_xla = by[on]["flops"] / by[off]["flops"]
-    fr = configured_flop_ratio(config, cfg)
+        ratio = by[on]["flops"] / by[off]["flops"]
+        bratio = by[on]["bytes_accessed"] / by[off]["bytes_accessed"] if by[off]["bytes_accessed"] else None
     report = {"target": config.compile.target, "chip": chip.name if chip else None, "n_devices": len(devs),
               "mesh": dict(mesh.shape), "model": f"{cfg.num_hidden_layers} layers, d {cfg.hidden_size}, "
-              f"vocab {cfg.vocab_size}, {cfg.param_dtype}", "programs": rows, "grpo_step_flop_ratio": fr["ratio"], "grpo_step_flop_ratio_path": fr["path"],
-              "grpo_step_flop_ratio_method": "analytic: matmul FLOPs of every loop trip (model_flops) + "
-              "elementwise sketch/sum FLOPs per gradient coordinate per rollout (grpo_step_flops)",
-              "grpo_step_flop_ratio_xla": ratio_xla, "host_peak_rss_bytes": _rss_bytes(),
-              "stage_s": time.perf_counter() - t_start, "jax": jax.__version__}
+              f"vocab {cfg.vocab_size}, {cfg.param_dtype}", "programs": rows, "grpo_step_flop_ratio": ratio,
+              "grpo_step_bytes_ratio": bratio, "grpo_step_path": step_path(grpo.GRPOStepSpec.from_config(config)),
+              "cost_method": "XLA cost analysis per chip, every loop trip counted (loop_counted_cost)",
+              "host_peak_rss_bytes": _rss_bytes(), "stage_s": time.perf_counter() - t_start, "jax": jax.__version__}
     paths = RunLayout(workdir)  # local or gs:// (files.write_strategy)
     files.atomic_write_text(paths.compile_report_json, json.dumps(report, indent=2))
     md = report_markdown(report)

@@ -84,13 +84,14 @@ def build_batch(prompt_ids: list[list[int]], completions: np.ndarray, lengths: n
 
 
 def completion_logprobs(graphdef: nnx.GraphDef, params: Any, input_ids: jax.Array,
-                        attention_mask: jax.Array, prompt_len: int) -> jax.Array:
+                        attention_mask: jax.Array, prompt_len: int, taps: Any = None) -> jax.Array:
     """Log-probs float32 [N, T] of the completion tokens ``input_ids[:, P:]`` (SPEC §2.2 f).
 
-    The logits at positions ``P-1 .. P+T-2`` predict the completion tokens.
+    The logits at positions ``P-1 .. P+T-2`` predict the completion tokens. ``taps``: as
+    ``decoder.forward`` (the fused per-example sketcher's).
     """
     positions = decoder.positions_from_mask(attention_mask)
-    logits = decoder.forward(graphdef, params, input_ids, positions, attention_mask)
+    logits = decoder.forward(graphdef, params, input_ids, positions, attention_mask, taps=taps)
     return decoder.token_logprobs(logits[:, prompt_len - 1:-1], input_ids[:, prompt_len:])
 
 
@@ -104,8 +105,10 @@ class GRPOStepSpec:
     (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
     1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed``;
     ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
-    ``vmap(grad)`` chunk), ``use_tables`` (hash tables as a step argument); ``one_backward`` (the
-    update is the sum of the per-rollout gradients) and ``sum_dtype`` (its accumulator dtype).
+    sketcher chunk), ``use_tables`` (hash tables as a step argument); ``one_backward`` (the
+    update is the sum of the per-rollout gradients) and ``sum_dtype`` (its accumulator dtype);
+    ``fused`` (``sketch.fused``: the in-run sketches come from the fused per-example sketcher,
+    ``sketch/fused.py``, whose one backward also gives the update; see :attr:`update_from_sketcher`).
 
     Raises:
         KeyError: an unregistered loss. ValueError: an unknown ``sum_dtype``, ``inner_iterations``
@@ -125,6 +128,7 @@ class GRPOStepSpec:
     use_tables: bool = False
     one_backward: bool = False
     sum_dtype: str = "float32"
+    fused: bool = False
 
     def __post_init__(self):
         loss = grpo_loss.get_loss(self.loss)
@@ -148,6 +152,16 @@ class GRPOStepSpec:
         advantage-free -meanlp_i) when the loss declares ``rollout_coefficients``, else ``"term"``."""
         return stores.ROLLOUT_DIRECTION if self.loss_spec.rollout_coefficients is not None else stores.ROLLOUT_TERM
 
+    @property
+    def update_from_sketcher(self) -> bool:
+        """The one place that picks how the step gets its (first iteration's) gradient: True = the
+        per-rollout sketcher's gradient sum (``PerExampleSketcher.sketch_and_sum``), so one pass
+        gives the update and the in-run sketches - with ``grpo.one_backward`` (``vmap(grad)``
+        sketcher, per-rollout gradients summed) or with ``fused`` and in-run sketches (the fused
+        backward's weight cotangent, for a loss that declares ``one_backward``); False = a batched
+        ``value_and_grad`` of the step loss (and, with in-run sketches, a second, per-rollout pass)."""
+        return self.one_backward or (self.fused and self.in_run_rollouts and self.loss_spec.one_backward)
+
     @classmethod
     def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
         """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
@@ -166,7 +180,7 @@ class GRPOStepSpec:
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
                    inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed), in_run_rollouts=in_run,
                    chunk_size=int(sk.chunk_size), use_tables=bool(sk.in_run_tables), one_backward=one,
-                   sum_dtype=str(g.sum_dtype))
+                   sum_dtype=str(g.sum_dtype), fused=bool(sk.fused))
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
@@ -190,7 +204,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
       contribution to the update and these sum over the rollouts to ``step_sketch``; for a loss
       without them (``grpo_clip``) the sketch of the rollout's own term, pre-clip (no
       advantage-free direction is available then). ``order=None`` (the replay) builds the update
-      alone, except under ``one_backward``, whose update IS the per-rollout sketcher's gradient sum
+      alone, except under ``spec.update_from_sketcher``, whose update IS the per-rollout sketcher's gradient sum
       (the sketches are then computed and returned anyway).
 
     Params and optimizer state are donated; in/out shardings are explicit. With
@@ -205,14 +219,15 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     the sketcher's device tables itself (``step(params, opt_state, batch, ref_params)`` as before)
     and its ``lower(...)`` takes abstract ones.
 
-    ``spec.one_backward``: the update uses the sum of the per-rollout gradients the in-run sketcher
-    computes anyway (``PerExampleSketcher.sketch_and_sum`` with the coefficients c_i as weights,
-    accumulated in ``spec.sum_dtype``) instead of a second, batched backward - the same gradient up
-    to float summation order. The step sketch is then ``scale * sum_i c_i rollout_sketches[i]``
-    (CountSketch is linear; SPEC §3.2).
+    ``spec.update_from_sketcher`` (``grpo.one_backward``, or ``sketch.fused`` with in-run sketches):
+    the first iteration's update uses the sum of the per-rollout gradients the in-run sketcher
+    computes anyway (``PerExampleSketcher.sketch_and_sum``, with the coefficients c_i, accumulated in ``spec.sum_dtype``;
+    fused: the weight cotangent of its one backward) instead of a second, batched backward - the
+    same gradient up to float summation order. The step sketch is then ``scale * sum_i c_i
+    rollout_sketches[i]`` (CountSketch is linear; SPEC §3.2).
     """
     loss = spec.loss_spec
-    shapes, inner_iterations, one_backward = spec.shapes, spec.inner_iterations, spec.one_backward
+    shapes, inner_iterations, one_backward = spec.shapes, spec.inner_iterations, spec.update_from_sketcher
     grad_clip, sketch_dim, sketch_seed = spec.grad_clip, spec.sketch_dim, spec.sketch_seed
     prompt_len = shapes.prompt_len
 
@@ -224,26 +239,31 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 
     coefficients = loss.rollout_coefficients  # term_i = c_i * (-meanlp_i): sketch -meanlp_i, scale by c_i
 
-    def rollout_term(p, ex):
-        """One rollout's own loss (``ex`` has no batch axis): SPEC §3.2's rollout loss -meanlp_i when
-        the loss declares rollout coefficients (its term is then c_i times it), else its term of the
-        step loss (times its weight when ``weighted``)."""
-        lp = lp_fn(p, ex["input_ids"][None], ex["attention_mask"][None])
-        if coefficients is not None:
-            return -grpo_loss.masked_mean(lp, ex["loss_mask"][None])[0]
-        li = inputs(lp, ex["old_lp"][None], ex["ref_lp"][None], ex["loss_mask"][None], ex["advantages"][None])
-        term = loss(li, spec.loss_cfg)[0]
-        return term * ex["weights"] if weighted else term
+    def step_terms(p, rb, taps=None):
+        """Each rollout's own term of the step loss [N] (``rb``: the batch with ``old_lp`` / ``ref_lp``),
+        times its weight when ``weighted``."""
+        lp = completion_logprobs(graphdef, p, rb["input_ids"], rb["attention_mask"], prompt_len, taps=taps)
+        terms = loss(inputs(lp, rb["old_lp"], rb["ref_lp"], rb["loss_mask"], rb["advantages"]), spec.loss_cfg)
+        return terms * rb["weights"] if weighted else terms
+
+    def rollout_losses(p, rb, taps=None):
+        """What the in-run sketcher differentiates per rollout [N]: SPEC §3.2's rollout loss -meanlp_i
+        when the loss declares rollout coefficients (its term is then c_i times it), else its term."""
+        if coefficients is None:
+            return step_terms(p, rb, taps)
+        lp = completion_logprobs(graphdef, p, rb["input_ids"], rb["attention_mask"], prompt_len, taps=taps)
+        return -grpo_loss.masked_mean(lp, rb["loss_mask"])
 
     rollout_sketcher = None
     if (order is not None and spec.in_run_rollouts) or one_backward:
         if order is None:
-            raise ValueError("grpo.one_backward: the update is the per-rollout sketcher's gradient sum; "
-                             "pass the sketch order (sketcher.hf_param_order)")
-        rollout_sketcher = sketcher.PerExampleSketcher(rollout_term, abstract_params, dim=sketch_dim,
-                                                       seed=sketch_seed, chunk_size=spec.chunk_size, param_order=order,
-                                                       use_tables=spec.use_tables, mesh=mesh)
-    tables_arg = rollout_sketcher is not None and spec.use_tables
+            raise ValueError("grpo.one_backward / sketch.fused: the update is the per-rollout sketcher's gradient "
+                             "sum; pass the sketch order (sketcher.hf_param_order)")
+        rollout_sketcher = sketcher.PerExampleSketcher(sketcher.DecoderLoss(rollout_losses), abstract_params,
+                                                       dim=sketch_dim, seed=sketch_seed, chunk_size=spec.chunk_size,
+                                                       param_order=order, use_tables=spec.use_tables, mesh=mesh,
+                                                       fused=spec.fused)
+    tables_arg = rollout_sketcher is not None and rollout_sketcher.use_tables
 
     def step(params, opt_state, batch, ref_params, tables=None):
         ids, attn, mask, adv = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["advantages"]
@@ -255,8 +275,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         rb = dict(batch, old_lp=old_lp, ref_lp=ref_lp)
 
         def total_loss(p):
-            terms = loss(inputs(lp_fn(p, ids, attn), old_lp, ref_lp, mask, adv), spec.loss_cfg)
-            return jnp.sum(terms * batch["weights"] if weighted else terms)
+            return jnp.sum(step_terms(p, rb))
 
         out = {}
         start_params = params
@@ -266,11 +285,11 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             coef = coef * batch["weights"] if weighted else coef
         if one_backward:  # the per-rollout gradients, summed (times c_i), are the batch gradient
             res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype),
-                                                              weights=coef)
+                                                              coefficients=coef)
             summed = (jnp.sum(vals if coef is None else coef * vals),
                       jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
         for it in range(inner_iterations):
-            loss_value, grads = summed if one_backward else jax.value_and_grad(total_loss)(params)
+            loss_value, grads = summed if one_backward and it == 0 else jax.value_and_grad(total_loss)(params)
             if it == 0:
                 out["loss"], out["grad_norm"] = loss_value, optax.tree.norm(grads)
                 if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm

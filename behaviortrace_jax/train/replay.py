@@ -10,8 +10,9 @@ index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes
 * ``w = 1`` everywhere reproduces the run's own parameters **bit for bit**: the step is built from
   the run's own :class:`grpo_step.GRPOStepSpec` (loss, clipping, one backward, gradient-sum dtype,
   hash tables), and a step whose weights are all 1 runs the unweighted program (without sketch side
-  outputs, which do not feed the update, except under ``one_backward``, whose update is the
-  per-rollout sketcher's gradient sum), on a batch built by the same function from the same tokens.
+  outputs, which do not feed the update, except under ``GRPOStepSpec.update_from_sketcher``
+  (``grpo.one_backward``, ``sketch.fused``), whose update is the per-rollout sketcher's gradient
+  sum), on a batch built by the same function from the same tokens.
   A step with any other weight runs the ``weighted=True`` program (``sum_i w_i * term_i``).
 * Advantages are the logged ones by default. ``recompute_advantages=True`` recomputes each
   group's baseline over its kept rollouts (``w > 0``; a group left with < 2 rollouts gets 0).
@@ -242,9 +243,9 @@ class Replayer:
             batch = grpo_step.build_batch([r.prompt_token_ids for r in rec], comp, lengths, adv, mask_eos, self.shapes, pad)
             self.data.append(_StepData(batch, np.array([r.reward for r in rec], np.float32)))
         # The grpo stage's own step (one spec, so a replay is the run): without sketch side outputs,
-        # except under one_backward, whose update is the per-rollout sketcher's gradient sum.
+        # except where the update is the per-rollout sketcher's gradient sum (update_from_sketcher).
         self.spec = grpo_step.GRPOStepSpec.from_config(config)
-        order = sketcher.hf_param_order(start.model_config) if self.spec.one_backward else None
+        order = sketcher.hf_param_order(start.model_config) if self.spec.update_from_sketcher else None
         kw = dict(order=order, mesh=start.mesh, param_shardings=start.param_shardings, opt_shardings=start.opt_shardings)
         self.step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer, self.spec, **kw)
         self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
