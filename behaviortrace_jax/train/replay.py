@@ -57,7 +57,7 @@ from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
 from behaviortrace_jax.train import grpo_loss, grpo_step
 from behaviortrace_jax.train.start_state import load_start_state
@@ -95,7 +95,7 @@ class BehaviorMeasure:
             m = w[:, 1:]
             return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
-        self._mean_lp = jax.jit(mean_lp)
+        self.mean_logprob = programs.jit("replay_measure", mean_lp)
         self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates or sampled else None
         self.greedy, self.sampled = bool(rates), int(sampled)
         self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
@@ -104,11 +104,11 @@ class BehaviorMeasure:
     def logp_margin(self, params) -> jax.Array:
         """``logp_margin`` of :meth:`measure` as a float32 scalar that ``jax.grad`` differentiates
         (the metagradient's M, ``train/metagradient.py``; :meth:`measure` averages in float64)."""
-        lp = self._mean_lp(params, self.ids, self.attn, self.w)
+        lp = self.mean_logprob(params, self.ids, self.attn, self.w)
         return jnp.mean(lp[:self.n_probes]) - jnp.mean(lp[self.n_probes:])
 
     def measure(self, params) -> dict[str, float]:
-        lp = np.asarray(sharding.to_host(self._mean_lp(params, self.ids, self.attn, self.w)), np.float64)
+        lp = np.asarray(sharding.to_host(self.mean_logprob(params, self.ids, self.attn, self.w)), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
         out["logp_margin"] = out["logp_probe"] - out["logp_control"]
         if self.greedy:
