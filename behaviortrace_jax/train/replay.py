@@ -1,4 +1,4 @@
-"""Counterfactual GRPO replay (issue 13): re-run a finished run's logged updates with rollouts removed.
+"""Counterfactual GRPO replay: re-run a finished run's logged updates with rollouts removed.
 
 :class:`Replayer` restores the run's start state (the SFT warm-up's train state, AdamW moments
 included, with the ``grpo`` stage's own loader, :func:`start_state.load_start_state`), rebuilds
