@@ -74,5 +74,5 @@ def test_every_program_a_smoke_run_jits_is_compiled_on_its_mesh(smoke_programs):
     assert {"sampler_prefill", "sampler_decode", "lm_step", "grpo_step", "per_example_sketcher",
             "forced_mean_logprob"} <= {name for name, _ in smoke_programs}
     missing = sorted(smoke_programs - compiled, key=str)
-    assert not missing, f"the smoke run jits programs the compile stage does not compile: {missing}; compiled: {compiled}"
+    assert not missing, f"the smoke run jits programs the compile stage does not compile: {missing}; built: {compiled}"
     assert {name for name, _ in compiled} == set(programs.PROGRAMS) - NOT_COMPILED

@@ -506,7 +506,8 @@ def lm_programs(a: AbstractRun) -> list[Program]:
     trainer = lm_trainer.LMTrainer(a.graphdef, a.cfg, a.optimizer, np.zeros((0,), np.int32), mesh=a.mesh,
                                    state_shardings=a.state_shardings)
     bsh = a.rows_sharding(s.batch_size)
-    batch = {"tokens": _sds((s.batch_size, length), jnp.int32, bsh), "mask": _sds((s.batch_size, length), jnp.int32, bsh),
+    batch = {"tokens": _sds((s.batch_size, length), jnp.int32, bsh),
+             "mask": _sds((s.batch_size, length), jnp.int32, bsh),
              "targets": _sds((s.batch_size, length), jnp.float32, bsh)}
     prefix = _sds((0,), jnp.int32, a.rep)
     where, note = programs.mesh_shape(trainer.mesh), f"batch {s.batch_size} x {length}"

@@ -325,7 +325,8 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
     ref_sh = param_shardings if loss.needs_reference else None  # ref_params is None otherwise
     if not tables_arg:
-        return programs.jit("grpo_step", step, mesh=mesh, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
+        return programs.jit("grpo_step", step, mesh=mesh,
+                            in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
                             out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
     table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
     jitted = programs.jit("grpo_step", step, mesh=mesh,
