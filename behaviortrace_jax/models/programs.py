@@ -1,6 +1,8 @@
 """The named jitted programs of a run: every program a stage jits is made by :func:`jit` under one of
 the names in :data:`PROGRAMS`, and the ``compile`` stage compiles each of them from the same
-constructors (``stages/compile.py``; each of its report rows names its program).
+constructors (``stages/compile.py``; each of its report rows names its program), all but the
+replay measure's two, whose shapes come from the tokenized probes (the compile stage has no
+tokenizer).
 
 A program is one jitted function of the run, built by the object that runs it, at the shapes and on
 the mesh of that object. ``tests/test_programs.py`` checks that every ``jax.jit`` of the package goes
@@ -29,8 +31,9 @@ PROGRAMS: dict[str, str] = {
     "forced_mean_logprob": "sketch.targets.ForcedSketcher.mean_logprob: masked mean log-probs (sketch, draws)",
     "metagradient_step": "train.metagradient.MetaStep.forward: one weighted GRPO step (metagradient)",
     "metagradient_step_vjp": "train.metagradient.MetaStep.backward: its vjp (metagradient)",
-    "replay_measure": "train.replay.RunMeasure.mean_logprob: probe and control log-probs (counterfactual)",
-    "replay_measure_grad": "train.metagradient: value and gradient of the replay measure (metagradient)",
+    "replay_measure": "train.replay.BehaviorMeasure.mean_logprob: probe and control log-probs (counterfactual)",
+    "replay_measure_grad": "train.metagradient.RunMetagradient.measure_grad: value and gradient of the replay "
+                           "measure (metagradient)",
 }
 
 _recording: list[set[tuple[str, Any]]] = []

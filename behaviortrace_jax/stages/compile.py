@@ -442,6 +442,7 @@ class AbstractRun:
 
     @classmethod
     def build(cls, config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> "AbstractRun":
+        """The model ``cfg`` with ``config``'s optimizer and partition rules (``mesh.fsdp``) on ``mesh``."""
         graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
         param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.fsdp))
         tx = train_state.make_optimizer(config.optim)
@@ -451,10 +452,12 @@ class AbstractRun:
 
     @property
     def rep(self):
+        """Replicated on the mesh."""
         return sharding.replicated(self.mesh)
 
     @property
     def data(self):
+        """Leading axis over ``"data"``."""
         return sharding.data_sharding(self.mesh)
 
     def rows_sharding(self, rows: int):

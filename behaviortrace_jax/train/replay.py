@@ -71,7 +71,9 @@ class BehaviorMeasure:
 
     ``measure(params)`` -> ``{"logp_probe", "logp_control", "logp_margin"}`` (mean over prompts of
     the mean log-prob of the " QZXBT" tokens after the chat prompt; margin = probe - control) and,
-    with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8).
+    with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8). ``mean_logprob`` is the
+    jitted ``replay_measure`` (``models/programs.py``): ``(params, ids, attention_mask, weights)`` ->
+    float32 [probes + controls], the masked mean log-prob of each prompt's continuation.
     """
 
     def __init__(self, graphdef, model_cfg, tok, config: ml_collections.ConfigDict, mesh, *, rates: bool = True,
@@ -95,7 +97,7 @@ class BehaviorMeasure:
             m = w[:, 1:]
             return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
-        self.mean_logprob = programs.jit("replay_measure", mean_lp)
+        self.mean_logprob = programs.jit("replay_measure", mean_lp, mesh=mesh)
         self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates or sampled else None
         self.greedy, self.sampled = bool(rates), int(sampled)
         self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
