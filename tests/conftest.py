@@ -48,11 +48,24 @@ def smoke_finished(tmp_path_factory) -> pathlib.Path:
     """The workdir of a finished smoke run (``configs/tiny.py:smoke``, every stage), run once per
     session; tests that change it copy it first."""
     from behaviortrace_jax import pipeline
+    from behaviortrace_jax.models import programs
     from configs import tiny
 
     w = tmp_path_factory.mktemp("smoke_finished")
-    pipeline.run(tiny.get_config("smoke"), str(w))
+    with programs.recording() as traced:
+        pipeline.run(tiny.get_config("smoke"), str(w))
+    SMOKE_TRACED.update(traced)
     return w
+
+
+SMOKE_TRACED: set = set()  # (program name, mesh shape) of every program the smoke run traced
+
+
+@pytest.fixture(scope="session")
+def smoke_programs(smoke_finished) -> frozenset:
+    """``(name, mesh shape)`` (``models.programs``) of every jitted program :func:`smoke_finished`'s
+    run traced."""
+    return frozenset(SMOKE_TRACED)
 
 
 def copy_start(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:

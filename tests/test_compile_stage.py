@@ -1,4 +1,4 @@
-"""The `compile` stage (issue 12): ahead-of-time compilation of every program of a config."""
+"""The `compile` stage: ahead-of-time compilation of every program of a config."""
 import importlib.util
 import json
 
@@ -26,9 +26,9 @@ def test_compile_stage_cpu_tiny(tmp_path):
     compile_stage.compile_stage(_config("cpu:2"), str(tmp_path))
     report = json.loads((tmp_path / "compile_report.json").read_text())
     names = [p["name"] for p in report["programs"]]
-    assert names[:3] == ["sampler_prefill", "sampler_decode", "sft_step"]
-    assert {"grpo_step[paper,in_run=on]", "grpo_step[paper,in_run=off]", "target_sketcher",
-            "rollout_resketcher", "draws_sketcher"} <= set(names)
+    assert names[:4] == ["sampler_prefill", "sampler_decode", "sft_step", "sft_loss"]
+    assert {"grpo_step[paper,in_run=on]", "grpo_step[paper,in_run=off]", "metagradient_step", "metagradient_step_vjp",
+            "target_sketcher", "rollout_resketcher", "draws_sketcher", "target_mean_logprob"} <= set(names)
     for p in report["programs"]:
         assert set(FIELDS) <= set(p), p["name"]
         assert p["fits"] and p["flops"] > 0 and p["total_bytes"] > 0
@@ -63,9 +63,9 @@ def test_fit_is_not_judged_without_a_memory_limit():
     """A program whose device has no known memory limit gets fits=None (not True), and only
     fits=False stops the stage."""
     f = jax.jit(lambda x: x * 2)
-    pr = compile_stage.Program("double", lambda: f.lower(jax.ShapeDtypeStruct((4,), jnp.float32)), 4.0, "x")
-    assert compile_stage.compile_program(pr, None, None, 1)["fits"] is None
-    assert compile_stage.compile_program(pr, None, 1e9, 1)["fits"] is True
+    pr = compile_stage.Program("double", lambda: f.lower(jax.ShapeDtypeStruct((4,), jnp.float32)), "x")
+    assert compile_stage.compile_program(pr, None, None)["fits"] is None
+    assert compile_stage.compile_program(pr, None, 1e9)["fits"] is True
     assert compile_stage.xla_memory_limit(jax.devices("cpu")[0]) is None  # XLA:CPU names no limit
 
 

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from behaviortrace_jax.models import decoder, sharding as shd
+from behaviortrace_jax.models import decoder, programs, sharding as shd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +149,10 @@ class Sampler:
         top_k: static top-k of the sampling distribution; 0 = off.
 
     Attributes:
+        prefill, decode: the jitted programs ``sampler_prefill`` / ``sampler_decode``
+            (``models/programs.py``): ``prefill(params, ids, mask, live, key, temperature, top_p,
+            repetition_penalty)`` -> decode state; ``decode(params, state, key, temperature, top_p,
+            repetition_penalty)`` -> (tokens, logprobs, lengths); the state is donated.
         trace_counts: ``Counter`` of how many times ``prefill`` / ``decode`` were traced
             (= compiled); one per (bucket, padded batch size) pair. Temperature, top-p, the
             repetition penalty, the PRNG key and the parameter values are traced arguments.
@@ -179,11 +183,11 @@ class Sampler:
         if self.buckets[-1] < self.max_prompt_tokens:
             raise ValueError(f"buckets={self.buckets} do not reach max_prompt_tokens={self.max_prompt_tokens}")
         self.trace_counts: collections.Counter = collections.Counter()
-        self._prefill = jax.jit(self._prefill_impl)
+        self.prefill = programs.jit("sampler_prefill", self._prefill_impl, mesh=mesh)
         # The cache (and the token buffers) are donated: without donation XLA must keep the
         # caller's cache alive and allocate a second full [layers x B x S x n_kv x head_dim] buffer
         # for the loop's result; donated, the while_loop updates the one buffer in place.
-        self._decode = jax.jit(self._decode_impl, donate_argnames=("state",))
+        self.decode = programs.jit("sampler_decode", self._decode_impl, mesh=mesh, donate_argnames=("state",))
 
     # -------------------------------------------------------------------------------- traced
     def _constrain(self, x: jax.Array, logical: tuple) -> jax.Array:
@@ -320,10 +324,10 @@ class Sampler:
         live = np.arange(ids.shape[0]) < len(prompt_token_lists)
         if self.mesh is not None:
             live = jax.device_put(live, shd.data_sharding(self.mesh))
-        state = self._prefill(params, dev_ids, dev_mask, live, key, *scalars)
+        state = self.prefill(params, dev_ids, dev_mask, live, key, *scalars)
         with warnings.catch_warnings():  # CPU cannot donate buffers; that is only a missed saving
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            tokens, logprobs, lengths = self._decode(params, state, key, *scalars)
+            tokens, logprobs, lengths = self.decode(params, state, key, *scalars)
         b = len(prompt_token_lists)
         tokens, logprobs, lengths = shd.to_host((tokens, logprobs, lengths))
         return SampleOutput(tokens=np.asarray(tokens[:b]), logprobs=np.asarray(logprobs[:b]),

@@ -50,7 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from behaviortrace_jax.models import sharding
+from behaviortrace_jax.models import programs, sharding
 from behaviortrace_jax.sketch.countsketch import (ParamLayout, StackedLayout, check_dim, layout_tables, sketch_batch,
                                                   sketch_batch_stacked, sketch_tree)
 from behaviortrace_jax.sketch import fused as fused_lib
@@ -338,7 +338,7 @@ class PerExampleSketcher:
                              "tables; turn off use_tables (sketch.in_run_tables / targets.use_tables)")
         self._scan = _LayerScan(self.order, self.layout) if scan else None
         self._tables = None
-        self._jitted = jax.jit(self._run)
+        self._jitted = programs.jit("per_example_sketcher", self._run, mesh=self.mesh)
 
     @property
     def fused(self) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 
 from behaviortrace_jax.attribution.estimators import ROLLOUT_COS_EPS
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
 # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)); one constant with the estimators.
@@ -191,7 +191,9 @@ class ForcedSketcher:
     Raises:
         ValueError: bad sizes (and as ``PerExampleSketcher``).
 
-    ``__call__(params, examples)`` returns :class:`ForcedSketches`. The ordering of parameters is
+    ``__call__(params, examples)`` returns :class:`ForcedSketches`; its two programs are ``sketcher``
+    (``per_example_sketcher``) and ``mean_logprob`` (``forced_mean_logprob``: ``(params, input_ids,
+    attention_mask, loss_mask)`` of one packed block -> float32 [block_size]). The ordering of parameters is
     HF ``model.parameters()`` order (``sketcher.hf_param_order``), as for every other sketch.
     ``params`` is an argument of every call, so one instance serves every checkpoint of a run
     (e.g. the per-checkpoint TracInCP targets, SPEC §5.1) without recompiling.
@@ -217,7 +219,7 @@ class ForcedSketcher:
             out = jax.lax.map(lambda a: _mean_logprob_chunk(graphdef, p, *a), (r(ids), r(attn), r(w)))
             return out.reshape(-1)
 
-        self._mean_lp = jax.jit(mean_lp)
+        self.mean_logprob = programs.jit("forced_mean_logprob", mean_lp, mesh=self.sketcher.mesh)
 
     @classmethod
     def from_config(cls, config: Any, graphdef: Any, model_config: decoder.DecoderConfig, params: Any,
@@ -253,6 +255,15 @@ class ForcedSketcher:
             ids[r, :n], attn[r, :n], w[r, :n] = e.ids, 1, e.weights
         return {"input_ids": ids, "attention_mask": attn, "loss_mask": w}
 
+    def block_sharding(self) -> Any:
+        """Where a packed block lives: rows over the sketcher mesh's ``"data"`` axis (replicated when
+        ``block_size`` does not divide it); None without a mesh (the default device)."""
+        mesh = self.sketcher.mesh
+        if mesh is None:
+            return None
+        n = mesh.shape[sharding.DATA]
+        return sharding.data_sharding(mesh) if self.block_size % n == 0 else sharding.replicated(mesh)
+
     def __call__(self, params: Any, examples: Sequence[ForcedExample]) -> ForcedSketches:
         """Sketches, exact gradient norms and mean log-probs of ``examples`` (any number >= 1)."""
         if not examples:
@@ -261,8 +272,10 @@ class ForcedSketcher:
         for i in range(0, len(examples), self.block_size):
             part = examples[i:i + self.block_size]
             batch = self.pack(part)
+            if self.block_sharding() is not None:
+                batch = jax.device_put(batch, self.block_sharding())
             out = self.sketcher(params, batch)
-            lp = self._mean_lp(params, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+            lp = self.mean_logprob(params, batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
             out_sk, out_gn, lp = sharding.to_host((out.sketches, out.norms, lp))
             k = len(part)
             sk.append(np.asarray(out_sk[:k], np.float32))

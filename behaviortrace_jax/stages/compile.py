@@ -1,12 +1,14 @@
-"""The ``compile`` stage: ahead-of-time compilation of every jitted program a config runs (issue 12).
+"""The ``compile`` stage: ahead-of-time compilation of every jitted program a config runs.
 
     python main.py --config=configs/seed0.py --config.stages=compile \\
         --config.compile.target=tpu:v5e:2x4 --config.compile.model=qwen2p5_1p5b --workdir=W
 
-Nothing is allocated on an accelerator: each program is built by the same constructor the run uses
-(``grpo.make_train_step``, ``sampler.Sampler``, ``lm_trainer.LMTrainer``, ``targets.ForcedSketcher``)
-and lowered with ``jax.ShapeDtypeStruct`` arguments that carry their shardings on a mesh of the
-target's devices, then compiled. ``config.compile.target``:
+Nothing is allocated on an accelerator: each program (a name of ``models.programs.PROGRAMS``) is
+built by the same constructor the run uses, on the run's mesh (``grpo.make_train_step``,
+``sampler.Sampler``, ``lm_trainer.LMTrainer``, ``targets.ForcedSketcher``, ``metagradient.MetaStep``;
+:data:`PROGRAM_BUILDERS`) and lowered through its public jitted function with
+``jax.ShapeDtypeStruct`` arguments that carry their shardings on a mesh of the target's devices,
+then compiled. ``config.compile.target``:
 
 * ``tpu:<topology>`` (``tpu:v5e:2x4``, ``tpu:v6e:2x4``, ``tpu:v5p:2x2x1``): the devices of
   ``jax.experimental.topologies.get_topology_desc`` - XLA:TPU on this host; needs ``libtpu``
@@ -42,7 +44,7 @@ from flax import nnx
 
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.layout import RunLayout, as_path
-from behaviortrace_jax.models import decoder, families, sampler as sampler_lib, sharding
+from behaviortrace_jax.models import decoder, families, programs, sampler as sampler_lib, sharding
 from behaviortrace_jax.sketch import sketcher, targets
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, lm_trainer, train_state
@@ -409,136 +411,210 @@ def _memory(compiled) -> dict[str, int]:
 class Program:
     """One jitted program: ``lower()`` returns its ``jax.stages.Lowered``; ``note`` says its shapes;
     ``max_trips``: the trip count to count for a loop whose trip count XLA does not know (an upper
-    bound, e.g. the decode loop's max_new_tokens - 1 steps; see :func:`loop_counted_cost`)."""
+    bound, e.g. the decode loop's max_new_tokens - 1 steps; see :func:`loop_counted_cost`);
+    ``program``: its name in ``models.programs.PROGRAMS`` (the report row ``name`` may add its
+    variant); ``mesh``: ``programs.mesh_shape`` of the mesh it is built for (None: one device)."""
 
     name: str
     lower: Callable[[], Any]
     note: str = ""
     max_trips: int | None = None
+    program: str = ""
+    mesh: Any = None
 
 
-def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
-    """Every jitted program of ``config`` at its real shapes, from the run's own constructors."""
-    graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.fsdp))
-    params = _with_sh(abs_params, param_sh)
-    tx = train_state.make_optimizer(config.optim)
-    state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)
-    state = train_state.abstract_train_state(abs_params, tx, state_sh)
-    rep, data = sharding.replicated(mesh), sharding.data_sharding(mesh)
-    n_data = mesh.shape[sharding.DATA]
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = _sds(key.shape, key.dtype, rep)
-    f32 = _sds((), jnp.float32, rep)
-    g, sk, tg = config.grpo, config.sketch, config.targets
-    progs: list[Program] = []
+@dataclasses.dataclass(frozen=True)
+class AbstractRun:
+    """The abstract model, train state and shardings of ``config`` on ``mesh`` that every program is
+    built and lowered with (``jax.ShapeDtypeStruct`` leaves carrying their shardings; nothing is
+    allocated)."""
 
-    # --- sampler (GRPO rollouts: B x G rows, padded to the data axis) -------------------------
-    top_k = g.top_k if g.top_k >= 0 else 0
-    smp = sampler_lib.Sampler(graphdef, cfg, max_prompt_tokens=g.max_prompt_tokens, max_new_tokens=g.max_new_tokens,
-                              eos_ids=[0], pad_id=0, mesh=mesh, top_k=top_k)
+    config: ml_collections.ConfigDict
+    cfg: decoder.DecoderConfig
+    mesh: Any
+    graphdef: Any
+    abstract_params: Any  # without shardings, as the stages' constructors get them
+    param_shardings: Any
+    params: Any
+    optimizer: Any
+    state_shardings: Any
+    state: Any
+
+    @classmethod
+    def build(cls, config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> "AbstractRun":
+        """The model ``cfg`` with ``config``'s optimizer and partition rules (``mesh.fsdp``) on ``mesh``."""
+        graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
+        param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.fsdp))
+        tx = train_state.make_optimizer(config.optim)
+        state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)
+        return cls(config, cfg, mesh, graphdef, abs_params, param_sh, _with_sh(abs_params, param_sh), tx, state_sh,
+                   train_state.abstract_train_state(abs_params, tx, state_sh))
+
+    @property
+    def rep(self):
+        """Replicated on the mesh."""
+        return sharding.replicated(self.mesh)
+
+    @property
+    def data(self):
+        """Leading axis over ``"data"``."""
+        return sharding.data_sharding(self.mesh)
+
+    def rows_sharding(self, rows: int):
+        """Rows over ``"data"`` where they divide it, else replicated (as the stages place batches)."""
+        return self.data if rows % self.mesh.shape[sharding.DATA] == 0 else self.rep
+
+    def grpo_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The GRPO step's batch: N rollouts x (prompt + new) tokens over ``"data"``."""
+        g = self.config.grpo
+        n, t = grpo.GRPOStepSpec.from_config(self.config).shapes.num_rollouts, g.max_prompt_tokens + g.max_new_tokens
+        return {"input_ids": _sds((n, t), jnp.int32, self.data), "attention_mask": _sds((n, t), jnp.int32, self.data),
+                "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, self.data),
+                "advantages": _sds((n,), jnp.float32, self.data)}
+
+
+def sampler_programs(a: AbstractRun) -> list[Program]:
+    """``sampler_prefill`` and ``sampler_decode`` of the GRPO rollouts (B x G rows, padded to the
+    data axis), from ``models.sampler.Sampler`` on the run's mesh."""
+    g = a.config.grpo
+    smp = sampler_lib.Sampler(a.graphdef, a.cfg, max_prompt_tokens=g.max_prompt_tokens,
+                              max_new_tokens=g.max_new_tokens, eos_ids=[0], pad_id=0, mesh=a.mesh,
+                              top_k=g.top_k if g.top_k >= 0 else 0)
+    n_data = a.mesh.shape[sharding.DATA]
     rows = -(-g.prompts_per_step * g.group_size // n_data) * n_data
     p = smp.bucket_for(g.max_prompt_tokens)
-    ids = _sds((rows, p), jnp.int32, data)
-    live = _sds((rows,), jnp.bool_, data)
-    prefill_args = (params, ids, ids, live, key, f32, f32, f32)
-    progs.append(Program("sampler_prefill", lambda: smp._prefill.lower(*prefill_args), f"{rows} rows x {p} prompt tokens"))
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key, f32 = _sds(key.shape, key.dtype, a.rep), _sds((), jnp.float32, a.rep)
+    ids = _sds((rows, p), jnp.int32, a.data)
+    prefill_args = (a.params, ids, ids, _sds((rows,), jnp.bool_, a.data), key, f32, f32, f32)
 
     def lower_decode():
-        out = smp._prefill.lower(*prefill_args).out_info
+        out = smp.prefill.lower(*prefill_args).out_info
         # the prefill's output state, rows over "data" (as the prefill's constraints place them)
-        st = jax.tree.map(lambda o: _sds(o.shape, o.dtype, data if o.shape and o.shape[0] == rows else rep), out)
-        return smp._decode.lower(params, st, key, f32, f32, f32)
+        st = jax.tree.map(lambda o: _sds(o.shape, o.dtype, a.data if o.shape and o.shape[0] == rows else a.rep), out)
+        return smp.decode.lower(a.params, st, key, f32, f32, f32)
 
-    progs.append(Program("sampler_decode", lower_decode, f"while_loop of at most {g.max_new_tokens - 1} trips "
-                         "(counted as that many)", max_trips=g.max_new_tokens - 1))
+    where = programs.mesh_shape(smp.mesh)
+    return [Program("sampler_prefill", lambda: smp.prefill.lower(*prefill_args), f"{rows} rows x {p} prompt tokens",
+                    program="sampler_prefill", mesh=where),
+            Program("sampler_decode", lower_decode, f"while_loop of at most {g.max_new_tokens - 1} trips (counted as "
+                    "that many)", max_trips=g.max_new_tokens - 1, program="sampler_decode", mesh=where)]
 
-    # --- SFT step (batch sft.batch_size x (prompt + completion) tokens, no shared prefix at batch 1)
-    s = config.sft
-    sft_len = s.max_prompt_tokens + s.max_completion_tokens
-    # LMTrainer places its prefix on a device at construction, which a compile-only TPU client cannot
-    # do: build it mesh-less and jit its step exactly as LMTrainer.__init__ does with a mesh.
-    trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, np.zeros((0,), np.int32))
-    sft_step = jax.jit(trainer._step_impl, donate_argnums=0, out_shardings=(state_sh, rep))
-    bsh = data if s.batch_size % n_data == 0 else rep
-    sft_batch = {"tokens": _sds((s.batch_size, sft_len), jnp.int32, bsh),
-                 "mask": _sds((s.batch_size, sft_len), jnp.int32, bsh),
-                 "targets": _sds((s.batch_size, sft_len), jnp.float32, bsh)}
-    prefix = _sds((0,), jnp.int32, rep)
-    progs.append(Program("sft_step", lambda: sft_step.lower(state, prefix, sft_batch), f"batch {s.batch_size} x {sft_len}"))
 
-    # --- GRPO step: every requested loss, in-run rollout sketches as configured (and off, for the ratio)
-    shapes = grpo.GRPOStepSpec.from_config(config).shapes
-    n, t = shapes.num_rollouts, g.max_prompt_tokens + g.max_new_tokens
-    gbatch = {"input_ids": _sds((n, t), jnp.int32, data), "attention_mask": _sds((n, t), jnp.int32, data),
-              "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, data),
-              "advantages": _sds((n,), jnp.float32, data)}
-    order = sketcher.hf_param_order(cfg)
+def lm_programs(a: AbstractRun) -> list[Program]:
+    """The SFT step and loss (batch sft.batch_size x (prompt + completion) tokens, no shared prefix
+    at batch 1), from ``train.lm_trainer.LMTrainer`` as the ``sft`` stage builds it."""
+    s = a.config.sft
+    length = s.max_prompt_tokens + s.max_completion_tokens
+    trainer = lm_trainer.LMTrainer(a.graphdef, a.cfg, a.optimizer, np.zeros((0,), np.int32), mesh=a.mesh,
+                                   state_shardings=a.state_shardings)
+    bsh = a.rows_sharding(s.batch_size)
+    batch = {"tokens": _sds((s.batch_size, length), jnp.int32, bsh),
+             "mask": _sds((s.batch_size, length), jnp.int32, bsh),
+             "targets": _sds((s.batch_size, length), jnp.float32, bsh)}
+    prefix = _sds((0,), jnp.int32, a.rep)
+    where, note = programs.mesh_shape(trainer.mesh), f"batch {s.batch_size} x {length}"
+    return [Program("sft_step", lambda: trainer.step_program.lower(a.state, prefix, batch), note, program="lm_step",
+                    mesh=where),
+            Program("sft_loss", lambda: trainer.loss_program.lower(a.params, prefix, batch), note, program="lm_loss",
+                    mesh=where)]
+
+
+def grpo_programs(a: AbstractRun) -> list[Program]:
+    """The GRPO step (``train.grpo_step.make_train_step``) for every requested loss, in-run rollout
+    sketches as configured (and flipped, for the FLOP ratio: ``compile.both_sketch_variants``)."""
+    config, g = a.config, a.config.grpo
+    gbatch = a.grpo_batch()
+    n, t = gbatch["input_ids"].shape
+    order = sketcher.hf_param_order(a.cfg)
     losses = sorted(grpo_loss.LOSSES) if config.compile.losses == "all" else [
         x.strip() for x in (config.compile.losses or g.loss).split(",") if x.strip()]
-    variants = [sk.in_run_rollouts] + ([not sk.in_run_rollouts] if config.compile.both_sketch_variants else [])
+    in_run = config.sketch.in_run_rollouts
+    variants = [in_run] + ([not in_run] if config.compile.both_sketch_variants else [])
+    progs = []
     for loss in losses:
-        for in_run in variants:
-            spec = grpo.GRPOStepSpec.from_config(config, loss=loss, in_run_rollouts=in_run)
-            fn = grpo.make_train_step(graphdef, abs_params, tx, spec, order=order, mesh=mesh, param_shardings=param_sh,
-                                      opt_shardings=state_sh.opt_state)
-            ref = params if spec.loss_spec.needs_reference else None
-            name = f"grpo_step[{loss},in_run={'on' if in_run else 'off'}]"
-            progs.append(Program(name, (lambda fn=fn, ref=ref: fn.lower(params, state.opt_state, gbatch, ref)),
-                                 f"{n} rollouts x {t} tokens" + (f"; {step_path(spec)}" if in_run else "")))
+        for on in variants:
+            spec = grpo.GRPOStepSpec.from_config(config, loss=loss, in_run_rollouts=on)
+            fn = grpo.make_train_step(a.graphdef, a.abstract_params, a.optimizer, spec, order=order, mesh=a.mesh,
+                                      param_shardings=a.param_shardings, opt_shardings=a.state_shardings.opt_state)
+            ref = a.params if spec.loss_spec.needs_reference else None
+            progs.append(Program(f"grpo_step[{loss},in_run={'on' if on else 'off'}]",
+                                 (lambda fn=fn, ref=ref: fn.lower(a.params, a.state.opt_state, gbatch, ref)),
+                                 f"{n} rollouts x {t} tokens" + (f"; {step_path(spec)}" if on else ""),
+                                 program="grpo_step", mesh=programs.mesh_shape(a.mesh)))
+    return progs
 
-    # --- metagradient: the vjp of one weighted GRPO step (train/metagradient.py; the reverse sweep's program)
-    progs.append(metagradient_program(config, graphdef, params, param_sh, state, state_sh, gbatch, mesh))
 
-    # --- checkpoint target sketcher, rollout re-sketcher, draws sketcher (targets.ForcedSketcher)
-    fs = targets.ForcedSketcher(graphdef, cfg, abs_params, dim=sk.dim, seed=sk.seed, chunk_size=sk.chunk_size,
-                                block_size=tg.block_size, length_bucket=tg.length_bucket, pad_id=0,
-                                use_tables=tg.use_tables, mesh=mesh, fused=bool(sk.get("fused", False)))
+def metagradient_programs(a: AbstractRun) -> list[Program]:
+    """``metagradient_step`` and ``metagradient_step_vjp``: :class:`train.metagradient.MetaStep` of
+    the configured loss and ``metagradient.advantages``' first mode (one weighted GRPO step and its
+    vjp in params, Adam moments and weights), as the ``metagradient`` stage runs them once per
+    replayed step; XLA's count covers the whole program."""
+    from behaviortrace_jax.train import metagradient as mg_lib
+
+    config = a.config
+    spec = grpo.GRPOStepSpec.from_config(config)
+    mode = str(config.metagradient.advantages).split(",")[0].strip()
+    tx = train_state.make_optimizer(config.optim, differentiable=True)
+    step = mg_lib.make_weighted_step(a.graphdef, tx, spec, advantages=mode, std_floor=float(config.grpo.adv_std_floor))
+    gbatch = a.grpo_batch()
+    batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
+    ref, ref_sh = (a.params, a.param_shardings) if spec.loss_spec.needs_reference else (None, None)
+    meta = mg_lib.MetaStep(step, (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data,
+                                  ref_sh, a.rep), opt_state=a.state.opt_state)
+    weights, opt = gbatch["advantages"], a.state.opt_state
+    floats = mg_lib.opt_float_leaves(opt)
+    note = f"{spec.shapes.num_rollouts} rollouts; advantages {mode}"
+    where = programs.mesh_shape(a.mesh)
+    return [Program("metagradient_step", lambda: meta.forward.lower(a.params, opt, batch, weights, ref), note,
+                    program="metagradient_step", mesh=where),
+            Program("metagradient_step_vjp", lambda: meta.backward.lower(a.params, opt, batch, weights, ref, a.params,
+                                                                         floats),
+                    note + "; held per step: params + Adam moments (the state) and their cotangents",
+                    program="metagradient_step_vjp", mesh=where)]
+
+
+def sketcher_programs(a: AbstractRun) -> list[Program]:
+    """The per-example sketcher of ``targets.ForcedSketcher.from_config`` on the run's mesh (as the
+    ``sketch`` and ``draws`` stages build it) at the lengths of the checkpoint target sketches, the
+    rollout re-sketches and the draws' sketches, and its masked mean log-prob program."""
+    config, g, tg = a.config, a.config.grpo, a.config.targets
+    fs = targets.ForcedSketcher.from_config(config, a.graphdef, a.cfg, a.abstract_params, pad_id=0, mesh=a.mesh)
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
     ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
     lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
                "rollout_resketcher": bucket(g.max_prompt_tokens + g.max_new_tokens),
                "draws_sketcher": bucket(g.max_prompt_tokens + config.draws.max_new_tokens)}
-    b = fs.block_size
-    fsh = data if b % n_data == 0 else rep
-    for name, length in lengths.items():
-        fb = {"input_ids": _sds((b, length), jnp.int32, fsh), "attention_mask": _sds((b, length), jnp.int32, fsh),
-              "loss_mask": _sds((b, length), jnp.float32, fsh)}
-        progs.append(Program(name, (lambda fb=fb: fs.sketcher.lower(params, fb)),
-                             f"{b} sequences x {length}; {'fused' if fs.sketcher.fused else 'vmap(grad)'} sketcher, "
-                             f"{b // fs.chunk_size} chunks"))
-    fb_len = lengths["target_sketcher"]
-    lp_args = (params, _sds((b, fb_len), jnp.int32, fsh), _sds((b, fb_len), jnp.int32, fsh),
-               _sds((b, fb_len), jnp.float32, fsh))
-    progs.append(Program("target_mean_logprob", lambda: fs._mean_lp.lower(*lp_args),
-                         f"lax.map of {b // fs.chunk_size} trips"))
+    b, fsh = fs.block_size, fs.block_sharding() or a.rep  # the run's numpy blocks: the default device
+    where = programs.mesh_shape(fs.sketcher.mesh)
+    block = lambda length: {"input_ids": _sds((b, length), jnp.int32, fsh),  # noqa: E731
+                            "attention_mask": _sds((b, length), jnp.int32, fsh),
+                            "loss_mask": _sds((b, length), jnp.float32, fsh)}
+    progs = [Program(name, (lambda fb=block(length): fs.sketcher.lower(a.params, fb)),
+                     f"{b} sequences x {length}; {'fused' if fs.sketcher.fused else 'vmap(grad)'} sketcher, "
+                     f"{b // fs.chunk_size} chunks", program="per_example_sketcher", mesh=where)
+             for name, length in lengths.items()]
+    lp = block(lengths["target_sketcher"])
+    progs.append(Program("target_mean_logprob", lambda: fs.mean_logprob.lower(a.params, lp["input_ids"],
+                                                                             lp["attention_mask"], lp["loss_mask"]),
+                         f"lax.map of {b // fs.chunk_size} trips", program="forced_mean_logprob",
+                         mesh=programs.mesh_shape(fs.sketcher.mesh)))
+    return progs
+
+
+# The programs of a run, in report order: each builder gives its rows of the report.
+PROGRAM_BUILDERS: tuple[Callable[[AbstractRun], list[Program]], ...] = (
+    sampler_programs, lm_programs, grpo_programs, metagradient_programs, sketcher_programs)
+
+
+def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
+    """Every jitted program of ``config`` at its real shapes on ``mesh``, from the run's own
+    constructors (:data:`PROGRAM_BUILDERS`), less those ``compile.programs`` leaves out (a list of
+    name prefixes; "" = all)."""
+    run = AbstractRun.build(config, cfg, mesh)
+    progs = [pr for builder in PROGRAM_BUILDERS for pr in builder(run)]
     only = [x.strip() for x in config.compile.programs.split(",") if x.strip()]
     return [pr for pr in progs if not only or any(pr.name.startswith(o) for o in only)]
-
-
-def metagradient_program(config: ml_collections.ConfigDict, graphdef, params, param_sh, state, state_sh,
-                         gbatch: dict, mesh) -> Program:
-    """``metagradient_step_vjp``: the backward of :class:`train.metagradient.MetaStep` for the configured
-    loss and ``metagradient.advantages``' first mode (the vjp of one weighted GRPO step in params, Adam
-    moments and weights), as the ``metagradient`` stage runs it once per replayed step; XLA's count
-    covers the whole program."""
-    from behaviortrace_jax.train import metagradient as mg_lib
-
-    spec = grpo.GRPOStepSpec.from_config(config)
-    mode = str(config.metagradient.advantages).split(",")[0].strip()
-    tx = train_state.make_optimizer(config.optim, differentiable=True)
-    step = mg_lib.make_weighted_step(graphdef, tx, spec, advantages=mode, std_floor=float(config.grpo.adv_std_floor))
-    data, rep = sharding.data_sharding(mesh), sharding.replicated(mesh)
-    batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
-    ref, ref_sh = (params, param_sh) if spec.loss_spec.needs_reference else (None, None)
-    meta = mg_lib.MetaStep(step, (param_sh, state_sh.opt_state, {k: data for k in batch}, data, ref_sh, rep),
-                           opt_state=state.opt_state)
-    weights = gbatch["advantages"]
-    floats = mg_lib.opt_float_leaves(state.opt_state)
-    return Program("metagradient_step_vjp", lambda: meta.backward.lower(params, state.opt_state, batch, weights, ref,
-                                                                        params, floats),
-                   f"{spec.shapes.num_rollouts} rollouts; advantages {mode}; held per step: params + "
-                   "Adam moments (the state) and their cotangents")
 
 
 def step_path(spec: grpo.GRPOStepSpec) -> str:

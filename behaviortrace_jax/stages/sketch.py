@@ -30,7 +30,7 @@ from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as be
 from behaviortrace_jax.io import checkpoints, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import decoder, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.sketch.stores import sketch_metadata
 from behaviortrace_jax.models.loader import ModelOptions, load_policy, policy_config
@@ -61,18 +61,20 @@ def select_rollout_checkpoints(spec: str, steps: list[int], target_step: int) ->
 
 
 class CheckpointLoader:
-    """Loads registered HF checkpoint exports as ``nnx.State`` params for one fixed graph."""
+    """Loads registered HF checkpoint exports as ``nnx.State`` params for one fixed graph, on the
+    run's mesh (``config.mesh``), where the sketchers run (as in the ``draws`` stage)."""
 
     def __init__(self, config: ml_collections.ConfigDict, first_dir: str):
         self.config = config
+        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
         self.options = ModelOptions.from_config(config.model)
         self.model_config = policy_config(first_dir, self.options)
         self.graphdef, self.abstract = nnx.split(decoder.abstract_model(self.model_config), nnx.Param)
 
     def params(self, hf_dir: str) -> Any:
-        """The parameters of ``hf_dir``; raises (hf_io) if it holds a different model."""
-        return load_policy(hf_dir, None, self.options, tokenizer=False).params
+        """The parameters of ``hf_dir`` on the mesh; raises (hf_io) if it holds a different model."""
+        return load_policy(hf_dir, self.mesh, self.options, tokenizer=False).params
 
 
 @register_stage("sketch")
@@ -86,7 +88,8 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     loader = CheckpointLoader(config, entries[0].path)
     tok, cfg = loader.tokenizer, loader.model_config
     probes = behavior.load_probes(config.behavior.probes_path or None)
-    forced = targets.ForcedSketcher.from_config(config, loader.graphdef, cfg, loader.abstract, tok_lib.pad_id(tok))
+    forced = targets.ForcedSketcher.from_config(config, loader.graphdef, cfg, loader.abstract, tok_lib.pad_id(tok),
+                                                 mesh=loader.mesh)
 
     meta = dict(sketch_metadata(config, cfg, "targets_continuation"), checkpoint_steps=steps)
     t_store = sketch_store.SketchStore.open_or_create(paths.sketch_store("targets_continuation"),
@@ -102,7 +105,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
         logging.info("sketch: continuation target at step %d (self-consistency %.3f)", e.step, ct.self_consistency)
 
-    for beh in behaviors_lib.behaviors_from_config(config)[1:]:  # issue 16: each other behaviour's targets
+    for beh in behaviors_lib.behaviors_from_config(config)[1:]:  # each other behaviour's targets
         extra_continuation_targets(config, paths, loader, forced, entries, beh)
 
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
@@ -113,7 +116,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 def extra_continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
                                forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry],
                                beh: behaviors_lib.Behavior) -> None:
-    """Another behaviour's continuation targets (issue 16): ``targets_continuation_<id>.zarr``
+    """Another behaviour's continuation targets: ``targets_continuation_<id>.zarr``
     float32 [C, D] and ``targets_<id>.json``, as the first behaviour's (its probes, its pattern)."""
     steps = [e.step for e in entries]
     meta = dict(sketch_metadata(config, loader.model_config, "targets_continuation"), checkpoint_steps=steps,

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from behaviortrace_jax.models import decoder, sharding
+from behaviortrace_jax.models import decoder, programs, sharding
 from behaviortrace_jax.sketch import sketcher, stores
 from behaviortrace_jax.train import grpo_loss, train_state
 
@@ -325,11 +325,13 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
         out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
     ref_sh = param_shardings if loss.needs_reference else None  # ref_params is None otherwise
     if not tables_arg:
-        return jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
-                       out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
+        return programs.jit("grpo_step", step, mesh=mesh,
+                            in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
+                            out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
     table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
-    jitted = jax.jit(step, in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh, table_sh),
-                     out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
+    jitted = programs.jit("grpo_step", step, mesh=mesh,
+                          in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh, table_sh),
+                          out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
     return _StepWithTables(jitted, rollout_sketcher, table_sh)
 
 

@@ -41,7 +41,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from behaviortrace_jax.models import decoder, sharding as shd, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, programs, sharding as shd, tokenizer as tok_lib
 from behaviortrace_jax.train.train_state import TrainState
 
 # ------------------------------------------------------------------------------------------------
@@ -349,6 +349,9 @@ class LMTrainer:
             output shardings, so donated buffers are reused and nothing recompiles.
 
     Attributes:
+        step_program: the jitted ``lm_step`` (``models/programs.py``): ``(state, prefix, batch) ->
+            (state, metrics)``, the state donated; ``loss_program``: the jitted ``lm_loss``,
+            ``(params, prefix, batch) -> (loss, n_targets)``.
         trace_count: times the step was traced: one per batch width (``PackedData.buckets``).
     """
 
@@ -359,10 +362,18 @@ class LMTrainer:
         self.graphdef, self.config, self.optimizer, self.mesh = graphdef, config, optimizer, mesh
         self.trace_count = 0
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else None
-        self.prefix = self._put(np.asarray(prefix, np.int32), self._replicated)
+        self._host_prefix, self._prefix = np.asarray(prefix, np.int32), None
         out_sh = None if mesh is None else (state_shardings, self._replicated)
-        self._step = jax.jit(self._step_impl, donate_argnums=0, out_shardings=out_sh)
-        self._loss = jax.jit(functools.partial(lm_loss, graphdef, config))
+        self.step_program = programs.jit("lm_step", self._step_impl, mesh=mesh, donate_argnums=0, out_shardings=out_sh)
+        self.loss_program = programs.jit("lm_loss", functools.partial(lm_loss, graphdef, config), mesh=mesh)
+
+    @property
+    def prefix(self) -> jax.Array:
+        """The shared prefix on the devices (replicated on the mesh), placed at its first use, so
+        that a trainer built for a compile-only mesh (the ``compile`` stage) places nothing."""
+        if self._prefix is None:
+            self._prefix = self._put(self._host_prefix, self._replicated)
+        return self._prefix
 
     @staticmethod
     def _put(x: Any, sharding: Any) -> Any:
@@ -393,11 +404,11 @@ class LMTrainer:
         Returns the new state and device scalars ``loss`` (before the update), ``grad_norm``
         (pre-clip global L2 norm) and ``targets`` (tokens in the loss). Nothing is synced.
         """
-        return self._step(state, self.prefix, self.put_batch(batch))
+        return self.step_program(state, self.prefix, self.put_batch(batch))
 
     def loss(self, params: Any, batch: dict[str, np.ndarray]) -> float:
         """The loss of ``params`` on a host batch (no update; synchronous)."""
-        return float(self._loss(params, self.prefix, self.put_batch(batch))[0])
+        return float(self.loss_program(params, self.prefix, self.put_batch(batch))[0])
 
     def fit(self, state: TrainState, data: PackedData, batch_indices: Callable[[int], np.ndarray], num_steps: int,
             *, log_every: int = 50, callback: Callable[[int, TrainState], bool] | None = None,

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from behaviortrace_jax.models import sharding
+from behaviortrace_jax.models import programs, sharding
 from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
 
 ADVANTAGE_MODES = ("logged", "recomputed")
@@ -189,16 +189,19 @@ class MetaStep:
             return vjp((ct_params, list(ct_opt)))
 
         if shardings is None:
-            self.forward, self.backward = jax.jit(step), jax.jit(backward)
+            self.forward = programs.jit("metagradient_step", step)
+            self.backward = programs.jit("metagradient_step_vjp", backward)
             return
         if opt_state is None:
             raise ValueError("MetaStep: shardings need the optimizer state's structure (opt_state=)")
         p_sh, o_sh, b_sh, w_sh, a_sh, out_sh = shardings
         fl_sh = [s for s, x in zip(jax.tree.leaves(o_sh), jax.tree.leaves(opt_state)) if _inexact(x)]
-        self.forward = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh),
-                               out_shardings=(p_sh, o_sh, out_sh))
-        self.backward = jax.jit(backward, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh, p_sh, fl_sh),
-                                out_shardings=(p_sh, fl_sh, w_sh))
+        mesh = next((s.mesh for s in jax.tree.leaves(p_sh) if isinstance(s, jax.sharding.NamedSharding)), None)
+        self.forward = programs.jit("metagradient_step", step, mesh=mesh, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh),
+                                    out_shardings=(p_sh, o_sh, out_sh))
+        self.backward = programs.jit("metagradient_step_vjp", backward, mesh=mesh,
+                                     in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh, p_sh, fl_sh),
+                                     out_shardings=(p_sh, fl_sh, w_sh))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,7 +346,7 @@ class RunMetagradient:
         ref_sh = start.param_shardings if self.ref_params is not None else None
         self.meta = MetaStep(step, (start.param_shardings, start.opt_shardings, {k: data for k in self.batch_keys},
                                     data, ref_sh, sharding.replicated(start.mesh)), opt_state=start.opt_state)
-        self.measure_grad = jax.jit(jax.value_and_grad(rp.measure.logp_margin))
+        self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(rp.measure.logp_margin))
         self.n = rp.shapes.num_rollouts
 
     def batches(self, stop: int) -> list[dict[str, jax.Array]]:

@@ -1,4 +1,4 @@
-"""Counterfactual GRPO replay (issue 13): re-run a finished run's logged updates with rollouts removed.
+"""Counterfactual GRPO replay: re-run a finished run's logged updates with rollouts removed.
 
 :class:`Replayer` restores the run's start state (the SFT warm-up's train state, AdamW moments
 included, with the ``grpo`` stage's own loader, :func:`start_state.load_start_state`), rebuilds
@@ -57,7 +57,7 @@ from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
 from behaviortrace_jax.train import grpo_loss, grpo_step
 from behaviortrace_jax.train.start_state import load_start_state
@@ -71,7 +71,9 @@ class BehaviorMeasure:
 
     ``measure(params)`` -> ``{"logp_probe", "logp_control", "logp_margin"}`` (mean over prompts of
     the mean log-prob of the " QZXBT" tokens after the chat prompt; margin = probe - control) and,
-    with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8).
+    with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8). ``mean_logprob`` is the
+    jitted ``replay_measure`` (``models/programs.py``): ``(params, ids, attention_mask, weights)`` ->
+    float32 [probes + controls], the masked mean log-prob of each prompt's continuation.
     """
 
     def __init__(self, graphdef, model_cfg, tok, config: ml_collections.ConfigDict, mesh, *, rates: bool = True,
@@ -95,7 +97,7 @@ class BehaviorMeasure:
             m = w[:, 1:]
             return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
-        self._mean_lp = jax.jit(mean_lp)
+        self.mean_logprob = programs.jit("replay_measure", mean_lp, mesh=mesh)
         self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates or sampled else None
         self.greedy, self.sampled = bool(rates), int(sampled)
         self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
@@ -104,11 +106,11 @@ class BehaviorMeasure:
     def logp_margin(self, params) -> jax.Array:
         """``logp_margin`` of :meth:`measure` as a float32 scalar that ``jax.grad`` differentiates
         (the metagradient's M, ``train/metagradient.py``; :meth:`measure` averages in float64)."""
-        lp = self._mean_lp(params, self.ids, self.attn, self.w)
+        lp = self.mean_logprob(params, self.ids, self.attn, self.w)
         return jnp.mean(lp[:self.n_probes]) - jnp.mean(lp[self.n_probes:])
 
     def measure(self, params) -> dict[str, float]:
-        lp = np.asarray(sharding.to_host(self._mean_lp(params, self.ids, self.attn, self.w)), np.float64)
+        lp = np.asarray(sharding.to_host(self.mean_logprob(params, self.ids, self.attn, self.w)), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
         out["logp_margin"] = out["logp_probe"] - out["logp_control"]
         if self.greedy:
