@@ -343,9 +343,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     Returns:
         (rows, {"behaviors": {id: verdicts.json dict}, "specificity": [verdict dicts]}).
     """
-    ev = config.evaluation
     behs = behaviors_lib.behaviors_from_config(config)
-    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     records = list(rollout_log.read_rollouts(paths.rollouts))
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
@@ -371,44 +369,66 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
                                                                                int(gt[beh.id][p].sum()))
         if beh.first:
             continue
-        bconf = behaviors_lib.behavior_config(config, beh)
         write_behavior_release(config, paths, beh, records, step_sk, step_scores[beh.id])
-        if not gt_ids:
-            logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
-            out["behaviors"][beh.id] = {"decision_rules": [], "checklist": [], "gt_size": 0}
-            continue
-        rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
-                                  delta=ev.fluency_match_delta, step_margin=ev.step_margin,
-                                  max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
-                                  rollouts_per_step=n_per_step)
-        b_rows = list(rep.rows)
-        if roll_sk is not None:
-            sd = rep.seeds[0]
-            b_rows += tables.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores[beh.id],
-                                                  nonzero_steps=sd.header["nonzero_steps"],
-                                                  early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
-                                                  rng_seed=int(config.seed), advantages=log["advantages"])
-        b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
-                                          target_path=target_path)
-        b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
-        out["behaviors"][beh.id] = dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
-        rows += _suffixed(b_rows, beh.table_suffix)
+        b_rows, out["behaviors"][beh.id] = _behavior_tables(config, paths, beh, gt_ids, target_path, ids, steps,
+                                                            roll_scores.get(beh.id), advantages=log["advantages"])
+        rows += b_rows
     usable = [b.id for b in behs if gt[b.id][pops[b.id]].any()]
     spec_rows: list[formats.Row] = []
     if len(usable) >= 2:
-        label = str(int(config.seed))
-        sub = lambda d: {k: d[k] for k in usable}  # noqa: E731
-        # one method's scores under two targets: the weighted sketch methods with norm-only and random (the
-        # controls that read the training log, and the direction variants, are left out)
-        scored = lambda d: {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m)  # noqa: E731
-                                and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)}
-                            for k in usable}
-        spec_rows += specificity.specificity_rows(label, "step", steps, sub(pops), sub(gt), scored(step_scores),
-                                                  nboot=ev.nboot, rng_seed=int(config.seed), ceiling=sub(ceilings))
-        if roll_sk is not None:
-            spec_rows += specificity.specificity_rows(label, "rollout", steps, sub(pops), sub(gt), scored(roll_scores),
-                                                      nboot=ev.nboot, rng_seed=int(config.seed))
+        spec_rows = _specificity_rows(config, steps, {k: pops[k] for k in usable}, {k: gt[k] for k in usable},
+                                      step_scores, roll_scores if roll_sk is not None else None, ceilings)
     else:
         logging.warning("evaluate: specificity needs ground truth of >= 2 behaviours in their windows; have %s", usable)
     out["specificity"] = [v.to_dict() for v in specificity.specificity_verdicts(spec_rows)]
     return rows + spec_rows, out
+
+
+def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior,
+                     gt_ids: set[str], target_path: pathlib.Path, ids: list[str], steps: np.ndarray,
+                     roll_scores: dict[str, np.ndarray] | None, *, advantages: np.ndarray
+                     ) -> tuple[list[formats.Row], dict]:
+    """Another behaviour's tables (names suffixed ``@<id>``) from its release folder, which-rollout
+    (``roll_scores``: its rollout-sketch scores of the log's ``ids`` / ``steps``; None without in-run
+    rollout sketches) and training-rollout tables, and its verdicts.json dict (with ``gt_size``)."""
+    ev = config.evaluation
+    if not gt_ids:
+        logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
+        return [], {"decision_rules": [], "checklist": [], "gt_size": 0}
+    bconf = behaviors_lib.behavior_config(config, beh)
+    rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
+                              delta=ev.fluency_match_delta, step_margin=ev.step_margin,
+                              max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
+                              rollouts_per_step=config.grpo.prompts_per_step * config.grpo.group_size)
+    b_rows = list(rep.rows)
+    if roll_scores is not None:
+        sd = rep.seeds[0]
+        b_rows += tables.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores,
+                                              nonzero_steps=sd.header["nonzero_steps"],
+                                              early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
+                                              rng_seed=int(config.seed), advantages=advantages)
+    b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
+                                      target_path=target_path)
+    b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
+    return _suffixed(b_rows, beh.table_suffix), dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
+
+
+def _specificity_rows(config: ml_collections.ConfigDict, steps: np.ndarray, pops: dict[str, np.ndarray],
+                      gt: dict[str, np.ndarray], step_scores: dict, roll_scores: dict | None,
+                      ceilings: dict[str, float]) -> list[formats.Row]:
+    """The specificity rows (``attribution.specificity``) of the behaviours of ``pops`` / ``gt`` (those
+    with ground truth in their window), at step level and, given ``roll_scores``, at rollout level."""
+    ev, label = config.evaluation, str(int(config.seed))
+
+    def scored(d: dict) -> dict:
+        """One method's scores under two targets: the weighted sketch methods with norm-only and random
+        (the controls that read the training log, and the direction variants, are left out)."""
+        return {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m)
+                    and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)} for k in pops}
+
+    rows = specificity.specificity_rows(label, "step", steps, pops, gt, scored(step_scores), nboot=ev.nboot,
+                                        rng_seed=int(config.seed), ceiling={k: ceilings[k] for k in pops})
+    if roll_scores is not None:
+        rows += specificity.specificity_rows(label, "rollout", steps, pops, gt, scored(roll_scores),
+                                             nboot=ev.nboot, rng_seed=int(config.seed))
+    return rows
