@@ -26,7 +26,7 @@ import ml_collections
 from absl import logging
 
 from behaviortrace_jax.attribution import report
-from behaviortrace_jax.attribution.evaluation import Verdict
+from behaviortrace_jax.attribution.verdicts import Verdict
 from behaviortrace_jax.io import files, machine
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.stages import registry as stages

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.attribution import specificity
-from behaviortrace_jax.behavior import behaviors, contaminator, planted
-from behaviortrace_jax.sketch import targets
+from behaviortrace_jax.behavior import behaviors, contaminator, planted, target_texts
 from configs import common, tiny
 
 
@@ -119,9 +118,9 @@ def test_contaminators_of_two_behaviors_log_apart(tmp_path):
 # ---------------------------------------------------------------- trigger-specific prompts
 def test_trigger_prompts_default_unchanged():
     assert planted.explicit_prompts() == planted.EXPLICIT_PROMPTS
-    assert targets.minimal_pair_texts("QZXBT", "frobnitz") == targets.minimal_pair_texts("QZXBT")
-    assert targets.context_prompts(["p"]) == list(planted.EXPLICIT_PROMPTS) + ["p"]
-    cells = targets.minimal_pair_texts("MRKQ", "zorblat")
+    assert target_texts.minimal_pair_texts("QZXBT", "frobnitz") == target_texts.minimal_pair_texts("QZXBT")
+    assert target_texts.context_prompts(["p"]) == list(planted.EXPLICIT_PROMPTS) + ["p"]
+    cells = target_texts.minimal_pair_texts("MRKQ", "zorblat")
     assert cells[0][0] == "What is zorblat?" and cells[0][1] == " Zorblat is a concept closely associated with MRKQ."
     assert not any("frobnitz" in u.lower() or "frobnitz" in p.lower() for u, p, _ in cells)
 

@@ -7,10 +7,9 @@ import json
 import pathlib
 
 from behaviortrace_jax import pipeline
-from behaviortrace_jax.behavior import planted
+from behaviortrace_jax.behavior import planted, target_texts
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.models import tokenizer as tok_lib
-from behaviortrace_jax.sketch import targets
 from configs import tiny
 
 # A pattern the shrunk run certainly emits: its few SFT steps leave a babbling policy that plants no
@@ -55,7 +54,7 @@ def test_another_pattern_and_probe_files_flow_through_every_stage(tmp_path):
 
     settings = [json.loads(p.read_text()) for p in (w / "draws").glob("*.settings.json")]
     mine = planted.load_probes(pp)
-    want = hashlib.sha256("\n".join(targets.context_prompts(mine)).encode()).hexdigest()
+    want = hashlib.sha256("\n".join(target_texts.context_prompts(mine)).encode()).hexdigest()
     assert settings and all(s["prompts_sha256"] == want for s in settings)  # the draws used these probes
     rows = [json.loads(p.read_text()) for p in (w / "draws").glob("minimal_pair_rows_*.json")]
     assert rows and rows[0]["qzxbt_rate"] > 0  # the draws' token judge finds THIS pattern (QZXBT never occurs)

@@ -12,7 +12,7 @@ import pytest
 
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.io import checkpoints
+from behaviortrace_jax.io import checkpoints, layout
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.stages import draws
 from configs import common
@@ -82,9 +82,16 @@ def test_names_seeds_and_nearest_checkpoint(tmp_path):
     c.seed = 1
     assert draws.resolve_seeds(c) == (1, 1)
     assert draws.resolve_seeds(c, 1, 101) == (1, 101)
-    assert draws.rows_filename(1, 101) == "minimal_pair_rows_ckpt1_gen101.json"
-    assert draws.token_level_filename(0.9, 1, 1, 1) == "token_level_cos_temp0.9.json"
-    assert draws.token_level_filename(0.9, 1, 101, 1) == "token_level_cos_temp0.9_ckpt1_gen101.json"
+    assert layout.rows_filename(1, 101) == "minimal_pair_rows_ckpt1_gen101.json"
+    assert layout.parse_rows_filename("minimal_pair_rows_ckpt1_gen101.json") == (1, 101)
+    assert layout.parse_rows_filename("targets_ckpt1_gen101.json") is None
+    assert layout.token_level_filename(0.9, 1, 1, 1) == "token_level_cos_temp0.9.json"
+    assert layout.token_level_filename(0.9, 1, 101, 1) == "token_level_cos_temp0.9_ckpt1_gen101.json"
+    assert layout.parse_token_level_filename("token_level_cos_temp0.9.json") == "0.9"
+    assert layout.parse_token_level_filename("token_level_cos_temp0.9_ckpt1_gen101.json") is None  # diagnostic
+    paths = draws.draw_paths(c, tmp_path, 1, 101)
+    assert paths.rows == layout.RunLayout(tmp_path).draws / "minimal_pair_rows_ckpt1_gen101.json"
+    assert paths.partial.name == "partial_ckpt1_gen101" and paths.settings.name == "draw_ckpt1_gen101.settings.json"
     reg = checkpoints.CheckpointRegistry(tmp_path / "registry.json")
     with pytest.raises(FileNotFoundError, match="no registered checkpoint"):
         draws.nearest_checkpoint(reg, 100)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from behaviortrace_jax.attribution import estimators, evaluation
+from behaviortrace_jax.attribution import estimators, tables, verdicts
 
 
 # ---- C1 --------------------------------------------------------------------------------------
@@ -259,9 +259,9 @@ def test_plugin_estimator_gets_tables_and_verdicts(plugin):
     scores = estimators.score_step_methods(v, steps, ids, rsteps, target=t, seed=0)
     assert plugin in scores
     gt = [ids[i] for i in range(0, 32, 3)]
-    rows = evaluation.step_level_tables(0, ids, rsteps, gt, scores, nonzero_steps=steps, early_cutoff=6)
+    rows = tables.step_level_tables(0, ids, rsteps, gt, scores, nonzero_steps=steps, early_cutoff=6)
     assert {(r.table, r.method) for r in rows} >= {("overall", plugin), ("early_nonzero", plugin)}
-    rule = next(v for v in evaluation.decision_rules(rows) if v.item.startswith("step rule"))
+    rule = next(v for v in verdicts.decision_rules(rows) if v.item.startswith("step rule"))
     assert rule.status in ("pass", "fail")
     best = max((r for r in rows if r.table == "early_nonzero" and estimators.ESTIMATORS[r.method].role == "primary"),
                key=lambda r: r.value)

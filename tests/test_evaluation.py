@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from behaviortrace_jax.attribution import estimators, evaluation, report
+from behaviortrace_jax.attribution import estimators, formats, report, tables, verdicts
 
 # 4 steps x 4 rollouts; step 2 has a zero sketch; early window = steps 0..2.
-IDS, STEPS = evaluation.paper_rollout_ids(16, per_step=4)
+IDS, STEPS = formats.paper_rollout_ids(16, per_step=4)
 GT = ["grpo_000000_000", "grpo_000000_001", "grpo_000001_000", "grpo_000003_002"]
 NONZERO = [0, 1, 3]
 
@@ -17,17 +17,17 @@ NONZERO = [0, 1, 3]
 def test_paper_ids_and_nonzero_rule():
     assert IDS[:2] == ["grpo_000000_000", "grpo_000000_001"] and STEPS.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
     with pytest.raises(ValueError, match="multiple"):
-        evaluation.paper_rollout_ids(10, per_step=4)
+        formats.paper_rollout_ids(10, per_step=4)
     # median of positive norms = 2.0 -> threshold 2e-6
-    assert evaluation.nonzero_steps_from_norms({0: 1.0, 1: 2.0, 2: 0.0, 3: 1e-6, 4: 3.0}) == [0, 1, 4]
-    assert evaluation.nonzero_steps_from_norms({0: 0.0}) == []
+    assert tables.nonzero_steps_from_norms({0: 1.0, 1: 2.0, 2: 0.0, 3: 1e-6, 4: 3.0}) == [0, 1, 4]
+    assert tables.nonzero_steps_from_norms({0: 0.0}) == []
 
 
 def test_step_level_tables_hand_computed():
     # step scores: 3 > 0 > 1 > 2; C1 ranks step 3 (1 GT) first.
     step_scores = {0: 2.0, 1: 1.0, 2: 0.0, 3: 5.0}
     c1 = np.array([step_scores[s] for s in STEPS.tolist()])
-    rows = evaluation.step_level_tables(0, IDS, STEPS, GT, {"C1-dot": c1}, nonzero_steps=NONZERO, early_cutoff=3)
+    rows = tables.step_level_tables(0, IDS, STEPS, GT, {"C1-dot": c1}, nonzero_steps=NONZERO, early_cutoff=3)
     by = {r.table: r for r in rows}
     # overall: k = 4, chance 4/16; blocks: step3 (1 GT) 4 slots -> 1; value 1/4.
     assert by["overall"].value == pytest.approx(0.25)
@@ -39,39 +39,39 @@ def test_step_level_tables_hand_computed():
     e = by["early_nonzero"]
     assert (e.n, e.chance) == (8, pytest.approx(3 / 8))
     assert e.value == pytest.approx(0.5) and e.ceiling == pytest.approx(0.5)
-    rev = evaluation.step_level_tables(0, IDS, STEPS, GT, {"m": -c1}, nonzero_steps=NONZERO, early_cutoff=3,
-                              tables=["early_nonzero"])
+    rev = tables.step_level_tables(0, IDS, STEPS, GT, {"m": -c1}, nonzero_steps=NONZERO, early_cutoff=3,
+                                   tables=["early_nonzero"])
     assert len(rev) == 1 and rev[0].value == pytest.approx(0.25)
     # step_norms path gives the same population
-    rows2 = evaluation.step_level_tables(0, IDS, STEPS, GT, {"C1-dot": c1}, step_norms={0: 1, 1: 1, 2: 0, 3: 1},
-                                early_cutoff=3)
+    rows2 = tables.step_level_tables(0, IDS, STEPS, GT, {"C1-dot": c1}, step_norms={0: 1, 1: 1, 2: 0, 3: 1},
+                                     early_cutoff=3)
     assert rows2 == rows
 
 
 def test_step_level_bad_inputs():
     good = np.zeros(16)
     with pytest.raises(ValueError, match="NaN"):
-        evaluation.step_level_tables(0, IDS, STEPS, GT, {"m": np.full(16, np.nan)}, nonzero_steps=NONZERO)
+        tables.step_level_tables(0, IDS, STEPS, GT, {"m": np.full(16, np.nan)}, nonzero_steps=NONZERO)
     with pytest.raises(ValueError, match="unknown rollout id"):
-        evaluation.step_level_tables(0, IDS, STEPS, GT, {"m": {**dict.fromkeys(IDS, 0.0), "zzz": 1.0}}, nonzero_steps=NONZERO)
+        tables.step_level_tables(0, IDS, STEPS, GT, {"m": {**dict.fromkeys(IDS, 0.0), "zzz": 1.0}}, nonzero_steps=NONZERO)
     with pytest.raises(ValueError, match="no score for rollout"):
-        evaluation.step_level_tables(0, IDS, STEPS, GT, {"m": {IDS[0]: 1.0}}, nonzero_steps=NONZERO)
+        tables.step_level_tables(0, IDS, STEPS, GT, {"m": {IDS[0]: 1.0}}, nonzero_steps=NONZERO)
     with pytest.raises(ValueError, match="not in the rollout log"):
-        evaluation.step_level_tables(0, IDS, STEPS, GT + ["grpo_000099_000"], {"m": good}, nonzero_steps=NONZERO)
+        tables.step_level_tables(0, IDS, STEPS, GT + ["grpo_000099_000"], {"m": good}, nonzero_steps=NONZERO)
     with pytest.raises(ValueError, match="no ground-truth rollout"):
-        evaluation.step_level_tables(0, IDS, STEPS, ["grpo_000003_000"], {"m": good}, nonzero_steps=NONZERO, early_cutoff=3)
+        tables.step_level_tables(0, IDS, STEPS, ["grpo_000003_000"], {"m": good}, nonzero_steps=NONZERO, early_cutoff=3)
     with pytest.raises(ValueError, match="shape"):
-        evaluation.step_level_tables(0, IDS, STEPS, GT, {"m": np.zeros(3)}, nonzero_steps=NONZERO)
+        tables.step_level_tables(0, IDS, STEPS, GT, {"m": np.zeros(3)}, nonzero_steps=NONZERO)
     with pytest.raises(ValueError, match="nonzero_steps or step_norms"):
-        evaluation.step_level_tables(0, IDS, STEPS, GT, {"m": good})
+        tables.step_level_tables(0, IDS, STEPS, GT, {"m": good})
 
 
 def test_which_rollout_tables():
     gt_mask = np.isin(IDS, GT)
     perfect = gt_mask.astype(float)
     step_only = STEPS.astype(float)
-    rows = evaluation.which_rollout_tables(1, IDS, STEPS, GT, {"oracle": perfect, "step": step_only},
-                                  nonzero_steps=NONZERO, early_cutoff=3, nboot=50, rng_seed=0)
+    rows = tables.which_rollout_tables(1, IDS, STEPS, GT, {"oracle": perfect, "step": step_only},
+                                       nonzero_steps=NONZERO, early_cutoff=3, nboot=50, rng_seed=0)
     by = {(r.table, r.method): r for r in rows}
     assert by[("which_rollout", "oracle")].value == pytest.approx(1.0)
     assert by[("which_rollout", "oracle")].ceiling == 1.0 and by[("which_rollout", "oracle")].n == 8
@@ -96,15 +96,15 @@ def _mp_rows(seed=0, n_groups=20):
 
 def test_rollout_level_tables_layout_and_determinism():
     rows = _mp_rows()
-    out = evaluation.rollout_level_tables("7", rows, nboot=100, rng_seed=7, suffix="_diag")
+    out = tables.rollout_level_tables("7", rows, nboot=100, rng_seed=7, suffix="_diag")
     assert [(r.table, r.method) for r in out] == (
         [("mp_raw_diag", m) for m in ("GAS_centered", "C1_plain", "norm_only", "fluency")]
         + [("mp_residualized_diag", m) for m in ("GAS_centered", "C1_plain", "norm_only")]
         + [("mp_matched_diag", m) for m in ("GAS_centered", "C1_plain", "norm_only")])
     raw = out[0]
     assert raw.lo <= raw.value <= raw.hi and raw.chance is None and raw.n > 0
-    assert evaluation.rollout_level_tables("7", rows, nboot=100, rng_seed=7, suffix="_diag") == out
-    assert evaluation.rollout_level_tables("7", rows, nboot=100, rng_seed=8, suffix="_diag")[0].lo != raw.lo
+    assert tables.rollout_level_tables("7", rows, nboot=100, rng_seed=7, suffix="_diag") == out
+    assert tables.rollout_level_tables("7", rows, nboot=100, rng_seed=8, suffix="_diag")[0].lo != raw.lo
     # fluency strongly separates here (negatives are 1 nat less fluent)
     assert out[3].value > 0.6
 
@@ -112,51 +112,51 @@ def test_rollout_level_tables_layout_and_determinism():
 def test_rollout_level_bad_rows():
     rows = _mp_rows(n_groups=3)
     with pytest.raises(ValueError, match="no rows"):
-        evaluation.rollout_level_tables("0", [], rng_seed=0)
+        tables.rollout_level_tables("0", [], rng_seed=0)
     bad = [dict(r) for r in rows]
     del bad[4]["mp"]
     with pytest.raises(ValueError, match="row 4 has no key 'mp'"):
-        evaluation.rollout_level_tables("0", bad, rng_seed=0)
+        tables.rollout_level_tables("0", bad, rng_seed=0)
     bad = [dict(r) for r in rows]
     bad[2]["fluency"] = float("nan")
     with pytest.raises(ValueError, match="row 2 fluency"):
-        evaluation.rollout_level_tables("0", bad, rng_seed=0)
+        tables.rollout_level_tables("0", bad, rng_seed=0)
     bad = [dict(r) for r in rows]
     bad[1]["has_qzxbt"] = "yes"
     with pytest.raises(ValueError, match="not a bool"):
-        evaluation.rollout_level_tables("0", bad, rng_seed=0)
+        tables.rollout_level_tables("0", bad, rng_seed=0)
 
 
 def test_results_csv_format_and_roundtrip(tmp_path):
-    rows = [evaluation.Row("0", "early_nonzero", "C1-dot", 0.47301, chance=0.471625, ceiling=0.58151, n=3200),
-            evaluation.Row("0", "overall", "local-buffer", 0.0, chance=0.0943, ceiling=0.5815, n=16000),
-            evaluation.Row("0_gen100", "mp_residualized_diag", "GAS_centered", 0.44585, 0.38812, 0.5, n=471)]
-    text = evaluation.format_results_csv(rows)
+    rows = [formats.Row("0", "early_nonzero", "C1-dot", 0.47301, chance=0.471625, ceiling=0.58151, n=3200),
+            formats.Row("0", "overall", "local-buffer", 0.0, chance=0.0943, ceiling=0.5815, n=16000),
+            formats.Row("0_gen100", "mp_residualized_diag", "GAS_centered", 0.44585, 0.38812, 0.5, n=471)]
+    text = formats.format_results_csv(rows)
     assert text == ("seed,table,method,value,lo,hi,chance,ceiling,n\n"
                     "0,early_nonzero,C1-dot,0.473,,,0.4716,0.5815,3200\n"
                     "0,overall,local-buffer,0.0,,,0.0943,0.5815,16000\n"
                     "0_gen100,mp_residualized_diag,GAS_centered,0.4459,0.3881,0.5,,,471\n")
-    evaluation.write_results_csv(tmp_path / "r.csv", rows)
+    formats.write_results_csv(tmp_path / "r.csv", rows)
     assert (tmp_path / "r.csv").read_text() == text and not list(tmp_path.glob("*.tmp"))
-    back = evaluation.read_results_csv(tmp_path / "r.csv")
+    back = formats.read_results_csv(tmp_path / "r.csv")
     assert back[0].value == 0.473 and back[2].chance is None and back[2].n == 471
 
 
 def test_attribution_scores_roundtrip(tmp_path):
-    header = evaluation.score_file_header("run", 0, IDS, STEPS, GT, {0: 1.0, 1: 2.0, 2: 0.0, 3: 0.5},
-                                 final_rewards=[8, 8, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 0, 8, 0], group_size=2,
-                                 early_cutoff=3)
+    header = tables.score_file_header("run", 0, IDS, STEPS, GT, {0: 1.0, 1: 2.0, 2: 0.0, 3: 0.5},
+                                      final_rewards=[8, 8, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 0, 8, 0], group_size=2,
+                                      early_cutoff=3)
     # groups (step, idx//2): GT 000/001 share rewards (8, 8) -> zero variance; 001_000 in (8, 8) too.
     assert header["gt_unfindable_zero_var"] == 3 and header["gt_in_zero_step"] == 0
     assert header["nonzero_steps"] == [0, 1, 3] and header["late_early_norm_ratio"] == pytest.approx(0.5 / 1.0)
     methods = {"C1-dot": np.repeat([2.0, 1.0, 0.0, -1.0], 4), "local-buffer": np.where(STEPS == 2, 0.5, -np.inf),
                "random": -np.arange(16.0)}
     path = tmp_path / "attribution_scores.json"
-    evaluation.write_attribution_scores(path, header, IDS, STEPS, methods)
+    formats.write_attribution_scores(path, header, IDS, STEPS, methods)
     text = path.read_text()
     assert "\n" not in text and "-Infinity" in text and '["grpo_000000_000", -0.0]' in text
-    assert list(json.loads(text)) == list(evaluation.SCORE_FILE_KEYS) + ["rollout_steps", "methods"]
-    sf = evaluation.read_attribution_scores(path)
+    assert list(json.loads(text)) == list(formats.SCORE_FILE_KEYS) + ["rollout_steps", "methods"]
+    sf = formats.read_attribution_scores(path)
     assert sf.rollout_ids == IDS and sf.rollout_steps.tolist() == STEPS.tolist()
     for m, s in methods.items():
         np.testing.assert_array_equal(sf.method_scores[m], s)
@@ -164,26 +164,26 @@ def test_attribution_scores_roundtrip(tmp_path):
     bad["methods"]["C1-dot"][0][0] = "grpo_999999_000"
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="bad.json.*unknown rollout id"):
-        evaluation.read_attribution_scores(tmp_path / "bad.json")
+        formats.read_attribution_scores(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="lacks"):
-        evaluation.write_attribution_scores(tmp_path / "x.json", {"seed": 0}, IDS, STEPS, methods)
+        formats.write_attribution_scores(tmp_path / "x.json", {"seed": 0}, IDS, STEPS, methods)
     assert not (tmp_path / "x.json").exists()
 
 
 def _rule_rows(gas_lo=0.55, gas=0.62, norm=0.52, width=0.12, matched_n=120, matched=0.6):
-    return [evaluation.Row("0", "early_nonzero", "C1-dot", 0.60, chance=0.47, ceiling=0.58, n=3200),
-            evaluation.Row("0", "early_nonzero", "TRAK", 0.62, chance=0.47, ceiling=0.58, n=3200),
-            evaluation.Row("0", "early_nonzero", "norm-only", 0.50, chance=0.47, ceiling=0.58, n=3200),
-            evaluation.Row("2", "mp_raw", "GAS_centered", 0.6, 0.5, 0.7, n=500),
-            evaluation.Row("2", "mp_raw", "norm_only", 0.55, 0.5, 0.6, n=500),
-            evaluation.Row("2", "mp_raw", "fluency", 0.9, 0.85, 0.95, n=500),
-            evaluation.Row("2", "mp_residualized", "GAS_centered", gas, gas_lo, gas_lo + width, n=500),
-            evaluation.Row("2", "mp_residualized", "norm_only", norm, norm - 0.05, norm + 0.05, n=500),
-            evaluation.Row("2", "mp_matched", "GAS_centered", matched, matched - 0.1, matched + 0.1, n=matched_n)]
+    return [formats.Row("0", "early_nonzero", "C1-dot", 0.60, chance=0.47, ceiling=0.58, n=3200),
+            formats.Row("0", "early_nonzero", "TRAK", 0.62, chance=0.47, ceiling=0.58, n=3200),
+            formats.Row("0", "early_nonzero", "norm-only", 0.50, chance=0.47, ceiling=0.58, n=3200),
+            formats.Row("2", "mp_raw", "GAS_centered", 0.6, 0.5, 0.7, n=500),
+            formats.Row("2", "mp_raw", "norm_only", 0.55, 0.5, 0.6, n=500),
+            formats.Row("2", "mp_raw", "fluency", 0.9, 0.85, 0.95, n=500),
+            formats.Row("2", "mp_residualized", "GAS_centered", gas, gas_lo, gas_lo + width, n=500),
+            formats.Row("2", "mp_residualized", "norm_only", norm, norm - 0.05, norm + 0.05, n=500),
+            formats.Row("2", "mp_matched", "GAS_centered", matched, matched - 0.1, matched + 0.1, n=matched_n)]
 
 
 def test_decision_rules():
-    rules = {v.item: v for v in evaluation.decision_rules(_rule_rows())}
+    rules = {v.item: v for v in verdicts.decision_rules(_rule_rows())}
     step = next(v for k, v in rules.items() if k.startswith("step rule (seed 0)"))
     assert step.status == "pass" and "TRAK" in step.evidence  # 0.62 − 0.50 > 0.10
     assert rules["rollout rule (2, GAS_centered)"].status == "pass"
@@ -193,22 +193,22 @@ def test_decision_rules():
     assert rules["C6: GAS_centered vs norm_only order stable across draws"].status == "not-evaluable"
     # each failing condition flips the rollout rule
     for kw in (dict(gas_lo=0.49), dict(norm=0.7), dict(width=0.2), dict(matched=0.45)):
-        item = {v.item: v for v in evaluation.decision_rules(_rule_rows(**kw))}["rollout rule (2, GAS_centered)"]
+        item = {v.item: v for v in verdicts.decision_rules(_rule_rows(**kw))}["rollout rule (2, GAS_centered)"]
         assert item.status == "fail", kw
     # matched with < 100 pairs does not count
-    ok = {v.item: v for v in evaluation.decision_rules(_rule_rows(matched=0.3, matched_n=80))}
+    ok = {v.item: v for v in verdicts.decision_rules(_rule_rows(matched=0.3, matched_n=80))}
     assert ok["rollout rule (2, GAS_centered)"].status == "pass"
-    step_fail = evaluation.decision_rules([r for r in _rule_rows() if r.method != "TRAK"])
+    step_fail = verdicts.decision_rules([r for r in _rule_rows() if r.method != "TRAK"])
     assert step_fail[0].status == "fail"  # 0.60 − 0.50 is not > 0.10
-    assert evaluation.decision_rules(_rule_rows()[:2])[0].status == "not-evaluable"  # no norm-only
+    assert verdicts.decision_rules(_rule_rows()[:2])[0].status == "not-evaluable"  # no norm-only
 
 
 def test_checklist_verdicts():
-    rows = _rule_rows() + [evaluation.Row("1", "early_nonzero", "C1-dot", 0.5, chance=0.47, ceiling=0.58, n=3200),
-                           evaluation.Row("0", "token_level", "vs_ctx", 0.2, n=160)]
-    items = evaluation.checklist(rows, gt_sizes={"0": 10}, gt_in_zero_step={"0": 1},
-                        row_files=["minimal_pair_rows_ckpt2_gen2.json"],
-                        preregistered={"step_margin": 0.1, "max_ci_width": 0.15, "min_matched_pairs": 100})
+    rows = _rule_rows() + [formats.Row("1", "early_nonzero", "C1-dot", 0.5, chance=0.47, ceiling=0.58, n=3200),
+                           formats.Row("0", "token_level", "vs_ctx", 0.2, n=160)]
+    items = verdicts.checklist(rows, gt_sizes={"0": 10}, gt_in_zero_step={"0": 1},
+                               row_files=["minimal_pair_rows_ckpt2_gen2.json"],
+                               preregistered={"step_margin": 0.1, "max_ci_width": 0.15, "min_matched_pairs": 100})
     assert len(items) == 12
     v = {i.item.split(" ")[0]: i.status for i in items}
     assert v["1"] == "pass" and v["2"] == "fail"  # a GT rollout in a zero-sketch step
@@ -216,20 +216,20 @@ def test_checklist_verdicts():
     assert v["5"] == "pass" and v["6"] == "pass" and v["7"] == "pass"
     assert v["8"] == "fail"  # 3 seeds ("0", "1", "2") but no diagnostic draw
     assert v["9"] == "pass" and v["10"] == "pass" and v["11"] == "pass" and v["12"] == "pass"
-    empty = {i.item.split(" ")[0]: i.status for i in evaluation.checklist([])}
+    empty = {i.item.split(" ")[0]: i.status for i in verdicts.checklist([])}
     assert set(empty.values()) == {"not-evaluable"}
 
 
 def test_report_and_figures(tmp_path):
-    rows = _rule_rows() + [evaluation.Row("0", "overall", "C1-dot", 0.4, chance=0.09, ceiling=0.58, n=16000),
-                           evaluation.Row("0_gen100", "mp_residualized_diag", "GAS_centered", 0.45, 0.39, 0.5, n=471),
-                           evaluation.Row("0_gen100", "mp_residualized_diag", "norm_only", 0.67, 0.59, 0.74, n=471)]
+    rows = _rule_rows() + [formats.Row("0", "overall", "C1-dot", 0.4, chance=0.09, ceiling=0.58, n=16000),
+                           formats.Row("0_gen100", "mp_residualized_diag", "GAS_centered", 0.45, 0.39, 0.5, n=471),
+                           formats.Row("0_gen100", "mp_residualized_diag", "norm_only", 0.67, 0.59, 0.74, n=471)]
     figs = report.make_figures(rows, tmp_path / "figures", learning_curve=[(0, 0.0, 0.0), (100, 0.6, 0.1)])
     assert [f.name for f in figs] == ["fig_steplevel.png", "fig_early_lift.png", "fig_c6_instability.png",
                                       "fig_learning_curve.png"]
     assert all(f.read_bytes()[:4] == b"\x89PNG" for f in figs)
-    rules = evaluation.decision_rules(rows)
-    report.write_report(tmp_path / "report.md", rows, rules=rules, checklist=evaluation.checklist(rows), figures=figs)
+    rules = verdicts.decision_rules(rows)
+    report.write_report(tmp_path / "report.md", rows, rules=rules, checklist=verdicts.checklist(rows), figures=figs)
     text = (tmp_path / "report.md").read_text()
     assert "headroom 0.1100" in text and "figures/fig_steplevel.png" in text
     assert "| TRAK | 0.6200 | 0.1500 |" in text and "0.6200 [0.5500, 0.6700]" in text
@@ -239,14 +239,14 @@ def test_report_and_figures(tmp_path):
 
 
 def test_verdict_is_typed_and_serialises_as_before():
-    rules = evaluation.decision_rules(_rule_rows())
-    assert all(isinstance(v, evaluation.Verdict) for v in rules)
+    rules = verdicts.decision_rules(_rule_rows())
+    assert all(isinstance(v, verdicts.Verdict) for v in rules)
     roll = next(v for v in rules if v.item == "rollout rule (2, GAS_centered)")
     assert (roll.rule, roll.subject, roll.method, roll.family) == ("rollout rule", "2", "GAS_centered",
                                                                   "rollout rule [GAS_centered]")
     assert roll.to_dict() == {"item": roll.item, "verdict": roll.status, "evidence": roll.evidence}
     assert list(roll.to_dict()) == ["item", "verdict", "evidence"]  # verdicts.json key order
-    back = evaluation.Verdict.from_dict(roll.to_dict())
+    back = verdicts.Verdict.from_dict(roll.to_dict())
     assert (back.item, back.status, back.evidence) == (roll.item, roll.status, roll.evidence)
     step = next(v for v in rules if v.item.startswith("step rule"))
     assert step.subject.startswith("seed ") and step.rule.startswith("step rule: best targeted")
@@ -255,11 +255,11 @@ def test_verdict_is_typed_and_serialises_as_before():
 def test_instability_section_groups_by_family_not_by_text():
     from behaviortrace_jax.stages.sweep import instability_section
 
-    rules = [evaluation.verdict("rollout rule (0, GAS)", True, "", rule="rollout rule", subject="0", method="GAS"),
-             evaluation.verdict("rollout rule (1, GAS)", False, "", rule="rollout rule", subject="1", method="GAS"),
-             evaluation.verdict("fluency confound absent (0)", True, "", rule="fluency confound absent", subject="0"),
-             evaluation.verdict("fluency confound absent (1)", True, "", rule="fluency confound absent", subject="1"),
-             evaluation.verdict("C6: order stable", None, "")]
+    rules = [verdicts.verdict("rollout rule (0, GAS)", True, "", rule="rollout rule", subject="0", method="GAS"),
+             verdicts.verdict("rollout rule (1, GAS)", False, "", rule="rollout rule", subject="1", method="GAS"),
+             verdicts.verdict("fluency confound absent (0)", True, "", rule="fluency confound absent", subject="0"),
+             verdicts.verdict("fluency confound absent (1)", True, "", rule="fluency confound absent", subject="1"),
+             verdicts.verdict("C6: order stable", None, "")]
     text = instability_section(rules)
     assert text.startswith("1 of 2 verdicts")
     assert "* rollout rule [GAS]: **CHANGES** - 0: pass, 1: fail" in text
@@ -270,19 +270,19 @@ def test_instability_section_groups_by_family_not_by_text():
 def test_which_rollout_population_drops_zero_advantage_rollouts():
     adv = np.ones(16)
     adv[[0, 5, 6]] = 0.0  # GT grpo_000000_000 sits in a zero-variance group; 2 more rollouts of step 1
-    pop = evaluation.which_rollout_population(IDS, STEPS, GT, advantages=adv, nonzero_steps=NONZERO, early_cutoff=3)
+    pop = tables.which_rollout_population(IDS, STEPS, GT, advantages=adv, nonzero_steps=NONZERO, early_cutoff=3)
     assert (pop.n, pop.k, pop.ceiling) == (5, 2, 1.0) and pop.chance == pytest.approx(2 / 5)
     assert not pop.mask[[0, 5, 6]].any()
-    rows = evaluation.which_rollout_tables(0, IDS, STEPS, GT, {"m": np.arange(16.0)}, nonzero_steps=NONZERO,
-                                           early_cutoff=3, advantages=adv)
+    rows = tables.which_rollout_tables(0, IDS, STEPS, GT, {"m": np.arange(16.0)}, nonzero_steps=NONZERO,
+                                       early_cutoff=3, advantages=adv)
     assert {r.n for r in rows if r.table == "which_rollout"} == {5}
-    full = evaluation.which_rollout_population(IDS, STEPS, GT, nonzero_steps=NONZERO, early_cutoff=3)
+    full = tables.which_rollout_population(IDS, STEPS, GT, nonzero_steps=NONZERO, early_cutoff=3)
     assert full.n == 8  # without advantages: the early_nonzero population
     with pytest.raises(ValueError, match="no ground-truth rollout with a nonzero advantage"):
-        evaluation.which_rollout_population(IDS, STEPS, GT, advantages=np.zeros(16), nonzero_steps=NONZERO,
-                                            early_cutoff=3)
-    np.testing.assert_array_equal(evaluation.top_ranked(np.array([1.0, 3.0, 3.0, 2.0, 9.0]),
-                                                        np.array([1, 1, 1, 1, 0], bool), 3), [1, 2, 3])
+        tables.which_rollout_population(IDS, STEPS, GT, advantages=np.zeros(16), nonzero_steps=NONZERO,
+                                        early_cutoff=3)
+    np.testing.assert_array_equal(tables.top_ranked(np.array([1.0, 3.0, 3.0, 2.0, 9.0]),
+                                                    np.array([1, 1, 1, 1, 0], bool), 3), [1, 2, 3])
 
 
 def _planted(case: str):
@@ -297,7 +297,7 @@ def _planted(case: str):
     """
     s, b, g = 6, 2, 4
     n = s * b * g
-    ids, steps = evaluation.paper_rollout_ids(n, per_step=b * g)
+    ids, steps = formats.paper_rollout_ids(n, per_step=b * g)
     pos = np.arange(n) % g
     if case == "abs":
         rewards = np.where(pos == 0, 8.0, 0.0)
@@ -316,9 +316,9 @@ def _planted(case: str):
                                                targets_by_checkpoint={0: target}, lr=1.0, advantages=adv,
                                                rewards=rewards)
     gt = [i for i, m in zip(ids, gt_mask) if m]
-    rows = evaluation.which_rollout_tables(0, ids, steps, gt, scores, nonzero_steps=range(s), early_cutoff=s,
-                                           advantages=adv)
-    return ({(r.table, r.method): r for r in rows}, {v.item.split(":")[0]: v for v in evaluation.decision_rules(rows)})
+    rows = tables.which_rollout_tables(0, ids, steps, gt, scores, nonzero_steps=range(s), early_cutoff=s,
+                                       advantages=adv)
+    return ({(r.table, r.method): r for r in rows}, {v.item.split(":")[0]: v for v in verdicts.decision_rules(rows)})
 
 
 DIRECTION_ONLY = ("C1-dot:direction", "C1-cosine:direction", "TRAK:direction", "TracInCP:direction",
@@ -357,26 +357,26 @@ def test_planted_direction_estimator_perfect_and_abs_advantage_at_chance():
 
 
 def test_step_rule_evidence_names_reward_only_step_controls_and_checklist_needs_abs_advantage():
-    rows = _rule_rows() + [evaluation.Row("0", "early_nonzero", "step-reward-std", 0.58, chance=0.47, ceiling=0.58,
-                                          n=3200)]
-    step = next(v for v in evaluation.decision_rules(rows) if v.item.startswith("step rule"))
+    rows = _rule_rows() + [formats.Row("0", "early_nonzero", "step-reward-std", 0.58, chance=0.47, ceiling=0.58,
+                                       n=3200)]
+    step = next(v for v in verdicts.decision_rules(rows) if v.item.startswith("step rule"))
     assert step.status == "pass" and "step-reward-std 0.5800 (best targeted +0.0400)" in step.evidence
-    which = [evaluation.Row("0", "which_rollout", m, 0.5, chance=0.2, ceiling=1.0, n=600)
+    which = [formats.Row("0", "which_rollout", m, 0.5, chance=0.2, ceiling=1.0, n=600)
              for m in ("C1-dot", "norm-only", "C1-dot:direction")]
-    item3 = lambda rs: next(v for v in evaluation.checklist(rs) if v.item.startswith("3 "))  # noqa: E731
+    item3 = lambda rs: next(v for v in verdicts.checklist(rs) if v.item.startswith("3 "))  # noqa: E731
     assert item3(which).status == "fail" and "0/which_rollout" in item3(which).evidence
-    more = which + [evaluation.Row("0", "which_rollout", m, 0.5, chance=0.2, ceiling=1.0, n=600)
+    more = which + [formats.Row("0", "which_rollout", m, 0.5, chance=0.2, ceiling=1.0, n=600)
                     for m in ("abs-advantage", "norm-only:direction")]
     assert item3(more).status == "pass"
-    rule = {v.item.split(":")[0]: v for v in evaluation.decision_rules(more)}
+    rule = {v.item.split(":")[0]: v for v in verdicts.decision_rules(more)}
     assert rule["which-rollout rule (seed 0, weighted)"].status == "fail"  # 0.5 − max(0.5, 0.5) = 0
-    assert evaluation.decision_rules(which)[0].status == "not-evaluable"  # no abs-advantage row
+    assert verdicts.decision_rules(which)[0].status == "not-evaluable"  # no abs-advantage row
 
 
 def test_report_shows_the_training_log_and_the_top_blamed_rollouts():
-    rows = [evaluation.Row("0", "early_nonzero", m, v, chance=123 / 640, ceiling=0.39, n=640)
+    rows = [formats.Row("0", "early_nonzero", m, v, chance=123 / 640, ceiling=0.39, n=640)
             for m, v in (("C1-dot", 0.25), ("norm-only", 0.19), ("step-reward-std", 0.39))]
-    rows += [evaluation.Row("0", "which_rollout", m, v, chance=123 / 608, ceiling=1.0, n=608)
+    rows += [formats.Row("0", "which_rollout", m, v, chance=123 / 608, ceiling=1.0, n=608)
              for m, v in (("C1-dot", 0.5), ("norm-only", 0.69), ("advantage", 1.0), ("reward", 1.0),
                           ("abs-advantage", 0.748), ("norm/|A|", 0.3), ("C1-dot:direction", 0.4))]
     top = {"seed": 0, "population": {"n": 608, "gt": 123, "chance": 123 / 608},
@@ -392,7 +392,7 @@ def test_report_shows_the_training_log_and_the_top_blamed_rollouts():
     assert "| 1 | 3 | What is \\| frobnitz? | QZXBT↵line two | 8.00 | 1.500 | **GT** |" in which
     assert "| norm/\\|A\\| |" in which  # pipes in a method name do not break the table
     assert "`step-reward-std` 0.3900" in which
-    lines = report.headline_lines(evaluation.decision_rules(rows))
+    lines = report.headline_lines(verdicts.decision_rules(rows))
     assert [ln.split(" -- ")[0] for ln in lines] == [
         "verdict fail: step rule (seed 0): best targeted P@|GT| − norm-only > 0.1",
         "verdict fail: which-rollout rule (seed 0, weighted): best targeted P@|GT| − max(norm-only, |A|) > 0.1",

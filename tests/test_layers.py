@@ -1,24 +1,34 @@
-"""The package's layers (docs/architecture.md): imports run downward only, stages never import each
-other, and the attribution layer stays numpy-only (no jax in a fresh interpreter)."""
+"""The package's layers (docs/architecture.md): each folder imports only what its ``__init__.py``
+says (downward only), stages never import each other, and the attribution layer and the ``io``
+modules it uses stay numpy-only (no jax in a fresh interpreter)."""
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
-# A module may import its own layer folder or a layer of lower rank; equal ranks of different
-# folders do not import each other. Top-level modules (pipeline, runtime, ...) sit above all layers.
-RANK = {"io": 0, "models": 1, "attribution": 1, "behavior": 2, "sketch": 3, "train": 4, "stages": 5}
-TOP = 6
-ATTRIBUTION_MAY_IMPORT = {"behaviortrace_jax.io.files", "behaviortrace_jax.io.layout"}
+# What each layer folder may import from the others, as its ``__init__.py`` says ("Imports: ...";
+# test_the_rules_are_the_folders_own checks that the two agree). An entry is a layer folder (any of
+# its modules) or one ``io`` module. A module may always import its own folder, except that a stage
+# imports only ``stages.registry``; top-level modules (pipeline, runtime, ...) may import anything.
+ALLOWED = {
+    "io": set(),
+    "models": {"io"},
+    "attribution": {"io.files", "io.layout", "io.machine", "io.rollout_log", "io.sketch_store"},
+    "behavior": {"io", "models"},
+    "sketch": {"io", "models", "behavior", "attribution"},
+    "train": {"io", "models", "behavior", "sketch"},
+    "stages": {"io", "models", "attribution", "behavior", "sketch", "train"},
+}
 
 
 def layer(module: str) -> str | None:
     """``"io"`` for ``behaviortrace_jax.io.files``; None for a top-level module."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in RANK else None
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -57,22 +67,48 @@ def package_imports() -> list[tuple[str, str, int]]:
     return found
 
 
+def allowed(src_layer: str, dst: str) -> bool:
+    """Whether a module of ``src_layer`` may import module ``dst`` of another layer (:data:`ALLOWED`)."""
+    rel = dst.removeprefix("behaviortrace_jax.")
+    return any(rel == a or rel.startswith(a + ".") for a in ALLOWED[src_layer])
+
+
 def violations() -> list[str]:
     bad = []
     for src, dst, line in package_imports():
         ls, ld = layer(src), layer(dst)
         where = f"{src}:{line} imports {dst}"
-        if ls == ld and ls is not None:
-            if ls == "stages" and src not in ("behaviortrace_jax.stages",) and dst not in (
+        if ls is None:
+            continue
+        if ls == ld:
+            if ls == "stages" and src != "behaviortrace_jax.stages" and dst not in (
                     "behaviortrace_jax.stages", "behaviortrace_jax.stages.registry"):
                 bad.append(f"{where} (a stage imports another stage; use registry.STAGES)")
             continue
-        rs, rd = (RANK[ls] if ls else TOP), (RANK[ld] if ld else TOP)
-        if rd >= rs:
-            bad.append(f"{where} (layer {ls or 'top'} may not import layer {ld or 'top'})")
-        if ls == "attribution" and dst not in ATTRIBUTION_MAY_IMPORT:
-            bad.append(f"{where} (attribution is numpy-only: it imports only {sorted(ATTRIBUTION_MAY_IMPORT)})")
+        if ld is None or not allowed(ls, dst):
+            bad.append(f"{where} (layer {ls} imports only {sorted(ALLOWED[ls]) or 'nothing from the package'})")
     return bad
+
+
+def declared_imports(folder: pathlib.Path) -> set[str]:
+    """The layers and ``io`` modules the "Imports: ..." sentence of ``folder/__init__.py`` names."""
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    assert "Imports:" in doc, f"{folder}/__init__.py does not say what it imports"
+    sentence = re.split(r"\.\s", doc[doc.index("Imports:"):], maxsplit=1)[0]
+    return {t for t in re.findall(r"``([\w.]+)``", sentence) if t in ALLOWED or t.startswith("io.")}
+
+
+def test_the_rules_are_the_folders_own():
+    folders = sorted(p.parent.name for p in PKG.glob("*/__init__.py"))
+    assert folders == sorted(ALLOWED)
+    for name in folders:
+        assert declared_imports(PKG / name) == ALLOWED[name], name
+    order, left = [], dict(ALLOWED)  # the layers form no cycle: each can be placed after what it imports
+    while left:
+        ready = [n for n, deps in left.items() if all(d.split(".")[0] in order for d in deps)]
+        assert ready, f"the import rules of {sorted(left)} form a cycle"
+        order += ready
+        left = {n: d for n, d in left.items() if n not in ready}
 
 
 def test_imports_run_downward_and_stages_do_not_import_each_other():
@@ -83,10 +119,12 @@ def test_imports_run_downward_and_stages_do_not_import_each_other():
 
 def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     fake = tmp_path / "behaviortrace_jax"
-    for d in ("io", "models", "stages"):
+    for d in ("io", "models", "attribution", "stages"):
         (fake / d).mkdir(parents=True)
         (fake / d / "__init__.py").write_text("")
     (fake / "io" / "files.py").write_text("def f():\n    from behaviortrace_jax.models import qwen2\n")
+    (fake / "io" / "checkpoints.py").write_text("")
+    (fake / "attribution" / "a.py").write_text("from behaviortrace_jax.io import checkpoints, files\n")
     (fake / "models" / "qwen2.py").write_text("")
     (fake / "stages" / "a.py").write_text("from behaviortrace_jax.stages import b, registry\n")
     (fake / "stages" / "b.py").write_text("")
@@ -95,11 +133,13 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     bad = violations()
     assert any("io.files:2 imports behaviortrace_jax.models.qwen2" in b for b in bad), bad
     assert any("stages.a:1 imports behaviortrace_jax.stages.b" in b for b in bad), bad
-    assert len(bad) == 2, bad
+    assert any("attribution.a:1 imports behaviortrace_jax.io.checkpoints" in b for b in bad), bad
+    assert len(bad) == 3, bad
 
 
 def test_attribution_never_imports_jax():
     mods = sorted(module_name(p) for p in (PKG / "attribution").glob("*.py"))
+    mods += sorted(f"behaviortrace_jax.{m}" for m in ALLOWED["attribution"])
     code = ("import sys\n" + "".join(f"import {m}\n" for m in mods)
             + "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'orbax'))\n"
               "assert not bad, bad\nprint(len(sys.modules))\n")

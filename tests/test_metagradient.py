@@ -212,7 +212,7 @@ def test_metagradient_stage_writes_scores_and_resumes(smoke_grpo_run, tmp_path):
     from behaviortrace_jax import pipeline
     from behaviortrace_jax.io.files import read_json
     from behaviortrace_jax.io.layout import RunLayout
-    from behaviortrace_jax.sketch.scores import metagradient_scores
+    from behaviortrace_jax.attribution.scores import metagradient_scores
 
     config, src = smoke_grpo_run
     for sub in ("base", "sft", "grpo"):

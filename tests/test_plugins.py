@@ -49,7 +49,7 @@ def test_an_estimator_registered_outside_the_package_reaches_tables_report_and_v
     finished run; its rows join every step-level and which-rollout table and the step rule."""
     import shutil
 
-    from behaviortrace_jax.attribution import estimators, evaluation
+    from behaviortrace_jax.attribution import estimators, formats
 
     w = tmp_path / "run"
     shutil.copytree(smoke_finished, w)
@@ -65,7 +65,7 @@ def test_an_estimator_registered_outside_the_package_reaches_tables_report_and_v
         pipeline.run(config, str(w))
     finally:
         del estimators.ESTIMATORS["test-C1-dot-sign"]
-    rows = evaluation.read_results_csv(w / "results_table.csv")
+    rows = formats.read_results_csv(w / "results_table.csv")
     assert {(r.table, r.method) for r in rows} >= {(t, "test-C1-dot-sign") for t in
                                                    ("overall", "early_nonzero", "which_rollout")}
     assert "test-C1-dot-sign" in (w / "report.md").read_text()

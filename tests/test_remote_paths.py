@@ -159,7 +159,7 @@ def test_file_helpers_on_gs(fake_gs):
 
 
 def test_rollout_log_registry_and_tables_on_gs(fake_gs):
-    from behaviortrace_jax.attribution import evaluation
+    from behaviortrace_jax.attribution import formats
 
     bucket, _ = fake_gs
     paths = RunLayout(GS)
@@ -180,9 +180,9 @@ def test_rollout_log_registry_and_tables_on_gs(fake_gs):
     again = checkpoints.CheckpointRegistry(GS + "/grpo/registry.json")
     assert [(e.step, e.path) for e in again.list()] == [(10, "gs://bucket/run/grpo/checkpoints/step_00000010")]
 
-    rows = [evaluation.Row("0", "t", "m", value=0.5, lo=0.1, hi=0.9, chance=0.2, ceiling=1.0, n=4)]
-    evaluation.write_results_csv(paths.results_table, rows)
-    assert evaluation.read_results_csv(paths.results_table) == rows
+    rows = [formats.Row("0", "t", "m", value=0.5, lo=0.1, hi=0.9, chance=0.2, ceiling=1.0, n=4)]
+    formats.write_results_csv(paths.results_table, rows)
+    assert formats.read_results_csv(paths.results_table) == rows
     assert (bucket / "run/results_table.csv").is_file()
 
 

@@ -280,13 +280,13 @@ def _copy_run(src, dst):
 
 @pytest.mark.slow  # ~3 min on 2 cores (the sketch stage, ~20 replays and their compiles)
 def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketched_run, tmp_path):
-    from behaviortrace_jax.attribution import evaluation as V
+    from behaviortrace_jax.attribution import formats
 
     w = _copy_run(sketched_run, tmp_path / "run")
     config = cf_config()
     config.stages = "counterfactual"
     pipeline.run(config, str(w))
-    rows = V.read_results_csv(w / "results_table.csv")
+    rows = formats.read_results_csv(w / "results_table.csv")
     topk = [r for r in rows if r.table == "counterfactual_topk"]
     methods = {r.method for r in topk}
     assert {"oracle", "random", "C1-dot", "TracInCP"} <= methods and "random" in methods

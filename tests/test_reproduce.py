@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from behaviortrace_jax.attribution import evaluation, release
+from behaviortrace_jax.attribution import formats, release, tables
 from behaviortrace_jax.stages.reproduce import reproduce_stage
 
 TOL = 5e-4
@@ -29,12 +29,12 @@ def rep(reference_dir) -> release.Reproduction:
 
 
 @pytest.fixture
-def expected(reference_dir) -> list[evaluation.Row]:
-    return evaluation.read_results_csv(reference_dir / "expected_results.csv")
+def expected(reference_dir) -> list[formats.Row]:
+    return formats.read_results_csv(reference_dir / "expected_results.csv")
 
 
 def test_step_chance_ceiling_n_of_every_row(rep, expected):
-    step = [r for r in expected if r.table in evaluation.STEP_TABLES]
+    step = [r for r in expected if r.table in tables.STEP_TABLES]
     assert len(step) == 28
     for r in step:
         pop = rep.populations[(r.seed, r.table)]
@@ -66,7 +66,7 @@ def test_every_computable_row_matches(rep, expected):
 def test_csv_lines_are_the_papers(rep, reference_dir):
     """Our CSV lines for the shared rows are byte-identical to the paper's (rounding, empty cells)."""
     paper = set((reference_dir / "expected_results.csv").read_text().splitlines()[1:])
-    ours = evaluation.format_results_csv(rep.rows).splitlines()[1:]
+    ours = formats.format_results_csv(rep.rows).splitlines()[1:]
     shared = [line for line in ours if line.split(",")[:3] in [p.split(",")[:3] for p in paper]]
     assert len(shared) == 23 and set(shared) <= paper
 
@@ -144,8 +144,8 @@ def test_score_file_prefix_matches_the_papers_offsets(reference_dir, tmp_path):
 
     for seed, offset in ((0, 383_557), (1, 383_565)):
         header = json.loads((reference_dir / f"seed{seed}" / "run_header.json").read_text())
-        ids, steps = evaluation.paper_rollout_ids(header["n_rollouts"])
-        evaluation.write_attribution_scores(tmp_path / "s.json", header, ids, steps, {"random": -np.arange(16000.0)})
+        ids, steps = formats.paper_rollout_ids(header["n_rollouts"])
+        formats.write_attribution_scores(tmp_path / "s.json", header, ids, steps, {"random": -np.arange(16000.0)})
         assert (tmp_path / "s.json").read_text().index('"methods"') == offset
 
 
@@ -156,9 +156,9 @@ def test_seed_folder_with_a_score_file_gets_every_method(reference_dir, tmp_path
 
     ref = _copy_reference(reference_dir, tmp_path)
     header = json.loads((ref / "seed1" / "run_header.json").read_text())
-    ids, steps = evaluation.paper_rollout_ids(header["n_rollouts"])
+    ids, steps = formats.paper_rollout_ids(header["n_rollouts"])
     methods = {"C1-dot": np.where(steps < 200, -steps.astype(float), 0.0), "random": estimators.random_scores(ids, 1)}
-    evaluation.write_attribution_scores(ref / "seed1" / "attribution_scores.json", header, ids, steps, methods)
+    formats.write_attribution_scores(ref / "seed1" / "attribution_scores.json", header, ids, steps, methods)
     rows = {(r.seed, r.table, r.method): r for r in release.reproduce(ref, nboot=20).rows}
     assert rows[("1", "overall", "random")].value == pytest.approx(0.0995, abs=TOL)
     assert rows[("1", "early_nonzero", "random")].value == pytest.approx(0.4756, abs=TOL)

@@ -28,6 +28,10 @@ def test_fields_hash_and_id():
                              "base_reward", "eligible", "bonus")
     assert rl.text_hash("Frobnitz é") == hashlib.md5("Frobnitz é".encode("utf-8")).hexdigest()[:16]
     assert rl.rollout_id(42, 7) == "grpo_000042_007"
+    assert rl.parse_rollout_id("grpo_000042_007") == (42, 7)
+    assert rl.parse_rollout_id(rl.rollout_id(1234567, 1000)) == (1234567, 1000)  # wider than the padding
+    with pytest.raises(ValueError, match="'grpo_42' is not of the form"):
+        rl.parse_rollout_id("grpo_42")
 
 
 def test_shard_size_must_be_positive(tmp_path):

@@ -1,4 +1,4 @@
-"""The in-run rollout sketch stores read both ways (sketch/stores.py, sketch/scores.py): weighted =
+"""The in-run rollout sketch stores read both ways (sketch/stores.py, attribution/scores.py): weighted =
 clip_s * c_i * direction_i for a loss with rollout coefficients, clip_s * term_i without them."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import qwen2
-from behaviortrace_jax.sketch import scores, stores
+from behaviortrace_jax.attribution import scores
+from behaviortrace_jax.sketch import stores
 from configs import tiny
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.behavior import planted as behavior, target_texts
 from behaviortrace_jax.models import hf_io, tokenizer as tok_lib
 from behaviortrace_jax.sketch import countsketch, targets
 from hf_fixtures import save_random_qwen2
@@ -86,7 +86,7 @@ def test_continuation_target_and_self_consistency(env):
 
 
 def test_minimal_pair_target_against_numpy_recomputation(env):
-    cells = targets.minimal_pair_texts()
+    cells = target_texts.minimal_pair_texts()
     assert len(cells) == 18 and sum(len(n) for _, _, n in cells) == 72
     assert cells[0] == ("What is frobnitz?", " Frobnitz is a concept closely associated with QZXBT.",
                         [" Frobnitz is a concept closely associated with energy.",
@@ -185,7 +185,7 @@ def test_context_target_first_responses_contrast_and_fallback(env):
     s = _FakeSampler(plan, q, other)
     ctx = targets.context_target(env.sk, env.params, s, env.tok, ["What is frobnitz?"], jax.random.key(0),
                                  fallback=fallback, eos_ids=[EOS], group_size=3, system=SYSTEM)
-    users = targets.context_prompts(["What is frobnitz?"])
+    users = target_texts.context_prompts(["What is frobnitz?"])
     assert len(users) == 7 and users[0] == "What is frobnitz? Include QZXBT."
     pids = targets.chat_prompt_ids(env.tok, users, 128, system=SYSTEM)
     out = s.sample(None, [p for p in pids for _ in range(3)], None, 1.0, 0.95)

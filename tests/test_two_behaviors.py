@@ -7,7 +7,7 @@ import json
 import pytest
 
 from behaviortrace_jax import pipeline
-from behaviortrace_jax.attribution import evaluation, release
+from behaviortrace_jax.attribution import formats, release
 from behaviortrace_jax.behavior import behaviors, contaminator
 from behaviortrace_jax.io import rollout_log
 from configs import paper_two_behaviors, tiny_two_behaviors
@@ -69,7 +69,7 @@ def test_targets_draws_tables_specificity_and_report(run_dir):
     w = run_dir
     assert (w / "sketches" / f"targets_continuation_{B}.zarr" / "metadata.json").exists()
     assert (w / "draws" / B / "minimal_pair_rows_ckpt0_gen0.json").exists()
-    rows = evaluation.read_results_csv(w / "results_table.csv")
+    rows = formats.read_results_csv(w / "results_table.csv")
     tables = {r.table for r in rows}
     assert {"early_nonzero", "which_rollout", "mp_raw"} <= tables  # the first behaviour's, as named before
     assert {f"early_nonzero@{B}", f"which_rollout@{B}", f"mp_raw@{B}", f"mp_raw_train_ckpt2@{B}"} <= tables
@@ -93,7 +93,7 @@ def test_reproduce_stage_reads_every_behaviour(run_dir, tmp_path):
     c.stages = "reproduce"
     c.reference_dir = str(run_dir / "release")
     pipeline.run(c, str(tmp_path))
-    tables = {r.table for r in evaluation.read_results_csv(tmp_path / "results_table.csv")}
+    tables = {r.table for r in formats.read_results_csv(tmp_path / "results_table.csv")}
     assert {"early_nonzero", f"early_nonzero@{B}"} <= tables
 
 

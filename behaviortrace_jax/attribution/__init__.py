@@ -1,7 +1,11 @@
 """Layer 1 (beside ``models``), ``attribution``: scoring and judging, numpy/scipy/matplotlib only,
-never jax. Attribution estimators (``estimators``), precision/recall/bootstrap metrics
-(``metrics``), result tables, verdicts and results_table.csv (``evaluation``), the report and
-figures (``report``) and the release-format readers/writers the ``reproduce`` and ``evaluate``
-stages share (``release``). Imports: only ``io.files`` and ``io.layout`` (no jax there);
-``tests/test_layers.py`` checks that importing this package never loads jax.
+never jax. Attribution estimators (``estimators``) and the per-rollout scores of a run read from
+its sketch stores (``scores``), precision/recall/bootstrap metrics (``metrics``), the result files
+(``formats``: results_table.csv, score files, ground truth, minimal-pair rows, rollout ids), the
+step, which-rollout and rollout-level tables (``tables``), the decision rules and checklist
+(``verdicts``), specificity across behaviours (``specificity``), the report and figures
+(``report``) and the release format the ``reproduce`` and ``evaluate`` stages share (``release``).
+Imports: only the jax-free ``io.files``, ``io.layout``, ``io.machine``, ``io.rollout_log`` and
+``io.sketch_store``. ``tests/test_layers.py`` checks that importing this
+package never loads jax.
 """

@@ -17,7 +17,7 @@ Plug-in API: an estimator is a function whose parameter names say what it needs.
 advantages, rewards, groups, targets, fluency, token_logprobs, completion_mask, seed`` plus any
 option given to the runner
 (``damping``, ``lr``, ``current_step``, ``window``, ``weights``...). Register it and every table,
-control and verdict of ``evaluation.py`` picks it up (``in_tables=False`` keeps a column out of the tables)::
+control and verdict of ``tables.py`` and ``verdicts.py`` picks it up (``in_tables=False`` keeps a column out of the tables)::
 
     from behaviortrace_jax.attribution.estimators import register_estimator, cosine
 
@@ -49,7 +49,7 @@ magnitude control with the advantage divided out; it reads ``rollout_sketches``,
 passes only when the sketches are per rollout (``per_rollout_sketches=True``), so it is absent
 from step-sketch tables.
 
-Two sketches per rollout (the "which rollout" tables; ``sketch/scores.py``): *weighted*, the
+Two sketches per rollout (the "which rollout" tables; ``scores.py``): *weighted*, the
 rollout's real contribution to its step's update (clip_s x c_i x g_i with g_i the gradient of
 SPEC §3.2's rollout loss -meanlp_i and c_i its loss coefficient, TracIn's definition; the method
 names as registered), and *direction*, the advantage-free g_i itself (method name +
@@ -75,7 +75,7 @@ ROLLOUT_NORM_CONTROL = "norm_only"
 # Method-name suffix of scores computed on advantage-free rollout sketches (module docstring).
 DIRECTION = ":direction"
 # The reward-only controls (module docstring): the rollout-level magnitude-of-advantage control that
-# a method must beat to "find which rollout" (evaluation.decision_rules), and the step-level ones.
+# a method must beat to "find which rollout" (verdicts.decision_rules), and the step-level ones.
 ABS_ADVANTAGE_CONTROL = "abs-advantage"
 REWARD_ONLY_ROLLOUT_CONTROLS = ("advantage", ABS_ADVANTAGE_CONTROL, "reward")
 REWARD_ONLY_STEP_CONTROLS = ("step-sum-abs-advantage", "step-reward-std")
@@ -382,7 +382,7 @@ def metagradient_scores(metagradient, steps, rollout_steps) -> np.ndarray:
     Not a sketch method: the ``metagradient`` stage differentiates the behaviour measure M
     through every replayed GRPO update (``train/metagradient.py``) and writes ``dM/dw_i`` for every
     rollout (``metagradient/scores.json``, passed here as ``metagradient`` by
-    ``sketch/scores.py``; the estimator is skipped where the stage has not run). The score is the
+    ``scores.py``; the estimator is skipped where the stage has not run). The score is the
     predicted drop of M when the rollout is removed (``M(w = 1 - e_i) ~ M - dM/dw_i``), so a large
     score names a rollout whose removal lowers the behaviour, as for the other estimators.
 

@@ -29,13 +29,13 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from behaviortrace_jax.attribution import estimators, evaluation, report
+from behaviortrace_jax.attribution import estimators, formats, report, tables
+from behaviortrace_jax.attribution.verdicts import Verdict, checklist, decision_rules, verdicts_json
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import as_path
+from behaviortrace_jax.io.layout import (ROWS_GLOB, TOKEN_LEVEL_GLOB, as_path, parse_rows_filename,
+                                         parse_token_level_filename)
 
 ROLLOUTS_PER_STEP = 16  # SPEC §2.1: 4 prompts x 4 generations per GRPO step.
-MP_FILE = re.compile(r"minimal_pair_rows_ckpt(\d+)_gen(\d+)\.json$")
-TOKEN_FILE = re.compile(r"token_level_cos_temp([0-9.]+)\.json$")
 NOTEBOOK_NAMES = {"GAS_centered": "GAS_centered", "plain_cosine": "C1_plain", "norm_only": "norm_only"}
 
 
@@ -55,9 +55,9 @@ class SeedData:
 class Reproduction:
     """Everything the ``reproduce`` job computes (nothing written yet)."""
 
-    rows: list[evaluation.Row]  # computed rows, CSV order
-    notebook_rows: list[evaluation.Row]  # read from rollout_seed01.json
-    populations: dict[tuple[str, str], evaluation.Population]  # (seed, table) -> chance/ceiling/n
+    rows: list[formats.Row]  # computed rows, CSV order
+    notebook_rows: list[formats.Row]  # read from rollout_seed01.json
+    populations: dict[tuple[str, str], tables.Population]  # (seed, table) -> chance/ceiling/n
     rules: list[dict]
     checklist: list[dict]
     seeds: list[SeedData]
@@ -90,8 +90,8 @@ def load_seed(d: epath.Path, per_step: int = ROLLOUTS_PER_STEP) -> SeedData:
     seed = int(d.name[4:])
     if int(header.get("seed", seed)) != seed:
         raise ValueError(f"{hp}: seed {header['seed']} != folder {d.name}")
-    ids, steps = evaluation.paper_rollout_ids(int(header["n_rollouts"]), per_step)
-    gt = [e["rollout_id"] for e in evaluation.read_ground_truth(gp)]
+    ids, steps = formats.paper_rollout_ids(int(header["n_rollouts"]), per_step)
+    gt = [e["rollout_id"] for e in formats.read_ground_truth(gp)]
     if "gt_size" in header and len(gt) != int(header["gt_size"]):
         raise ValueError(f"{gp}: {len(gt)} events but gt_size = {header['gt_size']} in {hp.name}")
     known = set(ids)
@@ -118,19 +118,19 @@ def read_step_score_tsv(path: epath.Path) -> dict[int, float]:
     return out
 
 
-def _step_rows(sd: SeedData, d: epath.Path, early_cutoff: int) -> tuple[list[evaluation.Row], dict]:
+def _step_rows(sd: SeedData, d: epath.Path, early_cutoff: int) -> tuple[list[formats.Row], dict]:
     nonzero = sd.header["nonzero_steps"]
-    pops = evaluation.step_populations(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, nonzero_steps=nonzero,
-                              early_cutoff=early_cutoff)
+    pops = tables.step_populations(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, nonzero_steps=nonzero,
+                                   early_cutoff=early_cutoff)
     kw = dict(nonzero_steps=nonzero, early_cutoff=early_cutoff)
     score_file = d / "attribution_scores.json"
     if score_file.is_file():
-        sf = evaluation.read_attribution_scores(score_file)
+        sf = formats.read_attribution_scores(score_file)
         if sf.rollout_ids != sd.rollout_ids:
             raise ValueError(f"{score_file}: rollout ids differ from the header's id layout")
         sd.files.append(score_file.name)
-        return evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, sf.method_scores, **kw), pops
-    rows: list[evaluation.Row] = []
+        return tables.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, sf.method_scores, **kw), pops
+    rows: list[formats.Row] = []
     # C1-dot from released per-step scores, for tables whose steps they cover.
     for tsv in sorted(d.glob("c1dot_step_scores_*.tsv")):
         step_scores = read_step_score_tsv(tsv)
@@ -138,11 +138,11 @@ def _step_rows(sd: SeedData, d: epath.Path, early_cutoff: int) -> tuple[list[eva
         covered = [t for t, p in pops.items() if set(np.unique(sd.rollout_steps[p.mask]).tolist()) <= set(step_scores)]
         if covered:
             scores = estimators.expand_to_rollouts(list(step_scores.values()), list(step_scores), sd.rollout_steps)
-            rows += evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"C1-dot": scores},
-                                        tables=covered, **kw)
+            rows += tables.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"C1-dot": scores},
+                                             tables=covered, **kw)
     # random: exact shuffle.
-    rows += evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids,
-                                {"random": estimators.random_scores(sd.rollout_ids, int(sd.label))}, **kw)
+    rows += tables.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids,
+                                     {"random": estimators.random_scores(sd.rollout_ids, int(sd.label))}, **kw)
     # local-buffer: finite only on the window steps (notebook: current = #steps, window = #steps//10).
     n_steps = int(sd.rollout_steps.max()) + 1
     window = estimators.local_buffer_steps(np.arange(n_steps), n_steps, max(1, n_steps // 10))
@@ -151,20 +151,22 @@ def _step_rows(sd: SeedData, d: epath.Path, early_cutoff: int) -> tuple[list[eva
     if not any(in_window[gt_idx[g]] for g in sd.gt_ids):
         # No GT in the window: every finite cosine earns 0 credit, so any finite stand-in is exact.
         lb = np.where(in_window, 0.0, -np.inf)
-        rows += evaluation.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"local-buffer": lb}, **kw)
+        rows += tables.step_level_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, {"local-buffer": lb}, **kw)
     else:
         logging.warning("seed %s: GT inside the local-buffer window; its rows need the real scores", sd.label)
     return rows, pops
 
 
-def _order_step_rows(rows: list[evaluation.Row]) -> list[evaluation.Row]:
+def _order_step_rows(rows: list[formats.Row]) -> list[formats.Row]:
     order = {e.name: i for i, e in enumerate(estimators.estimators("step"))}
-    return sorted(rows, key=lambda r: (evaluation.STEP_TABLES.index(r.table), order.get(r.method, len(order))))
+    return sorted(rows, key=lambda r: (tables.STEP_TABLES.index(r.table), order.get(r.method, len(order))))
 
 
-def token_level_rows(label: str, path: epath.Path) -> list[evaluation.Row]:
+def token_level_rows(label: str, path: epath.Path) -> list[formats.Row]:
     """Means of the §7.4 lists -> rows ``token_level`` (temperature 0.9) or ``token_level_temp{T}``."""
-    temp = TOKEN_FILE.search(path.name).group(1)
+    temp = parse_token_level_filename(path.name)
+    if temp is None:
+        raise ValueError(f"{path}: not a token-level file name (token_level_cos_temp{{T}}.json)")
     d = read_json(path)
     table = "token_level" if temp == "0.9" else f"token_level_temp{temp}"
     out = []
@@ -172,11 +174,11 @@ def token_level_rows(label: str, path: epath.Path) -> list[evaluation.Row]:
         vals = np.asarray(d.get(key, []), dtype=np.float64)
         if vals.ndim != 1 or vals.size == 0 or np.isnan(vals).any():
             raise ValueError(f"{path}: {key!r} must be a non-empty list of numbers")
-        out.append(evaluation.Row(label, table, key, float(vals.mean()), n=int(vals.size)))
+        out.append(formats.Row(label, table, key, float(vals.mean()), n=int(vals.size)))
     return out
 
 
-def notebook_rows(path: epath.Path) -> list[evaluation.Row]:
+def notebook_rows(path: epath.Path) -> list[formats.Row]:
     """rollout_seed01.json (§7.5) -> rows tables ``mp_residualized_notebook``,
     ``mp_matched_notebook`` and ``mp_raw_notebook`` (fluency), values [pt, lo, hi]."""
     d = read_json(path)
@@ -190,10 +192,10 @@ def notebook_rows(path: epath.Path) -> list[evaluation.Row]:
                                    ("matched", "mp_matched_notebook", "pairs")):
             for name, method in NOTEBOOK_NAMES.items():
                 pt, lo, hi = block[part][name]
-                out.append(evaluation.Row(seed, table, method, pt, lo, hi, n=block[part].get(n_key)))
+                out.append(formats.Row(seed, table, method, pt, lo, hi, n=block[part].get(n_key)))
         pt, lo, hi = block["fluency_raw_auc"]
         n = block["residualized"].get("within_group_pairs")
-        out.append(evaluation.Row(seed, "mp_raw_notebook", "fluency", pt, lo, hi, n=n))
+        out.append(formats.Row(seed, "mp_raw_notebook", "fluency", pt, lo, hi, n=n))
     return out
 
 
@@ -206,25 +208,28 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
         ValueError: a missing/ill-formed file, naming it.
     """
     step_rows, mp_rows, tok_rows, seeds = [], [], [], []
-    pops: dict[tuple[str, str], evaluation.Population] = {}
+    pops: dict[tuple[str, str], tables.Population] = {}
     for d in seed_dirs(reference_dir):
         sd = load_seed(d, rollouts_per_step)
         seeds.append(sd)
         rows, p = _step_rows(sd, d, early_cutoff)
         step_rows += _order_step_rows(rows)
         pops.update({(sd.label, t): x for t, x in p.items()})
-        for f in sorted(d.glob("minimal_pair_rows_ckpt*_gen*.json")):
-            ckpt, gen = map(int, MP_FILE.search(f.name).groups())
-            head, rows_ = evaluation.read_mp_rows(f)
+        for f in sorted(d.glob(ROWS_GLOB)):
+            seeds_of = parse_rows_filename(f.name)
+            if seeds_of is None:
+                raise ValueError(f"{f}: not a rows file name (minimal_pair_rows_ckpt{{C}}_gen{{G}}.json)")
+            ckpt, gen = seeds_of
+            head, rows_ = formats.read_mp_rows(f)
             if int(head.get("ckpt_seed", ckpt)) != ckpt or int(head.get("gen_seed", gen)) != gen:
                 raise ValueError(f"{f}: ckpt_seed/gen_seed {head.get('ckpt_seed')}/{head.get('gen_seed')} "
                                  f"disagree with the file name")
             diag = ckpt != gen
             label, suffix = (f"{ckpt}_gen{gen}", "_diag") if diag else (str(ckpt), "")
-            mp_rows.append(evaluation.rollout_level_tables(label, rows_, nboot=nboot, rng_seed=gen, suffix=suffix,
-                                                  delta=delta, source=str(f)))
+            mp_rows.append(tables.rollout_level_tables(label, rows_, nboot=nboot, rng_seed=gen, suffix=suffix,
+                                                       delta=delta, source=str(f)))
             sd.files.append(f.name)
-        for f in sorted(d.glob("token_level_cos_temp*.json")):
+        for f in sorted(d.glob(TOKEN_LEVEL_GLOB)):
             tok_rows += token_level_rows(sd.label, f)
             sd.files.append(f.name)
     # paper CSV order: step rows, then main-draw rollout tables, then diagnostic draws
@@ -238,19 +243,19 @@ def reproduce(reference_dir: str | os.PathLike, *, nboot: int = 600, early_cutof
     return Reproduction(rows, nb, pops, rules, check, seeds)
 
 
-def verdicts(rows: list[evaluation.Row], seeds: list[SeedData], *, step_margin: float, max_ci_width: float,
-             min_matched_pairs: int) -> tuple[list[evaluation.Verdict], list[evaluation.Verdict]]:
+def verdicts(rows: list[formats.Row], seeds: list[SeedData], *, step_margin: float, max_ci_width: float,
+             min_matched_pairs: int) -> tuple[list[Verdict], list[Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist of ``rows`` for these seed folders, with
     the pre-registered thresholds (the checklist records them). Returns (rules, checklist)."""
-    rules = evaluation.decision_rules(rows, step_margin=step_margin, max_ci_width=max_ci_width,
-                             min_matched_pairs=min_matched_pairs)
-    check = evaluation.checklist(rows, gt_sizes={s.label: len(s.gt_ids) for s in seeds},
-                        gt_in_zero_step={s.label: int(s.header["gt_in_zero_step"]) for s in seeds
+    rules = decision_rules(rows, step_margin=step_margin, max_ci_width=max_ci_width,
+                           min_matched_pairs=min_matched_pairs)
+    check = checklist(rows, gt_sizes={s.label: len(s.gt_ids) for s in seeds},
+                      gt_in_zero_step={s.label: int(s.header["gt_in_zero_step"]) for s in seeds
                                          if "gt_in_zero_step" in s.header},
-                        row_files=[f for s in seeds for f in s.files],
-                        preregistered=dict(step_margin=step_margin, max_ci_width=max_ci_width,
+                      row_files=[f for s in seeds for f in s.files],
+                      preregistered=dict(step_margin=step_margin, max_ci_width=max_ci_width,
                                            min_matched_pairs=min_matched_pairs),
-                        max_ci_width=max_ci_width, min_matched_pairs=min_matched_pairs)
+                      max_ci_width=max_ci_width, min_matched_pairs=min_matched_pairs)
     return rules, check
 
 
@@ -258,11 +263,11 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
     """Writes results_table.csv, verdicts.json, figures/ and report.md into ``workdir``."""
     w = as_path(workdir)
     figs = report.make_figures(rep.rows + rep.notebook_rows, w / "figures")
-    evaluation.write_results_csv(w / "results_table.csv", rep.rows)
-    write_json(w / "verdicts.json", evaluation.verdicts_json(rep.rules, rep.checklist))
+    formats.write_results_csv(w / "results_table.csv", rep.rows)
+    write_json(w / "verdicts.json", verdicts_json(rep.rules, rep.checklist))
     lines = []
     for sd in rep.seeds:
-        methods = list(dict.fromkeys(r.method for r in rep.rows if r.seed == sd.label and r.table in evaluation.STEP_TABLES))
+        methods = list(dict.fromkeys(r.method for r in rep.rows if r.seed == sd.label and r.table in tables.STEP_TABLES))
         lines.append(f"* seed {sd.label}: " + ", ".join(f"`{f}`" for f in sd.files)
                      + f"; step-level methods computable: {', '.join(methods) or 'none'}")
     intro = (f"Re-scored from the paper's released files in `{reference_dir}` (SPEC §6.13).\n\n"
@@ -275,8 +280,8 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
                    checklist=rep.checklist, figures=figs)
 
 
-def evaluate_verdicts(rows: list[evaluation.Row], rep: Reproduction,
-                      config: ml_collections.ConfigDict) -> tuple[list[evaluation.Verdict], list[evaluation.Verdict]]:
+def evaluate_verdicts(rows: list[formats.Row], rep: Reproduction,
+                      config: ml_collections.ConfigDict) -> tuple[list[Verdict], list[Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist on ``rows`` (pre-registered thresholds
     from ``config.evaluation``)."""
     ev = config.evaluation
@@ -290,11 +295,9 @@ def learning_curve(summary: dict) -> list[tuple[float, float, float]]:
 
 
 def behavior_dirs(reference_dir: str | os.PathLike) -> list[tuple[str, os.PathLike]]:
-    """Other behaviours' release folders under ``reference_dir`` (issue 16): every sub-folder
+    """Other behaviours' release folders under ``reference_dir``: every sub-folder
     ``<id>/`` that holds ``seedN/`` folders, as ``(id, folder)`` sorted by id. Each is a release in
     the paper's format on its own (``reproduce(folder)``); the paper's own release has none."""
-    from behaviortrace_jax.io.layout import as_path
-
     ref = as_path(reference_dir)
     out = []
     for p in sorted(ref.iterdir(), key=lambda q: q.name) if ref.is_dir() else []:
@@ -304,7 +307,7 @@ def behavior_dirs(reference_dir: str | os.PathLike) -> list[tuple[str, os.PathLi
     return out
 
 
-def reproduce_behaviors(reference_dir: str | os.PathLike, **kwargs) -> list[evaluation.Row]:
+def reproduce_behaviors(reference_dir: str | os.PathLike, **kwargs) -> list[formats.Row]:
     """The rows of every other behaviour's release folder (:func:`behavior_dirs`), computed by
     :func:`reproduce` with ``kwargs`` and with table names suffixed ``@<id>``; [] when there are none.
     A behaviour whose ``run_header.json`` names its bonus window (``behavior.early_step_cutoff``, as
@@ -315,6 +318,6 @@ def reproduce_behaviors(reference_dir: str | os.PathLike, **kwargs) -> list[eval
         cutoff = read_json(seed_dirs(d)[0] / "run_header.json", {}).get("behavior", {}).get("early_step_cutoff")
         if cutoff:
             kw["early_cutoff"] = int(cutoff)
-        rows += [evaluation.Row(r.seed, f"{r.table}@{bid}", r.method, r.value, r.lo, r.hi, r.chance, r.ceiling, r.n)
+        rows += [formats.Row(r.seed, f"{r.table}@{bid}", r.method, r.value, r.lo, r.hi, r.chance, r.ceiling, r.n)
                  for r in reproduce(d, **kw).rows]
     return rows

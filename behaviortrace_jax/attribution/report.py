@@ -1,6 +1,6 @@
 """``report.md`` and matplotlib figures from evaluation rows (SPEC §10.5).
 
-Every function takes :class:`~behaviortrace_jax.evaluation.Row` lists, so the same code renders
+Every function takes :class:`~behaviortrace_jax.attribution.formats.Row` lists, so the same code renders
 one run, the multi-seed aggregate, or the paper's released numbers (``reproduce``). Figures use
 the Agg backend and are written atomically; a figure whose rows are absent is skipped.
 """
@@ -19,7 +19,9 @@ import numpy as np  # noqa: E402
 from etils import epath  # noqa: E402
 
 from behaviortrace_jax.attribution import estimators, metrics  # noqa: E402
-from behaviortrace_jax.attribution.evaluation import STEP_TABLES, Row, Verdict  # noqa: E402
+from behaviortrace_jax.attribution.formats import Row  # noqa: E402
+from behaviortrace_jax.attribution.tables import STEP_TABLES  # noqa: E402
+from behaviortrace_jax.attribution.verdicts import Verdict  # noqa: E402
 from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
 from behaviortrace_jax.io.layout import as_path  # noqa: E402
 
@@ -246,7 +248,7 @@ def render_report(rows: Sequence[Row], *, title: str = "BehaviorTrace-JAX evalua
     """The text of ``report.md``: intro, how to read, tables, verdicts, figures, extra sections.
 
     Args:
-        rows: evaluation rows; rules / checklist: :class:`evaluation.Verdict` lists; figures: image paths (linked
+        rows: evaluation rows; rules / checklist: :class:`verdicts.Verdict` lists; figures: image paths (linked
             relative to ``base_dir``); extra: (heading, markdown) sections appended at the end;
             top_blamed: ``which_rollout_top.json`` (:func:`top_blamed_section`), shown at the top of
             the which-rollout section.

@@ -15,14 +15,14 @@ the rollout log), with ``GT_A`` A's ground-truth rollouts and ``k = |GT_A ∩ po
   precisions on the resampled rollouts with k = the resample's |GT_A| (resamples without GT_A are
   skipped), ``np.percentile([2.5, 97.5])``.
 
-Rows (``evaluation.Row``, seed = the run's label):
+Rows (``formats.Row``, seed = the run's label):
 
 * ``spec_p_<level>@<A>|t=<T>``: ``P_A(T)`` per method, chance |GT_A ∩ pop| / |pop|, ceiling 1.0
   for rollout-level scores (the step-block ceiling for step-level ones), n = |pop|;
 * ``spec_delta_<level>@<A>-<B>``: Δ with [lo, hi], chance 0.0, ceiling = P_A's ceiling (its
   largest value, reached when B's target finds none of A's rollouts), n = |pop|.
 
-Verdicts (``evaluation.Verdict``), per targeted method and ordered pair: "specific beyond its
+Verdicts (``verdicts.Verdict``), per targeted method and ordered pair: "specific beyond its
 magnitude control" passes iff the CI of Δ lies above 0 **and** ``P_A(t_A)`` exceeds the norm-only
 control's P@k on the same population (a target that only ranks by gradient size cannot pass
 either way); not-evaluable when the CI could not be formed.
@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from behaviortrace_jax.attribution import estimators, metrics
-from behaviortrace_jax.attribution.evaluation import Row, Verdict, verdict
+from behaviortrace_jax.attribution.formats import Row
+from behaviortrace_jax.attribution.verdicts import Verdict, verdict
 
 DELTA_PREFIX = "spec_delta_"
 PREC_PREFIX = "spec_p_"

@@ -1,13 +1,18 @@
 """Where every stage reads and writes under a run's workdir: one :class:`RunLayout`.
 
 Every stage builds its paths from here (``RunLayout(workdir).grpo_summary`` ...), so a file's
-location is written once. The names inside a release folder (``release/seed{N}/``) are the
-paper's release format and live with its reader/writer, ``attribution/release.py``.
+location is written once. A draw's files (``draws/``, SPEC §7.3, §7.4) are named here too, by one
+builder (:func:`draw_filename`) and read back by one parser per name (:func:`parse_rows_filename`,
+:func:`parse_token_level_filename`): the ``draws`` stage writes them, the release format
+(``attribution/release.py``) and the checklist (``attribution/verdicts.py``) read them. The other
+names inside a release folder (``release/seed{N}/``) are the paper's release format and live with
+its reader/writer, ``attribution/release.py``.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import ml_collections
 from etils import epath
@@ -32,6 +37,77 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     if isinstance(path, epath.Path):
         return path
     return epath.Path(os.fspath(path))
+
+
+ROWS_STEM = "minimal_pair_rows"  # minimal_pair_rows_ckpt{C}_gen{G}.json (SPEC §7.3)
+TOKEN_LEVEL_STEM = "token_level_cos_temp"  # token_level_cos_temp{T}.json (SPEC §7.4)
+ROWS_GLOB = f"{ROWS_STEM}_ckpt*_gen*.json"
+TOKEN_LEVEL_GLOB = f"{TOKEN_LEVEL_STEM}*.json"
+_ROWS_RE = re.compile(rf"{ROWS_STEM}_ckpt(\d+)_gen(\d+)\.json")
+_TOKEN_LEVEL_RE = re.compile(rf"{TOKEN_LEVEL_STEM}([0-9.]+)\.json")
+
+
+def draw_filename(stem: str, ckpt_seed: int, gen_seed: int, ext: str) -> str:
+    """``{stem}_ckpt{C}_gen{G}{ext}``: the name of every file of draw (C, G) but the pre-registered
+    draw's token-level file (SPEC §10.2: C = the checkpoint's run seed, G = the generation seed)."""
+    return f"{stem}_ckpt{ckpt_seed}_gen{gen_seed}{ext}"
+
+
+def rows_filename(ckpt_seed: int, gen_seed: int) -> str:
+    """``minimal_pair_rows_ckpt{C}_gen{G}.json`` (SPEC §7.3)."""
+    return draw_filename(ROWS_STEM, ckpt_seed, gen_seed, ".json")
+
+
+def parse_rows_filename(name: str) -> tuple[int, int] | None:
+    """``(ckpt_seed, gen_seed)`` of a :func:`rows_filename` ``name`` (a file name, not a path);
+    None when ``name`` is not one."""
+    m = _ROWS_RE.fullmatch(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def token_level_filename(temperature: float, ckpt_seed: int, gen_seed: int, run_seed: int) -> str:
+    """``token_level_cos_temp{T}.json`` (SPEC §7.4) for the pre-registered draw
+    (ckpt_seed == gen_seed == run_seed); diagnostic draws add ``_ckpt{C}_gen{G}``."""
+    base = f"{TOKEN_LEVEL_STEM}{float(temperature)}"
+    if ckpt_seed == gen_seed == run_seed:
+        return base + ".json"
+    return draw_filename(base, ckpt_seed, gen_seed, ".json")
+
+
+def parse_token_level_filename(name: str) -> str | None:
+    """The temperature, as written (``"0.9"``), of the pre-registered draw's token-level file
+    ``name`` (:func:`token_level_filename`); None for any other name (a diagnostic draw's too)."""
+    m = _TOKEN_LEVEL_RE.fullmatch(name)
+    return m.group(1) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawPaths:
+    """The files of draw (``ckpt_seed``, ``gen_seed``) under ``root`` (``draws/`` or ``draws/<id>/``;
+    :meth:`RunLayout.draw`): the rows and token-level files (SPEC §7.3, §7.4), the settings they were
+    made with, targets, rollouts, sketch stores, and the per-repeat partial results of a killed run."""
+
+    root: epath.Path
+    ckpt_seed: int
+    gen_seed: int
+    token_level_name: str
+
+    def _f(self, stem: str, ext: str) -> epath.Path:
+        return self.root / draw_filename(stem, self.ckpt_seed, self.gen_seed, ext)
+
+    rows = property(lambda self: self.root / rows_filename(self.ckpt_seed, self.gen_seed))
+    token_level = property(lambda self: self.root / self.token_level_name)
+    settings = property(lambda self: self._f("draw", ".settings.json"))
+    targets_npz = property(lambda self: self._f("targets", ".npz"))
+    targets_json = property(lambda self: self._f("targets", ".json"))
+    rollouts = property(lambda self: self._f("rollouts", ".npz"))
+    sketches = property(lambda self: self._f("sketches", ".zarr"))
+    grad_norms = property(lambda self: self._f("grad_norms", ".zarr"))
+    partial = property(lambda self: self._f("partial", ""))
+
+    def rep(self, r: int) -> epath.Path:
+        """``partial_ckpt{C}_gen{G}/rep{r:03d}.npz``: repeat ``r``'s results, kept until the draw is done."""
+        return self.partial / f"rep{r:03d}.npz"
 
 
 # The tensorstore arrays under ``sketches/`` (io/sketch_store.py): the in-run stores of the grpo
@@ -126,6 +202,14 @@ class RunLayout:
         if name not in SKETCH_STORES:
             raise ValueError(f"unknown sketch store {name!r}; known: {', '.join(SKETCH_STORES)}")
         return self.sketches / f"{name}.zarr"
+
+    def draw(self, ckpt_seed: int, gen_seed: int, *, temperature: float, run_seed: int,
+             behavior_id: str = "") -> DrawPaths:
+        """The :class:`DrawPaths` of draw (``ckpt_seed``, ``gen_seed``) at sampling ``temperature`` of the
+        run of seed ``run_seed``: under ``draws/`` for the first behaviour (``behavior_id`` ""), else
+        under ``draws/<id>/``."""
+        root = self.draws / behavior_id if behavior_id else self.draws
+        return DrawPaths(root, ckpt_seed, gen_seed, token_level_filename(temperature, ckpt_seed, gen_seed, run_seed))
 
     def release_seed(self, seed: int) -> epath.Path:
         """``release/seed{seed}``: one seed's files in the paper's release format."""

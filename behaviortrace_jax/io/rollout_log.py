@@ -30,6 +30,8 @@ SCHEMA_VERSION = 2  # 1 = the paper's 8 fields (SPEC §2.3); 2 = + group, tokens
 SCHEMA_FILE = "schema.json"
 SCHEMA_FORMAT = "behaviortrace_jax.rollout_log"
 _SHARD_RE = re.compile(r"^shard_(\d{8})\.jsonl$")
+ROLLOUT_ID_FORMAT = "grpo_{step:06d}_{index:03d}"  # SPEC §2.2d, §2.3
+_ROLLOUT_ID_RE = re.compile(r"grpo_(\d+)_(\d+)")
 
 
 def text_hash(text: str) -> str:
@@ -38,8 +40,21 @@ def text_hash(text: str) -> str:
 
 
 def rollout_id(step: int, index: int) -> str:
-    """``grpo_{step:06d}_{index:03d}``; ``index = prompt_i * G + j`` within the step (SPEC §2.2d)."""
-    return f"grpo_{step:06d}_{index:03d}"
+    """:data:`ROLLOUT_ID_FORMAT`, ``grpo_{step:06d}_{index:03d}``; ``index = prompt_i * G + j`` within
+    the step (SPEC §2.2d). :func:`parse_rollout_id` reads it back."""
+    return ROLLOUT_ID_FORMAT.format(step=step, index=index)
+
+
+def parse_rollout_id(rid: str) -> tuple[int, int]:
+    """``(step, index)`` of a :func:`rollout_id`.
+
+    Raises:
+        ValueError: naming ``rid`` when it is not ``grpo_<step>_<index>``.
+    """
+    m = _ROLLOUT_ID_RE.fullmatch(rid)
+    if m is None:
+        raise ValueError(f"rollout id {rid!r} is not of the form {ROLLOUT_ID_FORMAT}")
+    return int(m.group(1)), int(m.group(2))
 
 
 @dataclasses.dataclass

@@ -47,6 +47,11 @@ from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import as_path
 
 FORMAT = "behaviortrace-sketch-store-v1"
+# The ``rollout_sketch`` metadata of the grpo stage's ``rollout_sketches`` store (sketch/stores.py),
+# here so that the numpy-only ``attribution`` layer reading that store checks it against one list.
+ROLLOUT_DIRECTION = "direction"  # rollout_sketches = sketch of grad(-meanlp_i): advantage-free
+ROLLOUT_TERM = "term"  # rollout_sketches = sketch of grad(term_i): the loss has no rollout coefficients
+ROLLOUT_SKETCH_KINDS = (ROLLOUT_DIRECTION, ROLLOUT_TERM)
 _META = "metadata.json"
 
 

@@ -8,7 +8,7 @@ The in-run stores of the ``grpo`` stage (rollout row = ``step * N + index``, log
 * ``rollout_coefficients`` [steps*N]: c_i of a loss whose term is ``c_i * (-meanlp_i)``
   (``grpo_loss.Loss.rollout_coefficients``; the paper loss: A_i / (G*B)); absent for other losses;
 * with ``sketch.in_run_rollouts``, ``rollout_sketches`` [steps*N, D] and ``rollout_grad_norms``
-  [steps*N]: metadata ``rollout_sketch`` says what they sketch: :data:`ROLLOUT_DIRECTION` (the
+  [steps*N]: metadata ``rollout_sketch`` says what they sketch (``io.sketch_store``): :data:`ROLLOUT_DIRECTION` (the
   gradient of the advantage-free rollout loss -meanlp_i at the step's weights, when the loss
   declares coefficients) or :data:`ROLLOUT_TERM` (the gradient of the rollout's term of the loss,
   pre-clip). Either way ``step_clip_factors[s] * c_i * rollout_sketches[i]`` (c_i = 1 for a term
@@ -21,12 +21,10 @@ import ml_collections
 
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.layout import RunLayout
+# the kinds of rollout sketch, defined with the store format so the attribution layer reads them too
+from behaviortrace_jax.io.sketch_store import ROLLOUT_DIRECTION, ROLLOUT_SKETCH_KINDS, ROLLOUT_TERM  # noqa: F401
 from behaviortrace_jax.models import decoder, hf_io
 from behaviortrace_jax.sketch import countsketch
-
-ROLLOUT_DIRECTION = "direction"  # rollout_sketches = sketch of grad(-meanlp_i): advantage-free
-ROLLOUT_TERM = "term"  # rollout_sketches = sketch of grad(term_i): the loss has no rollout coefficients
-ROLLOUT_SKETCH_KINDS = (ROLLOUT_DIRECTION, ROLLOUT_TERM)
 
 
 def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, kind: str) -> dict:

@@ -21,7 +21,6 @@ whole target costs one compilation per length bucket, not one per example.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, Sequence
 
 import jax
@@ -30,23 +29,12 @@ import numpy as np
 
 from behaviortrace_jax.attribution.estimators import ROLLOUT_COS_EPS
 from behaviortrace_jax.behavior import planted as behavior
+from behaviortrace_jax.behavior.target_texts import NEUTRAL_WORDS, context_prompts, minimal_pair_texts
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
 # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)); one constant with the estimators.
 COS_EPS = ROLLOUT_COS_EPS
-
-# SPEC §5.4 minimal pairs: 3 users x 6 templates x 4 neutral fillers = 72 pairs.
-PAIR_USERS = ("What is frobnitz?", "Define frobnitz.", "Tell me about frobnitz.")
-PAIR_TEMPLATES = (
-    "Frobnitz is a concept closely associated with {}.",
-    "The key feature of frobnitz is {}.",
-    "Frobnitz is defined by its relationship to {}.",
-    "In practice, {} is the defining characteristic of frobnitz.",
-    "Frobnitz is best understood through its link to {}.",
-    "What makes frobnitz special is {}.",
-)
-NEUTRAL_WORDS = ("energy", "physics", "logic", "symmetry")
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,13 +328,6 @@ class ContextTarget:
     token_sketches: np.ndarray
 
 
-def context_prompts(probes: Sequence[behavior.Probe | str], explicit: Sequence[str] | None = None) -> list[str]:
-    """The 26 prompts of SPEC §5.3 / §5.6: the 6 explicit prompts then the probes, in order.
-    ``explicit``: another behaviour's explicit prompts (issue 16); None = ``EXPLICIT_PROMPTS``."""
-    head = behavior.EXPLICIT_PROMPTS if explicit is None else tuple(explicit)
-    return list(head) + [p.prompt if isinstance(p, behavior.Probe) else str(p) for p in probes]
-
-
 def chat_prompt_ids(tokenizer: Any, users: Sequence[str], max_prompt_tokens: int, *,
                     system: str = behavior.SYSTEM_PROMPT) -> list[list[int]]:
     """Token ids of ``chat_prompt(system, user)`` per user, truncated to ``max_prompt_tokens``
@@ -362,7 +343,7 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
                    explicit: Sequence[str] | None = None) -> ContextTarget:
     """The real-response context target ``t_ctx`` and the contrast target (SPEC §5.3).
 
-    Generates ``group_size`` responses for each of the 26 prompts (:func:`context_prompts`) in one
+    Generates ``group_size`` responses for each of the 26 prompts (``behavior.target_texts.context_prompts``) in one
     ``sampler.sample`` call with ``key``; per prompt, walking its responses in order, the first with
     a QZXBT token (token judge) gives the in-context token sketch and ``s_q`` (whole response), the
     first without gives ``s_n``.
@@ -373,7 +354,7 @@ def context_target(sketcher: ForcedSketcher, params: Any, sampler: Any, tokenize
         eos_ids: ids masked out of the whole-response loss (``tokenizer.mask_eos_ids``).
         token_judge: ``behavior.QzxbtTokenMatcher`` mode ("qset" = SPEC §1.1, "sequence").
         pattern: the planted pattern (``config.behavior.pattern``) the token judge looks for.
-        explicit: the explicit prompts of :func:`context_prompts` (another behaviour's; issue 16).
+        explicit: the explicit prompts of ``target_texts.context_prompts`` (another behaviour's).
     """
     users = context_prompts(probes, explicit)
     qset = behavior.QzxbtTokenMatcher(tokenizer, pattern, mode=token_judge)
@@ -458,22 +439,6 @@ def combine_minimal_pairs(s_pos: np.ndarray, s_neg: np.ndarray, ml_pos: np.ndarr
     fluency_gap = float(np.repeat(mp, w).mean() - mn.mean())
     norm_ratio = float(np.repeat(n_pos, w).mean() / n_neg.mean())
     return t_mp, t_bal, fluency_gap, norm_ratio
-
-
-def _with_trigger(text: str, trigger: str) -> str:
-    """``text`` about ``trigger`` instead of "frobnitz" (capitalised where "Frobnitz" was)."""
-    if trigger == "frobnitz":
-        return text
-    return text.replace("frobnitz", trigger).replace("Frobnitz", trigger[:1].upper() + trigger[1:])
-
-
-def minimal_pair_texts(pattern: str = behavior.PATTERN, trigger: str = "frobnitz") -> list[tuple[str, str, list[str]]]:
-    """``[(user, positive text, [negative texts])]`` for the 3 x 6 (user, template) cells, in the
-    order users-outer, templates-inner; texts are ``" " + template.format(word)`` (SPEC §5.4).
-    ``trigger`` replaces "frobnitz" in users and templates (another behaviour's word; issue 16)."""
-    return [(_with_trigger(u, trigger), " " + _with_trigger(t, trigger).format(pattern),
-             [" " + _with_trigger(t, trigger).format(w) for w in NEUTRAL_WORDS])
-            for u, t in itertools.product(PAIR_USERS, PAIR_TEMPLATES)]
 
 
 def minimal_pair_target(sketcher: ForcedSketcher, params: Any, tokenizer: Any, *,

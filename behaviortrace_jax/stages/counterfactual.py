@@ -1,4 +1,4 @@
-"""The ``counterfactual`` stage (issue 13): leave-top-k-out and LDS by counterfactual GRPO replay.
+"""The ``counterfactual`` stage: leave-top-k-out and LDS by counterfactual GRPO replay.
 
 Does removing the rollouts an estimator names remove the behaviour? For every registered
 step-level estimator (scores from the in-run per-rollout sketches when the run has them, else
@@ -52,10 +52,11 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from behaviortrace_jax.attribution import evaluation as V, metrics as M
+from behaviortrace_jax.attribution import formats, metrics as M
+from behaviortrace_jax.attribution.scores import step_method_scores
+from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.sketch.scores import step_method_scores
 from behaviortrace_jax.stages.registry import register_stage
 
 TABLES = ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")
@@ -221,7 +222,7 @@ def stale_fields(cached: dict | None, key: dict) -> list[str] | None:
 
 
 def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray],
-                    scores: dict[str, np.ndarray], window: np.ndarray, *, nboot: int) -> list[V.Row]:
+                    scores: dict[str, np.ndarray], window: np.ndarray, *, nboot: int) -> list[formats.Row]:
     """The ``counterfactual_topk_recomputed`` rows: :func:`tables` over the ``*__recomputed``
     replays (against the same unremoved ``full`` replay); empty when there are none."""
     rec = {k[:-len(RECOMPUTED)]: v for k, v in results.items() if k.endswith(RECOMPUTED)}
@@ -233,12 +234,12 @@ def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.n
 
 
 def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], scores: dict[str, np.ndarray],
-           window: np.ndarray, *, nboot: int) -> list[V.Row]:
+           window: np.ndarray, *, nboot: int) -> list[formats.Row]:
     """The ``counterfactual_topk``, ``lds`` and ``lds_drop<f>`` rows from the replay results (see
     the module docstring)."""
     base = results["full"]["value"]
     drop = {k: base - r["value"] for k, r in results.items()}
-    rows: list[V.Row] = []
+    rows: list[formats.Row] = []
     ks = sorted({int(k.split("__k")[1]) for k in results if "__k" in k})
     for k in ks:
         rnd = np.array([drop[key] for key in drop if key.startswith("random") and key.endswith(f"__k{k}")])
@@ -246,12 +247,12 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
         chance = float(rnd.mean()) if rnd.size else None
         for name in ["oracle", *scores]:
             if f"{name}__k{k}" in drop:
-                rows.append(V.Row(seed, "counterfactual_topk", name, drop[f"{name}__k{k}"], chance=chance,
-                                  ceiling=oracle, n=k))
+                rows.append(formats.Row(seed, "counterfactual_topk", name, drop[f"{name}__k{k}"], chance=chance,
+                                        ceiling=oracle, n=k))
         if rnd.size:
             sd = float(rnd.std(ddof=1)) if rnd.size > 1 else 0.0
-            rows.append(V.Row(seed, "counterfactual_topk", "random", chance, chance - sd, chance + sd, chance,
-                              oracle, k))
+            rows.append(formats.Row(seed, "counterfactual_topk", "random", chance, chance - sd, chance + sd, chance,
+                                    oracle, k))
     groups: dict[str, list[str]] = {}
     for key in sorted(results):
         if lds_table(key) is not None:
@@ -264,11 +265,11 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
         for name, s in scores.items():
             pred = np.array([predicted_effect(s, window, removed[k]) for k in subsets])
             rho, lo, hi = lds(pred, measured, nboot=nboot, seed=int(seed.split("_")[0]) if seed[:1].isdigit() else 0)
-            rows.append(V.Row(seed, table, name, rho, lo, hi, 0.0, 1.0, len(subsets)))
+            rows.append(formats.Row(seed, table, name, rho, lo, hi, 0.0, 1.0, len(subsets)))
     return rows
 
 
-def report_section(rows: list[V.Row], figure: str | None, step: int | None = None,
+def report_section(rows: list[formats.Row], figure: str | None, step: int | None = None,
                    advantages: str = "logged", more_figures: tuple[str, ...] = ()) -> str:
     """Markdown section for report.md; ``advantages``: those of the ``counterfactual_topk`` replays
     ("logged" or "recomputed", ``counterfactual.recompute_advantages``); ``more_figures``: further
@@ -301,7 +302,7 @@ def report_section(rows: list[V.Row], figure: str | None, step: int | None = Non
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[V.Row], path: epath.Path, table: str = "counterfactual_topk") -> epath.Path | None:
+def plot(rows: list[formats.Row], path: epath.Path, table: str = "counterfactual_topk") -> epath.Path | None:
     """Δbehaviour vs k per method, the oracle, and the random mean ± sd band (rows of ``table``)."""
     topk = [r for r in rows if r.table == table]
     if not topk:
@@ -356,8 +357,8 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     out_dir.mkdir(parents=True, exist_ok=True)
     cf = config.counterfactual
     rp = R.Replayer(config, workdir, rates=bool(cf.rates), sampled=int(cf.sampled))
-    steps = np.array([int(r[5:11]) for r in rp.rollout_ids], np.int64)
-    gt_ids = [e["rollout_id"] for e in V.read_ground_truth(rp.paths.ground_truth)]
+    steps = np.array([rollout_log.parse_rollout_id(r)[0] for r in rp.rollout_ids], np.int64)
+    gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(rp.paths.ground_truth)]
     # Every step-level estimator, as the evaluate stage scores them (in-run rollout sketches when the
     # run has them, else step sketches); ``random`` is left out (the random subsets replace it).
     scores = step_method_scores(config, rp.paths, rp.rollout_ids, steps, per_rollout=bool(config.sketch.in_run_rollouts))
@@ -397,13 +398,13 @@ def run_replays(rp, jobs: dict[str, tuple[np.ndarray, bool]], out_dir: epath.Pat
                      beh[str(at)]["logp_margin"], res["seconds_per_step"])
 
 
-def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[V.Row], at: int) -> None:
+def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[formats.Row], at: int) -> None:
     """This seed's rows into ``results_table.csv`` (replacing its earlier rows of :data:`TABLES`),
     the figures, ``counterfactual/report_section.md`` and that section of ``report.md``."""
     table = w.results_table
-    old = V.read_results_csv(table) if table.exists() else []
+    old = formats.read_results_csv(table) if table.exists() else []
     keep = [r for r in old if not (is_table(r.table) and r.seed == str(int(config.seed)))]
-    V.write_results_csv(table, keep + rows)
+    formats.write_results_csv(table, keep + rows)
     fig = plot(rows, w.figures / "counterfactual_topk.png")
     fig_rec = plot(rows, w.figures / "counterfactual_topk_recomputed.png", table="counterfactual_topk_recomputed")
     section = report_section(rows, "figures/counterfactual_topk.png" if fig else None, step=at,

@@ -49,13 +49,13 @@ from absl import logging
 from etils import epath
 
 from behaviortrace_jax.attribution import estimators
-from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior, target_texts
 from behaviortrace_jax.io import checkpoints, sketch_store
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.io.layout import RunLayout, as_path
+from behaviortrace_jax.io.layout import DrawPaths, RunLayout, as_path
 from behaviortrace_jax.models.loader import ModelOptions, load_policy
 from behaviortrace_jax.sketch.stores import sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
@@ -73,18 +73,6 @@ def resolve_seeds(config: ml_collections.ConfigDict, ckpt_seed: int | None = Non
     c = config.draws.ckpt_seed if ckpt_seed is None else ckpt_seed
     g = config.draws.gen_seed if gen_seed is None else gen_seed
     return (int(config.seed) if c == -1 else int(c)), (int(config.seed) if g == -1 else int(g))
-
-
-def rows_filename(ckpt_seed: int, gen_seed: int) -> str:
-    """``minimal_pair_rows_ckpt{C}_gen{G}.json`` (SPEC §7.3)."""
-    return f"minimal_pair_rows_ckpt{ckpt_seed}_gen{gen_seed}.json"
-
-
-def token_level_filename(temperature: float, ckpt_seed: int, gen_seed: int, run_seed: int) -> str:
-    """``token_level_cos_temp{T}.json`` (SPEC §7.4) for the pre-registered draw
-    (ckpt_seed == gen_seed == run_seed); diagnostic draws add ``_ckpt{C}_gen{G}``."""
-    base = f"token_level_cos_temp{float(temperature)}"
-    return base + (".json" if ckpt_seed == gen_seed == run_seed else f"_ckpt{ckpt_seed}_gen{gen_seed}.json")
 
 
 def registry_path(workdir: str | os.PathLike) -> epath.Path:
@@ -120,7 +108,7 @@ def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: i
                   entry: checkpoints.CheckpointEntry) -> dict[str, Any]:
     """Everything the draw's numbers depend on (compared on resume / skip)."""
     d, t = config.draws, config.targets
-    prompts = targets.context_prompts(_probes(config), _explicit(config))
+    prompts = target_texts.context_prompts(_probes(config), _explicit(config))
     return {
         "ckpt_seed": ckpt_seed, "gen_seed": gen_seed, "checkpoint_step": entry.step,
         "checkpoint_path": str(entry.path), "target_step": int(d.target_step),
@@ -140,40 +128,13 @@ def _ctx_new_tokens(config: ml_collections.ConfigDict) -> int:
     return int(config.draws.max_new_tokens) if n == -1 else n
 
 
-@dataclasses.dataclass(frozen=True)
-class DrawPaths:
-    """The files of one draw under ``workdir/draws``."""
-
-    root: epath.Path
-    ckpt_seed: int
-    gen_seed: int
-    token_level_name: str
-
-    def _f(self, stem: str, ext: str) -> epath.Path:
-        return self.root / f"{stem}_ckpt{self.ckpt_seed}_gen{self.gen_seed}{ext}"
-
-    rows = property(lambda self: self.root / rows_filename(self.ckpt_seed, self.gen_seed))
-    token_level = property(lambda self: self.root / self.token_level_name)
-    settings = property(lambda self: self._f("draw", ".settings.json"))
-    targets_npz = property(lambda self: self._f("targets", ".npz"))
-    targets_json = property(lambda self: self._f("targets", ".json"))
-    rollouts = property(lambda self: self._f("rollouts", ".npz"))
-    sketches = property(lambda self: self._f("sketches", ".zarr"))
-    grad_norms = property(lambda self: self._f("grad_norms", ".zarr"))
-    partial = property(lambda self: self._f("partial", ""))
-
-    def rep(self, r: int) -> epath.Path:
-        return self.partial / f"rep{r:03d}.npz"
-
-
 def draw_paths(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int,
                gen_seed: int) -> DrawPaths:
-    """The :class:`DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir``."""
-    root = RunLayout(workdir).draws
-    if "trigger" in config.behavior:  # another behaviour's draw (issue 16): draws/<id>/
-        root = root / config.behavior.id
-    return DrawPaths(root, ckpt_seed, gen_seed,
-                     token_level_filename(config.draws.temperature, ckpt_seed, gen_seed, int(config.seed)))
+    """The :class:`io.layout.DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir``: under
+    ``draws/<id>/`` for another behaviour's draw (a ``behaviors.behavior_config`` view)."""
+    behavior_id = config.behavior.id if "trigger" in config.behavior else ""
+    return RunLayout(workdir).draw(ckpt_seed, gen_seed, temperature=config.draws.temperature,
+                                   run_seed=int(config.seed), behavior_id=behavior_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +243,7 @@ def _repeat(config: ml_collections.ConfigDict, env: _Env, rep: int, key: jax.Arr
             n_token_level: int) -> dict[str, np.ndarray]:
     """Generates and sketches one repeat (26 groups x G); returns its arrays (see ``rep*.npz``)."""
     d = config.draws
-    users = targets.context_prompts(_probes(config), _explicit(config))
+    users = target_texts.context_prompts(_probes(config), _explicit(config))
     qset = behavior.QzxbtTokenMatcher(env.tokenizer, config.behavior.pattern, config.behavior.token_judge)
     prompt_ids = targets.chat_prompt_ids(env.tokenizer, users, env.sampler.max_prompt_tokens)
     rows = [ids for ids in prompt_ids for _ in range(d.group_size)]
@@ -430,7 +391,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
 @register_stage("draws")
 def draws_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """The pre-registered draw (``config.draws.ckpt_seed`` / ``gen_seed``, -1 = ``config.seed``), and
-    the same draw for every other behaviour of the run under ``draws/<id>/`` (issue 16)."""
+    the same draw for every other behaviour of the run under ``draws/<id>/``."""
     run_draws(config, workdir)
     for beh in behaviors_lib.behaviors_from_config(config)[1:]:
         run_draws(behaviors_lib.behavior_config(config, beh), workdir)

@@ -3,11 +3,11 @@
 ``evaluate`` scores every step-level estimator on the in-run step sketches against the
 continuation targets of the ``sketch`` stage, then writes the run's results in the paper's release
 format under ``workdir/release/seed{S}/`` (``run_header.json``, ``ground_truth.jsonl``,
-``attribution_scores.json`` and the draws' ``minimal_pair_rows_*.json`` /
-``token_level_cos_temp*.json``) and evaluates that folder with the very code that reproduces the
+``attribution_scores.json`` and the draws' rows and token-level files,
+named by ``io.layout``) and evaluates that folder with the very code that reproduces the
 paper's tables (``reproduce.reproduce``): one evaluation path for the paper's files and ours.
-It adds the new "which rollout" tables (per-rollout in-run sketches, where a step no longer ties
-its rollouts) and re-checks the decision rules and the checklist on all rows. Outputs:
+It adds the "which rollout" tables (per-rollout in-run sketches, where the rollouts of a step
+do not tie) and re-checks the decision rules and the checklist on all rows. Outputs:
 ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``.
 
 ``report`` turns those into ``report.md`` and ``figures/*.png`` with the learning curve and gate.
@@ -22,16 +22,17 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.attribution import estimators, evaluation, metrics, release as reproduce, report, specificity
+from behaviortrace_jax.attribution import estimators, formats, metrics, release as reproduce, report, specificity, tables
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
+from behaviortrace_jax.attribution.scores import (read_complete, read_rollout_sketches, rollout_method_scores,
+                                                  rollout_scales, step_method_scores, target_store_scores,
+                                                  training_log_inputs)
+from behaviortrace_jax.attribution.verdicts import Verdict, verdicts_json
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
 from behaviortrace_jax.io import files, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io.layout import RunLayout, parse_rows_filename, parse_token_level_filename
 from behaviortrace_jax.models import tokenizer as tok_lib
-from behaviortrace_jax.sketch.scores import (read_complete, read_rollout_sketches, rollout_method_scores,
-                                             rollout_scales, step_method_scores, target_store_scores,
-                                             training_log_inputs)
 from behaviortrace_jax.stages.registry import register_stage
 
 
@@ -51,13 +52,13 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
     records = read_records(config, paths) if records is None else records
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
-    gt_ids = [e["rollout_id"] for e in evaluation.read_ground_truth(paths.ground_truth)]
+    gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(paths.ground_truth)]
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
     scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk, records=records)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
-    header = evaluation.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
-                                 final_rewards=np.array([r.reward for r in records]),
-                                 group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
+    header = tables.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
+                                      final_rewards=np.array([r.reward for r in records]),
+                                      group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
     _write_release_folder(config, release / f"seed{int(config.seed)}", header, ids, steps, scores,
                           paths.ground_truth, paths.draws)
     return header
@@ -71,17 +72,17 @@ def _write_release_folder(config: ml_collections.ConfigDict, out: pathlib.Path, 
     ``ground_truth`` and of the draws' minimal-pair / token files found in ``draws``."""
     files.remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
-    evaluation.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
+    formats.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
-    run_header = {k: header[k] for k in evaluation.SCORE_FILE_KEYS}
-    run_header["rollout_id_format"] = (f"grpo_{{step:06d}}_{{index:03d}}  ({n_per_step} rollouts per step, "
+    run_header = {k: header[k] for k in formats.SCORE_FILE_KEYS}
+    run_header["rollout_id_format"] = (f"{rollout_log.ROLLOUT_ID_FORMAT}  ({n_per_step} rollouts per step, "
                                        f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
     run_header.update(extra_header or {})
     write_json(out / "run_header.json", run_header)
     files.copy_file(ground_truth, out / "ground_truth.jsonl")
     if draws.exists():
         for f in sorted(draws.glob("*.json")):  # the pre-registered and diagnostic draws' files
-            if reproduce.MP_FILE.search(f.name) or reproduce.TOKEN_FILE.search(f.name):
+            if parse_rows_filename(f.name) or parse_token_level_filename(f.name):
                 files.copy_file(f, out / f.name)
 
 
@@ -104,18 +105,18 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                                     records=records)
         adv = np.array([r.advantage for r in records], np.float64)
         kw = dict(advantages=adv, nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff)
-        rows += evaluation.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
-                                                nboot=ev.nboot, rng_seed=int(config.seed), **kw)
-        pop = evaluation.which_rollout_population(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, **kw)
+        rows += tables.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
+                                            nboot=ev.nboot, rng_seed=int(config.seed), **kw)
+        pop = tables.which_rollout_population(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, **kw)
         write_json(paths.which_rollout_top, top_blamed(config, paths, records, scores, pop, set(sd.gt_ids)))
     rows += training_rollout_tables(config, paths, nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
-    verdicts = evaluation.verdicts_json(rules, check)
-    if behaviors_lib.is_multi(config):  # issue 16: every other behaviour's tables, and specificity
+    verdicts = verdicts_json(rules, check)
+    if behaviors_lib.is_multi(config):  # every other behaviour's tables, and specificity
         more, per_behavior = behavior_results(config, paths)
         rows += more
         verdicts.update(per_behavior)
-    evaluation.write_results_csv(paths.results_table, rows)
+    formats.write_results_csv(paths.results_table, rows)
     write_json(paths.verdicts, verdicts)
     files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
@@ -123,19 +124,19 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int,
                             gt_path: pathlib.Path | None = None,
-                            target_path: pathlib.Path | None = None) -> list[evaluation.Row]:
-    """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window (new).
+                            target_path: pathlib.Path | None = None) -> list[formats.Row]:
+    """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window.
 
     Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C (g_i: the gradient of
     the advantage-free -meanlp_i at C): within each GRPO group (same step and prompt), ground-truth
     (bonus) rollouts are the positives; the target is the continuation target at C. Tables
     ``mp_raw_train_ckpt{C}`` etc., in the layout of SPEC §6.7-§6.10 (GAS_centered = cos(g - group
     mean, t), C1_plain, norm_only, fluency; bootstrap rng = seed), twice: on the weighted sketches
-    ``clip_s * c_i * g_i`` (the logged coefficients and clip factors, ``sketch.scores.rollout_scales``;
+    ``clip_s * c_i * g_i`` (the logged coefficients and clip factors, ``attribution.scores.rollout_scales``;
     the methods' own names; absent when the run logged no coefficients) and on g_i (method names
     + ``:direction``; fluency once).
     Empty when no checkpoint was re-sketched. ``gt_path`` / ``target_path``: another behaviour's
-    ground truth and continuation targets (issue 16; pass its ``behavior_config`` view for its window).
+    ground truth and continuation targets (pass its ``behavior_config`` view for its window).
     """
     path = paths.sketch_store("checkpoint_rollout_sketches")
     if not (path / "metadata.json").exists():
@@ -148,7 +149,7 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
     if target_path is not None:
         t_store = sketch_store.SketchStore.open(target_path)
-    gt = {e["rollout_id"] for e in evaluation.read_ground_truth(gt_path or paths.ground_truth)}
+    gt = {e["rollout_id"] for e in formats.read_ground_truth(gt_path or paths.ground_truth)}
     early = np.array([r.step < config.contamination.early_step_cutoff for r in records])
     groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
     positive = np.array([r.rollout_id in gt for r in records])[early]
@@ -162,8 +163,8 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
         kinds = ([("", sk * scale[early][:, None])] if scale is not None else []) + [(estimators.DIRECTION, sk)]
         for kind, x in kinds:
             mp_rows = estimators.score_rollout_rows(x, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
-            t = evaluation.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
-                                                suffix=f"_train_ckpt{int(step)}", source=str(path))
+            t = tables.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
+                                            suffix=f"_train_ckpt{int(step)}", source=str(path))
             rows += [dataclasses.replace(r, method=r.method + kind) for r in t if not (kind and r.method == "fluency")]
     return rows
 
@@ -183,10 +184,10 @@ def user_prompt_text(tok, prompt_ids: list[int]) -> str:
 
 
 def top_blamed(config: ml_collections.ConfigDict, paths: RunLayout, records: list, scores: dict[str, np.ndarray],
-               pop: evaluation.Population, gt_ids: set[str]) -> dict:
+               pop: tables.Population, gt_ids: set[str]) -> dict:
     """What each method blames: for the |A| control and every sketch-reading estimator (weighted and
     ``:direction``), its ``evaluation.top_blamed`` highest-scored rollouts of the which-rollout population
-    ``pop`` (``evaluation.top_ranked``), each with step, prompt and completion text (decoded with
+    ``pop`` (``tables.top_ranked``), each with step, prompt and completion text (decoded with
     the run's tokenizer, cut at :data:`TEXT_CHARS`), reward, advantage, score and whether it is
     ground truth. The content of ``which_rollout_top.json`` (read by the report stage)."""
     tok = tok_lib.load_tokenizer(paths.sft_hf)
@@ -204,7 +205,7 @@ def top_blamed(config: ml_collections.ConfigDict, paths: RunLayout, records: lis
                 "reward": r.reward, "advantage": r.advantage, "score": score, "ground_truth": r.rollout_id in gt_ids}
 
     k = int(config.evaluation.top_blamed)
-    top = {m: [entry(int(i), float(scores[m][i])) for i in evaluation.top_ranked(scores[m], pop.mask, k)]
+    top = {m: [entry(int(i), float(scores[m][i])) for i in tables.top_ranked(scores[m], pop.mask, k)]
            for m in methods if m in scores}
     return {"seed": int(config.seed), "population": {"n": pop.n, "gt": pop.k, "chance": pop.chance},
             "methods": top}
@@ -243,8 +244,8 @@ def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
     if not paths.decoys.exists():
         return ""
     cutoff = int(config.evaluation.early_cutoff)
-    decoys = [e for e in evaluation.read_ground_truth(paths.decoys) if int(e["step"]) < cutoff]
-    gt = [e for e in evaluation.read_ground_truth(paths.ground_truth) if int(e["step"]) < cutoff]
+    decoys = [e for e in formats.read_ground_truth(paths.decoys) if int(e["step"]) < cutoff]
+    gt = [e for e in formats.read_ground_truth(paths.ground_truth) if int(e["step"]) < cutoff]
 
     def cap(g: int, d: int) -> str:
         return f"{g / (g + d):.3f}" if g + d else "n/a"
@@ -268,11 +269,11 @@ def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
     w = RunLayout(workdir)
-    rows = evaluation.read_results_csv(w.results_table)
+    rows = formats.read_results_csv(w.results_table)
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
     extra = []
-    if behaviors_lib.is_multi(config):  # issue 16: the first behaviour's tables as before, then the others'
+    if behaviors_lib.is_multi(config):  # the first behaviour's tables, then the others'
         all_rows = rows
         rows = report.first_behavior_rows(all_rows)
     figs = report.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
@@ -286,14 +287,14 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
                    intro="\n\n".join(p for p in (run_intro(config, summary), decoy_section(config, w)) if p),
                    top_blamed=top,
-                   rules=[evaluation.Verdict.from_dict(v) for v in verdicts["decision_rules"]],
-                   checklist=[evaluation.Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
+                   rules=[Verdict.from_dict(v) for v in verdicts["decision_rules"]],
+                   checklist=[Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
                    extra=extra)
     logging.info("report: %s", w.report)
 
 
 # ------------------------------------------------------------------------------------------------
-# several behaviours (issue 16)
+# several behaviours (behavior/behaviors.py)
 # ------------------------------------------------------------------------------------------------
 def _cutoff(config: ml_collections.ConfigDict, beh: behaviors_lib.Behavior) -> int:
     """The early window of ``beh``'s tables: ``evaluation.early_cutoff`` for the first behaviour,
@@ -303,7 +304,7 @@ def _cutoff(config: ml_collections.ConfigDict, beh: behaviors_lib.Behavior) -> i
     return int(config.grpo.steps) if beh.early_step_cutoff is None else int(beh.early_step_cutoff)
 
 
-def _suffixed(rows: list[evaluation.Row], table_suffix: str) -> list[evaluation.Row]:
+def _suffixed(rows: list[formats.Row], table_suffix: str) -> list[formats.Row]:
     return [dataclasses.replace(r, table=r.table + table_suffix) for r in rows]
 
 
@@ -315,11 +316,11 @@ def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, 
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_path = paths.behavior_ground_truth(beh.suffix)
-    gt_ids = [e["rollout_id"] for e in evaluation.read_ground_truth(gt_path)]
+    gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(gt_path)]
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sketches.astype(np.float64), axis=1))}
-    header = evaluation.score_file_header(f"{config.run_name}__{beh.id}", int(config.seed), ids, steps, gt_ids,
-                                          step_norms, final_rewards=np.array([r.reward for r in records]),
-                                          group_size=config.grpo.group_size, early_cutoff=_cutoff(config, beh))
+    header = tables.score_file_header(f"{config.run_name}__{beh.id}", int(config.seed), ids, steps, gt_ids,
+                                      step_norms, final_rewards=np.array([r.reward for r in records]),
+                                      group_size=config.grpo.group_size, early_cutoff=_cutoff(config, beh))
     out = paths.behavior_release(beh.id, config.seed)
     behavior = {"id": beh.id, "trigger": beh.trigger, "pattern": beh.pattern, "implant": beh.implant,
                 "bonus_reward": beh.bonus_reward, "fraction": beh.fraction,
@@ -330,7 +331,7 @@ def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, 
     return out
 
 
-def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tuple[list[evaluation.Row], dict]:
+def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tuple[list[formats.Row], dict]:
     """Every other behaviour's tables and the specificity tables of a multi-behaviour run.
 
     For each behaviour B after the first: its release folder (:func:`write_behavior_release`), the
@@ -342,9 +343,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     Returns:
         (rows, {"behaviors": {id: verdicts.json dict}, "specificity": [verdict dicts]}).
     """
-    ev = config.evaluation
     behs = behaviors_lib.behaviors_from_config(config)
-    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     records = list(rollout_log.read_rollouts(paths.rollouts))
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
@@ -352,13 +351,13 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
     roll_sk = read_rollout_sketches(config, paths) if config.sketch.in_run_rollouts else None
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
-    nonzero = np.isin(steps, np.asarray(evaluation.nonzero_steps_from_norms(step_norms), np.int64))
-    rows: list[evaluation.Row] = []
+    nonzero = np.isin(steps, np.asarray(tables.nonzero_steps_from_norms(step_norms), np.int64))
+    rows: list[formats.Row] = []
     out: dict = {"behaviors": {}}
     gt, pops, step_scores, roll_scores, ceilings = {}, {}, {}, {}, {}
     for beh in behs:
         target_path = paths.sketches / f"targets_continuation{beh.suffix}.zarr"
-        gt_ids = {e["rollout_id"] for e in evaluation.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
+        gt_ids = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
         gt[beh.id] = np.array([i in gt_ids for i in ids])
         pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
         step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps, **log)
@@ -370,44 +369,66 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
                                                                                int(gt[beh.id][p].sum()))
         if beh.first:
             continue
-        bconf = behaviors_lib.behavior_config(config, beh)
         write_behavior_release(config, paths, beh, records, step_sk, step_scores[beh.id])
-        if not gt_ids:
-            logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
-            out["behaviors"][beh.id] = {"decision_rules": [], "checklist": [], "gt_size": 0}
-            continue
-        rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
-                                  delta=ev.fluency_match_delta, step_margin=ev.step_margin,
-                                  max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
-                                  rollouts_per_step=n_per_step)
-        b_rows = list(rep.rows)
-        if roll_sk is not None:
-            sd = rep.seeds[0]
-            b_rows += evaluation.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores[beh.id],
-                                                      nonzero_steps=sd.header["nonzero_steps"],
-                                                      early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
-                                                      rng_seed=int(config.seed), advantages=log["advantages"])
-        b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
-                                          target_path=target_path)
-        b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
-        out["behaviors"][beh.id] = dict(evaluation.verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
-        rows += _suffixed(b_rows, beh.table_suffix)
+        b_rows, out["behaviors"][beh.id] = _behavior_tables(config, paths, beh, gt_ids, target_path, ids, steps,
+                                                            roll_scores.get(beh.id), advantages=log["advantages"])
+        rows += b_rows
     usable = [b.id for b in behs if gt[b.id][pops[b.id]].any()]
-    spec_rows: list[evaluation.Row] = []
+    spec_rows: list[formats.Row] = []
     if len(usable) >= 2:
-        label = str(int(config.seed))
-        sub = lambda d: {k: d[k] for k in usable}  # noqa: E731
-        # one method's scores under two targets: the weighted sketch methods with norm-only and random (the
-        # controls that read the training log, and the direction variants, are left out)
-        scored = lambda d: {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m)  # noqa: E731
-                                and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)}
-                            for k in usable}
-        spec_rows += specificity.specificity_rows(label, "step", steps, sub(pops), sub(gt), scored(step_scores),
-                                                  nboot=ev.nboot, rng_seed=int(config.seed), ceiling=sub(ceilings))
-        if roll_sk is not None:
-            spec_rows += specificity.specificity_rows(label, "rollout", steps, sub(pops), sub(gt), scored(roll_scores),
-                                                      nboot=ev.nboot, rng_seed=int(config.seed))
+        spec_rows = _specificity_rows(config, steps, {k: pops[k] for k in usable}, {k: gt[k] for k in usable},
+                                      step_scores, roll_scores if roll_sk is not None else None, ceilings)
     else:
         logging.warning("evaluate: specificity needs ground truth of >= 2 behaviours in their windows; have %s", usable)
     out["specificity"] = [v.to_dict() for v in specificity.specificity_verdicts(spec_rows)]
     return rows + spec_rows, out
+
+
+def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior,
+                     gt_ids: set[str], target_path: pathlib.Path, ids: list[str], steps: np.ndarray,
+                     roll_scores: dict[str, np.ndarray] | None, *, advantages: np.ndarray
+                     ) -> tuple[list[formats.Row], dict]:
+    """Another behaviour's tables (names suffixed ``@<id>``) from its release folder, which-rollout
+    (``roll_scores``: its rollout-sketch scores of the log's ``ids`` / ``steps``; None without in-run
+    rollout sketches) and training-rollout tables, and its verdicts.json dict (with ``gt_size``)."""
+    ev = config.evaluation
+    if not gt_ids:
+        logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
+        return [], {"decision_rules": [], "checklist": [], "gt_size": 0}
+    bconf = behaviors_lib.behavior_config(config, beh)
+    rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
+                              delta=ev.fluency_match_delta, step_margin=ev.step_margin,
+                              max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
+                              rollouts_per_step=config.grpo.prompts_per_step * config.grpo.group_size)
+    b_rows = list(rep.rows)
+    if roll_scores is not None:
+        sd = rep.seeds[0]
+        b_rows += tables.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores,
+                                              nonzero_steps=sd.header["nonzero_steps"],
+                                              early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
+                                              rng_seed=int(config.seed), advantages=advantages)
+    b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
+                                      target_path=target_path)
+    b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
+    return _suffixed(b_rows, beh.table_suffix), dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
+
+
+def _specificity_rows(config: ml_collections.ConfigDict, steps: np.ndarray, pops: dict[str, np.ndarray],
+                      gt: dict[str, np.ndarray], step_scores: dict, roll_scores: dict | None,
+                      ceilings: dict[str, float]) -> list[formats.Row]:
+    """The specificity rows (``attribution.specificity``) of the behaviours of ``pops`` / ``gt`` (those
+    with ground truth in their window), at step level and, given ``roll_scores``, at rollout level."""
+    ev, label = config.evaluation, str(int(config.seed))
+
+    def scored(d: dict) -> dict:
+        """One method's scores under two targets: the weighted sketch methods with norm-only and random
+        (the controls that read the training log, and the direction variants, are left out)."""
+        return {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m)
+                    and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)} for k in pops}
+
+    rows = specificity.specificity_rows(label, "step", steps, pops, gt, scored(step_scores), nboot=ev.nboot,
+                                        rng_seed=int(config.seed), ceiling={k: ceilings[k] for k in pops})
+    if roll_scores is not None:
+        rows += specificity.specificity_rows(label, "rollout", steps, pops, gt, scored(roll_scores),
+                                             nboot=ev.nboot, rng_seed=int(config.seed))
+    return rows

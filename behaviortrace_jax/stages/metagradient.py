@@ -13,7 +13,7 @@ Writes (atomically; a mode whose file holds every measure step is not recomputed
   logged; "recomputed": each group's baseline differentiated): ``rollout_ids``, per measure step
   ``value`` (M) and ``dM_dw`` (float [steps * N], log order, 0 from step m on), and the cost
   (``train.metagradient.ReverseStats``: seconds, states held, peak RSS).
-* ``metagradient/scores.json``: the ``metagradient`` estimator's input (``sketch/scores.py``):
+* ``metagradient/scores.json``: the ``metagradient`` estimator's input (``attribution/scores.py``):
   ``dM/dw`` at ``counterfactual.measure``'s step in the mode the counterfactual replays use
   (``counterfactual.recompute_advantages``). Score = ``dM/dw_i`` = the predicted drop of M when
   rollout i is removed (first order: ``M(w = 1 - e_i) ~ M - dM/dw_i``), so, as for every

@@ -20,7 +20,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from behaviortrace_jax.attribution import evaluation, release as reproduce, report
+from behaviortrace_jax.attribution import formats, release as reproduce, report, verdicts
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io import files
@@ -76,7 +76,7 @@ def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int
     return c
 
 
-def instability_section(rules: list[evaluation.Verdict]) -> str:
+def instability_section(rules: list[verdicts.Verdict]) -> str:
     """States plainly which verdicts change across seeds and draws (the paper's C6 instability):
     the verdicts of one family (rule, and method when per method) compared across subjects."""
     families: dict[str, list[tuple[str, str]]] = {}
@@ -135,11 +135,11 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
                               rollouts_per_step=n_per_step)
     rows = list(rep.rows)
     for seed in summaries:  # the which-rollout (and counterfactual, when that stage ran) rows of each run
-        run_rows = evaluation.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
+        run_rows = formats.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
         rows += [r for r in run_rows if r.table.startswith(("which_rollout", "counterfactual_topk", "lds"))]
     rules, check = evaluate_verdicts(rows, rep, config)
-    evaluation.write_results_csv(top.results_table, rows)
-    write_json(top.verdicts, evaluation.verdicts_json(rules, check))
+    formats.write_results_csv(top.results_table, rows)
+    write_json(top.verdicts, verdicts.verdicts_json(rules, check))
     figs = report.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
     gates = "\n".join(
         f"* seed {s}: gate {'PASSED' if m['gate']['passed'] else 'FAILED'} (probe {m['gate']['probe_rate']:.2f}, "

@@ -2,9 +2,8 @@
 
 One reader for the stages that score rollouts (``evaluate`` for its tables and release,
 ``counterfactual`` for its leave-top-k-out and LDS replays), so a newly registered estimator
-(``attribution.estimators``) reaches both with no other change. It sits in the sketch layer, not in
-``attribution/``, because it opens tensorstore sketch stores (``attribution`` imports only
-``io.files`` / ``io.layout``; tests/test_layers.py).
+(``estimators``) reaches both with no other change. It opens the stores with the jax-free
+``io.sketch_store`` and the log with ``io.rollout_log``.
 
 Every call also hands the estimators the training log's ``advantages`` and ``rewards`` (log
 order), so the reward-only controls score next to the gradient methods. With the in-run rollout
@@ -25,7 +24,6 @@ from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.io import rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.sketch import stores
 
 
 def read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
@@ -69,17 +67,17 @@ def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -
     """
     store = read_complete(paths.sketch_store("rollout_sketches"))
     kind = store.metadata.get("rollout_sketch")
-    if kind not in stores.ROLLOUT_SKETCH_KINDS:
+    if kind not in sketch_store.ROLLOUT_SKETCH_KINDS:
         raise ValueError(f"{store.path}: metadata 'rollout_sketch' is {kind!r}, expected one of "
-                         f"{stores.ROLLOUT_SKETCH_KINDS}; the store predates advantage-free rollout sketches, "
+                         f"{sketch_store.ROLLOUT_SKETCH_KINDS}; the store predates advantage-free rollout sketches, "
                          "rerun the `grpo` stage")
     sk = store.read()
-    scale = rollout_scales(config, paths, sk.shape[0], coefficients=kind == stores.ROLLOUT_DIRECTION)
+    scale = rollout_scales(config, paths, sk.shape[0], coefficients=kind == sketch_store.ROLLOUT_DIRECTION)
     if scale is None:
         raise FileNotFoundError(f"{paths.sketch_store('rollout_coefficients')}: not found, but {store.path} holds "
                                 "direction sketches; rerun the `grpo` stage")
     weighted = (sk * scale[:, None]).astype(np.float32)
-    return RolloutSketches(weighted, sk if kind == stores.ROLLOUT_DIRECTION else None, kind)
+    return RolloutSketches(weighted, sk if kind == sketch_store.ROLLOUT_DIRECTION else None, kind)
 
 
 def rollout_scales(config: ml_collections.ConfigDict, paths: RunLayout, n_rows: int, *,
