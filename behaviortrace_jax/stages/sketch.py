@@ -102,7 +102,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
         logging.info("sketch: continuation target at step %d (self-consistency %.3f)", e.step, ct.self_consistency)
 
-    for beh in behaviors_lib.behaviors_from_config(config)[1:]:  # issue 16: each other behaviour's targets
+    for beh in behaviors_lib.behaviors_from_config(config)[1:]:  # each other behaviour's targets
         extra_continuation_targets(config, paths, loader, forced, entries, beh)
 
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
@@ -113,7 +113,7 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 def extra_continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
                                forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry],
                                beh: behaviors_lib.Behavior) -> None:
-    """Another behaviour's continuation targets (issue 16): ``targets_continuation_<id>.zarr``
+    """Another behaviour's continuation targets: ``targets_continuation_<id>.zarr``
     float32 [C, D] and ``targets_<id>.json``, as the first behaviour's (its probes, its pattern)."""
     steps = [e.step for e in entries]
     meta = dict(sketch_metadata(config, loader.model_config, "targets_continuation"), checkpoint_steps=steps,

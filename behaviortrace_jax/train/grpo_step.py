@@ -216,7 +216,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     ``jax.shard_map`` (``sketcher.PerExampleSketcher(mesh=)``; what makes the step compile at 1.5B).
     With ``spec.use_tables`` the CountSketch hash tables (int32, 4 bytes per parameter) are an extra
     argument of the jitted step instead of being hashed inside it; the returned callable then passes
-    the sketcher's device tables itself (``step(params, opt_state, batch, ref_params)`` as before)
+    the sketcher's device tables itself (called as ``step(params, opt_state, batch, ref_params)``)
     and its ``lower(...)`` takes abstract ones.
 
     ``spec.update_from_sketcher`` (``grpo.one_backward``, or ``sketch.fused`` with in-run sketches):
@@ -338,8 +338,8 @@ def table_shardings(order: sketcher.ParamOrder, param_shardings: Any, mesh: jax.
     """Shardings of the CountSketch hash tables (int32, one per parameter, its shape) as a step argument:
     each table split like its parameter over every mesh axis but ``"data"`` (so over ``"model"``;
     the in-run sketcher's ``shard_map`` is manual over ``"data"`` only and takes the tables whole
-    there) and replicated over ``"data"``. On a mesh with ``model`` = 1 every table is replicated, as
-    before. Replicated where the parameter shardings do not line up with ``n_tables`` tables."""
+    there) and replicated over ``"data"``. On a mesh with ``model`` = 1 every table is replicated;
+    so is every table where the parameter shardings do not line up with ``n_tables`` tables."""
     rep = sharding.replicated(mesh)
     try:
         shs = order.arrays(param_shardings)
