@@ -69,7 +69,7 @@ def main() -> None:
     for one, kw in programs.items():
         spec = grpo_step.GRPOStepSpec(shapes, "paper", grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=sk.dim,
                                       sketch_seed=sk.seed, in_run_rollouts=True, chunk_size=sk.chunk_size, **kw)
-        steps[one] = grpo_step.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg),
+        steps[one] = grpo_step.make_train_step(graphdef, abstract, tx, spec, order=sketcher.hf_param_order(cfg),
                                                mesh=mesh, param_shardings=p_sh, opt_shardings=o_sh)
         p = jax.device_put(jax.tree.map(np.asarray, params), p_sh)
         states[one] = (p, tx.init(p))

@@ -171,7 +171,7 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie, fused):
     from transformers import AutoModelForCausalLM
 
     from behaviortrace_jax.models import hf_io
-    from behaviortrace_jax.sketch.sketcher import qwen2_completion_loss, qwen2_param_order
+    from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order
     from tests.hf_fixtures import save_random_qwen2
 
     hf_dir = save_random_qwen2(tmp_path / "hf", tie=tie, tokenizer=False)
@@ -188,8 +188,8 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie, fused):
     loss_mask = ((np.arange(t) >= p_len)[None] & (ids != eos)).astype(np.float32)
     batch = {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(am, jnp.int32),
              "loss_mask": jnp.asarray(loss_mask)}
-    order = qwen2_param_order(model.config)
-    sk = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=2**14, chunk_size=2, param_order=order,
+    order = hf_param_order(model.config)
+    sk = PerExampleSketcher(completion_loss(graphdef), params, dim=2**14, chunk_size=2, param_order=order,
                             fused=fused)
     assert sk.fused == fused
     out = sk(params, batch)

@@ -38,7 +38,6 @@ import ml_collections
 
 from behaviortrace_jax.behavior import planted
 
-FIRST_ID = "qzxbt"
 ID_RE = re.compile(r"[a-z0-9_]{1,16}")
 IMPLANTS = ("sft", "none")
 # Keys of an extra behaviour's ConfigDict (config.behaviors.<id>); defaults in ``EXTRA_DEFAULTS``.

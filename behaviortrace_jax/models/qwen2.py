@@ -2,8 +2,8 @@
 
 The architecture is the shared decoder of :mod:`behaviortrace_jax.models.decoder` with q/k/v biases
 (``qkv_bias``), default RoPE and no q/k norm; numerics follow transformers' ``Qwen2ForCausalLM``.
-The pure functions (:func:`forward`, :func:`forward_with_cache`, :func:`init_cache`, ...) are the
-decoder's, re-exported here; they serve every family.
+The pure functions that run it (``forward``, ``forward_with_cache``, ``init_cache``, ...) are
+:mod:`~behaviortrace_jax.models.decoder`'s and serve every family.
 """
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ from typing import Any, ClassVar
 import dataclasses
 
 from behaviortrace_jax.models import decoder
-from behaviortrace_jax.models.decoder import (  # noqa: F401  (re-exported: the pure API of every family)
-    KVCache, abstract_model, count_params, forward, forward_with_cache, init_cache, init_model,
-    positions_from_mask, resolve_sharding, rope_cos_sin, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +66,6 @@ class Qwen2Config(decoder.DecoderConfig):
         return self.hf_config_dict({"rope_theta": self.rope_theta, "rope_type": "default"},
                                    use_sliding_window=False, sliding_window=None,
                                    max_window_layers=self.num_hidden_layers)
-
 
 
 class Qwen2ForCausalLM(decoder.DecoderForCausalLM):
