@@ -50,14 +50,7 @@ class Qwen2Config(decoder.DecoderConfig):
             ValueError: naming the key for ``model_type`` != "qwen2", ``use_sliding_window: true``,
                 a non-default ``rope_type`` or a missing required key.
         """
-        d, src = decoder.read_hf_config(path_or_dict)
-        if d.get("model_type") != "qwen2":
-            raise ValueError(f"{src}: model_type={d.get('model_type')!r}, only 'qwen2' is supported")
-        if d.get("use_sliding_window", False):
-            raise ValueError(f"{src}: use_sliding_window=true is not supported")
-        rope_type, _, _ = decoder.rope_parameters(d)
-        if rope_type != "default":
-            raise ValueError(f"{src}: rope_parameters.rope_type={rope_type!r}, only 'default' is supported")
+        d, src, _, _ = decoder.read_family_config(path_or_dict, "qwen2", refused=("use_sliding_window",))
         kw = decoder.common_kwargs(d, src)
         return cls(**{**kw, **overrides})
 
