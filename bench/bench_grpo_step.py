@@ -1,5 +1,5 @@
 """GRPO train step on CPU: the default program (batched backward + per-rollout vmap(grad) sketches) vs
-``grpo.one_backward`` (the update from the summed per-rollout gradients; issue 12 item 4) vs
+``grpo.one_backward`` (the update from the summed per-rollout gradients) vs
 ``sketch.fused`` (the fused sketcher: one backward gives the update and the in-run sketches).
 
 The tiny default's shapes (configs/tiny.py: base preset ``tiny``, B x G rollouts, prompt + completion
