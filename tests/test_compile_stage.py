@@ -1,4 +1,4 @@
-"""The `compile` stage (issue 12): ahead-of-time compilation of every program of a config."""
+"""The `compile` stage: ahead-of-time compilation of every program of a config."""
 import importlib.util
 import json
 
