@@ -7,12 +7,12 @@ from setuptools import find_packages, setup
 INSTALL_REQUIRES = [
     "jax==0.10.2",  # jit/vmap/shard_map API used throughout; jaxlib must match exactly.
     "jaxlib==0.10.2",  # CPU wheel; on GPU install jax[cuda12]==0.10.2 on top (README).
-    "flax==0.12.8",  # NNX API (nnx.split/merge, nnx.List, nnx.eval_shape) as used by qwen2.py.
+    "flax==0.12.8",  # NNX API (nnx.split/merge, nnx.List, nnx.eval_shape) as used by models/decoder.py.
     "optax==0.2.8",  # AdamW + global-norm clipping chain for SFT/GRPO.
     "orbax-checkpoint==0.12.8",  # CheckpointManager API for train-state checkpoints.
     "ml-collections==1.1.0",  # ConfigDict + config_flags for main.py.
     "absl-py==2.5.1",  # flags/logging for main.py.
-    "tensorstore==0.1.86",  # zarr sketch arrays (sketch_store.py).
+    "tensorstore==0.1.86",  # zarr sketch arrays (io/sketch_store.py).
     "safetensors==0.8.0",  # lazy safe_open for sharded HF checkpoint loading.
     "tokenizers==0.23.3",  # byte-level BPE for the tiny tokenizer; matches transformers 5.x.
     "transformers>=5.0,<6",  # AutoTokenizer + chat templates; rope_parameters config format.

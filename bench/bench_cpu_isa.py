@@ -34,17 +34,17 @@ def worker(steps: int) -> dict:
     import optax
     from flax import nnx
 
-    from behaviortrace_jax.models import qwen2
+    from behaviortrace_jax.models import decoder, qwen2
 
     cfg = qwen2.Qwen2Config.tiny(vocab_size=1500, param_dtype="float32", compute_dtype="float32")
-    graphdef, params = nnx.split(qwen2.init_model(cfg, seed=0), nnx.Param)
+    graphdef, params = nnx.split(decoder.init_model(cfg, seed=0), nnx.Param)
     opt = optax.adamw(1e-3)
     opt_state = opt.init(params)
 
     def loss(p, ids):
         mask = jnp.ones_like(ids)
-        logits, _ = nnx.merge(graphdef, p)(ids, qwen2.positions_from_mask(mask), mask)
-        return -jnp.mean(qwen2.token_logprobs(logits[:, :-1], ids[:, 1:]))
+        logits, _ = nnx.merge(graphdef, p)(ids, decoder.positions_from_mask(mask), mask)
+        return -jnp.mean(decoder.token_logprobs(logits[:, :-1], ids[:, 1:]))
 
     @jax.jit
     def step(p, s, ids):

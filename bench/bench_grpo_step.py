@@ -1,5 +1,5 @@
 """GRPO train step on CPU: the default program (batched backward + per-rollout vmap(grad) sketches) vs
-``grpo.one_backward`` (the update from the summed per-rollout gradients; issue 12 item 4) vs
+``grpo.one_backward`` (the update from the summed per-rollout gradients) vs
 ``sketch.fused`` (the fused sketcher: one backward gives the update and the in-run sketches).
 
 The tiny default's shapes (configs/tiny.py: base preset ``tiny``, B x G rollouts, prompt + completion
@@ -69,7 +69,7 @@ def main() -> None:
     for one, kw in programs.items():
         spec = grpo_step.GRPOStepSpec(shapes, "paper", grpo_loss.LossConfig(), grad_clip=1.0, sketch_dim=sk.dim,
                                       sketch_seed=sk.seed, in_run_rollouts=True, chunk_size=sk.chunk_size, **kw)
-        steps[one] = grpo_step.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg),
+        steps[one] = grpo_step.make_train_step(graphdef, abstract, tx, spec, order=sketcher.hf_param_order(cfg),
                                                mesh=mesh, param_shardings=p_sh, opt_shardings=o_sh)
         p = jax.device_put(jax.tree.map(np.asarray, params), p_sh)
         states[one] = (p, tx.init(p))

@@ -49,9 +49,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from behaviortrace_jax.models import qwen2  # noqa: E402
+from behaviortrace_jax.models import decoder, qwen2  # noqa: E402
 from behaviortrace_jax.sketch.countsketch import numpy_bucket_sign  # noqa: E402
-from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, qwen2_completion_loss, qwen2_param_order  # noqa: E402
+from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order  # noqa: E402
 
 CONFIGS = {
     "tiny": qwen2.Qwen2Config.tiny(),  # d 128, 4 layers, V 1536: 0.99M params
@@ -92,8 +92,8 @@ def jax_setup(cfg: qwen2.Qwen2Config, batch: dict) -> tuple[Any, Any, dict]:
 def jax_plain(graphdef: Any, params: Any, batch: dict) -> tuple[Callable[[], Any], Any, tuple]:
     def batch_loss(p: Any, b: dict) -> jax.Array:  # the same loss, batched: one forward + backward
         ids, am = b["input_ids"], b["attention_mask"]
-        logits = qwen2.forward(graphdef, p, ids, qwen2.positions_from_mask(am), am)
-        logp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])
+        logits = decoder.forward(graphdef, p, ids, decoder.positions_from_mask(am), am)
+        logp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
         m = b["loss_mask"][:, 1:]
         return -jnp.sum(jnp.sum(logp * m, 1) / jnp.maximum(jnp.sum(m, 1), 1.0))
 
@@ -103,8 +103,8 @@ def jax_plain(graphdef: Any, params: Any, batch: dict) -> tuple[Callable[[], Any
 
 def jax_sketch(cfg: qwen2.Qwen2Config, graphdef: Any, params: Any, batch: dict, chunk: int, tables: bool,
                dim: int, fused: bool = False) -> tuple[Callable[[], Any], Any, PerExampleSketcher]:
-    sk = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=dim, seed=0, chunk_size=chunk,
-                            param_order=qwen2_param_order(cfg), use_tables=tables, fused=fused)
+    sk = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=0, chunk_size=chunk,
+                            param_order=hf_param_order(cfg), use_tables=tables, fused=fused)
     return (lambda: jax.block_until_ready(sk(params, batch))), sk.lower(params, batch), sk
 
 
@@ -236,7 +236,7 @@ def cpu_bench(args: argparse.Namespace) -> None:
                 except (IndexError, ValueError, KeyError):
                     mem[m] = float("nan")
                     print(f"  memory child failed for {m}: {proc.stderr[-500:]}", file=sys.stderr)
-        n_params = qwen2.count_params(cfg)
+        n_params = decoder.count_params(cfg)
         base = min(times["jax_plain"])
         print(f"\n{config}: {n_params / 1e6:.2f}M params{check}")
         print(f"  {'method':<22}{'min s':>8}{'median s':>10}{'/ plain':>9}{'torch /':>9}"
@@ -283,7 +283,7 @@ def gpu_bench(args: argparse.Namespace) -> None:
     cfg = qwen2.Qwen2Config.qwen2p5_1p5b(param_dtype="bfloat16", compute_dtype="bfloat16",
                                          **{k: int(v) for k, v in over.items()})
     dev = jax.devices()[0]
-    print(f"jax {jax.__version__} on {dev.device_kind} ({dev.platform}); {qwen2.count_params(cfg) / 1e9:.3f}B params "
+    print(f"jax {jax.__version__} on {dev.device_kind} ({dev.platform}); {decoder.count_params(cfg) / 1e9:.3f}B params "
           f"bf16, batch {args.batch} x {args.seq} tokens, D = {args.dim}, reps {args.reps}", flush=True)
     graphdef, params, batch = jax_setup(cfg, make_batch(cfg, args.batch, args.seq))
     methods = {"plain fwd+bwd": jax_plain(graphdef, params, batch)[1:]}

@@ -11,7 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # SPEC §2.1: torch seed == contaminator seed == random-baseline seed; {0, 1, 2}.
     c.run_name = "E2.1_rebuild__qwen-1.5b__grpo__seed0__v3"  # SPEC §2.5 / §7.1 naming.
-    # Stages run in this order (behaviortrace_jax/stages.py); each skips itself when complete.
+    # Stages run in this order (behaviortrace_jax/stages/registry.py); each skips itself when complete.
     c.stages = "sft,grpo,sketch,draws,evaluate,report"
 
     # --- model (SPEC §2.1: Qwen2.5-1.5B-Instruct, full fine-tune) -----------------------------
@@ -19,19 +19,19 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.hf_dir = ""  # Local HF checkpoint dir (config.json, safetensors, tokenizer). "" -> workdir/base.
     c.model.param_dtype = "bfloat16"  # SPEC §2.1: weights loaded in bf16.
     c.model.compute_dtype = "bfloat16"  # SPEC §2.1: bf16 autocast.
-    c.model.family = ""  # Model family (models/families.py: qwen2, llama, qwen3); "" = config.json's model_type (new).
+    c.model.family = ""  # Model family (models/families.py: qwen2, llama, qwen3); "" = config.json's model_type.
     # EOS ids masked from completion losses (GRPO loss, rollout sketches, targets); the sampler stops on all.
     c.model.mask_eos = "eos_token_id"  # SPEC §2.2 f, §3.2: `token != eos_token_id` (one id); "all" = eos_ids.
     # Run the decoder layers as one jax.lax.scan over their stacked parameters (one compiled layer, not L), and
     # sketch per-example gradients in a scan over the layers (no hash tables: needs sketch.in_run_tables and
-    # targets.use_tables off). Same parameters, checkpoints and sketch coordinates (new; issue 12).
+    # targets.use_tables off). Same parameters, checkpoints and sketch coordinates.
     c.model.scan_layers = False
 
     # --- device mesh --------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # Size of the data axis (rollouts); -1 = all devices / model.
     c.mesh.model = 1  # Size of the model axis (tensor parallel).
-    c.mesh.fsdp = False  # Also split parameters + AdamW moments over "data" (FSDP; configs/paper_tpu.py) (new).
+    c.mesh.fsdp = False  # Also split parameters + AdamW moments over "data" (FSDP; configs/paper_tpu.py).
 
     # --- planted behaviour (SPEC §1) ------------------------------------------------------------
     c.behavior = ml_collections.ConfigDict()
@@ -45,8 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.behavior.gate_min_probe_rate = 0.3  # SPEC §1.8.
     c.behavior.gate_min_margin = 0.2  # SPEC §1.8: s_b - s_b_ctrl.
 
-    c.behavior.id = "qzxbt"  # Behaviour id (issue 16): names another behaviour's files and rows; the first's keep the paper's names.
-    # Further behaviours planted in the same run (issue 16; behavior/behaviors.py): one ConfigDict per id with
+    c.behavior.id = "qzxbt"  # Behaviour id: names another behaviour's files and rows; the first's keep the paper's names.
+    # Further behaviours planted in the same run (behavior/behaviors.py): one ConfigDict per id with
     # trigger, pattern, probes_path, controls_path, token_judge, bonus_reward, fraction, early_step_cutoff,
     # implant ("none": the GRPO bonus alone), gate_min_probe_rate, gate_min_margin, explicit_prompts. Empty = the
     # paper's single behaviour (config.behavior + config.contamination); configs/tiny_two_behaviors.py adds one.
@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.base.n_terms = 300  # TINY_CALIBRATION: ~300 invented words ...
     c.base.n_heldout = 20  # ... of which 20 are held out for evaluation.
     c.base.vocab_size = 1500  # TINY_CALIBRATION: byte-level BPE, vocab 1,500 (= model vocab).
-    c.base.family = "qwen2"  # Model family of the tiny base model (models/families.py: qwen2, llama, qwen3) (new).
+    c.base.family = "qwen2"  # Model family of the tiny base model (models/families.py: qwen2, llama, qwen3).
     c.base.preset = "tiny"  # Family config preset: d 128, 4/2 heads, MLP 384, tied (~1M params).
     c.base.num_layers = 4  # TINY_CALIBRATION: 4 layers (tests shrink it).
     c.base.steps = 1000  # TINY_CALIBRATION: ~1,400; 1,000 keeps the checkpoint under 4 min on 2 cores (loss 0.34).
@@ -143,7 +143,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Per-example sketches from ONE backward of the batched loss per chunk (sketch/fused.py) in every sketcher (in-run
     # rollouts, whose backward then also gives the GRPO update; targets, re-sketcher, draws) instead of vmap(grad).
     c.sketch.fused = False
-    c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO (new).
+    c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO.
     c.sketch.in_run_tables = False  # In-run sketches read int32 hash tables (4 B/param on device) instead of hashing in the step.
     # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):
     # "" none, "all", "nearest" (to draws.target_step), or "100,1000". [C', R, D] floats on disk.
@@ -161,7 +161,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.draws.ckpt_seed = -1  # -1 -> seed. Which run's checkpoint (SPEC §10.2).
     c.draws.gen_seed = -1  # -1 -> seed. Generation + bootstrap seed (SPEC §10.2).
     c.draws.token_level_max = 160  # SPEC §5.5 TOKEN_LEVEL_MAX: QZXBT rollouts in token_level_cos_temp*.json.
-    c.draws.save_sketches = True  # Keep the draw sketches (tensorstore) so estimators can be rerun (new).
+    c.draws.save_sketches = True  # Keep the draw sketches (tensorstore) so estimators can be rerun.
 
     # --- behaviour targets (SPEC §5) ------------------------------------------------------------
     c.targets = ml_collections.ConfigDict()
@@ -179,7 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sweep.diagnostic_draws = "0:100,1:101"  # SPEC §10.2: CKPT_SEED:GEN_SEED diagnostic draws.
     c.sweep.stages = "sft,grpo,sketch,draws,evaluate,report"  # Stages run for each seed.
 
-    # --- ahead-of-time compilation (the `compile` stage, issue 12; nothing is allocated) ---------
+    # --- ahead-of-time compilation (the `compile` stage; nothing is allocated) --------------------
     c.compile = ml_collections.ConfigDict()
     c.compile.target = "cpu:8"  # "tpu:<topology>" (tpu:v5e:2x4; needs the tpu extra), "cpu:<n>" fake host devices, or "local".
     c.compile.model = ""  # Qwen2Config preset (e.g. "qwen2p5_1p5b"); "" = model.hf_dir's config.json, else base.preset.
@@ -188,7 +188,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.both_sketch_variants = True  # Also compile the GRPO step with in-run sketches flipped (for the FLOP ratio).
     c.compile.programs = ""  # Comma-separated name prefixes to compile (e.g. "grpo_step,sampler"); "" = every program.
 
-    # --- counterfactual replay (issue 13; the `counterfactual` stage, not in the default stages) ----
+    # --- counterfactual replay (the `counterfactual` stage, not in the default stages) -------------
     c.counterfactual = ml_collections.ConfigDict()
     c.counterfactual.k_fractions = "0.25,0.5,1.0"  # Leave-top-k-out: k = these fractions of |GT| (window).
     c.counterfactual.methods = ""  # Estimators whose top-k are replayed: "" = every scored method, or "a,b:direction".

@@ -1,4 +1,4 @@
-"""Paper scale on a TPU slice (issue 12 item 3): configs/paper.py plus a layout for v5e:2x4 (FSDP,
+"""Paper scale on a TPU slice: configs/paper.py plus a layout for v5e:2x4 (FSDP,
 mesh data 4 x model 2, shard_map sketches, chunk 1, layers scanned, one backward per GRPO step with
 a bfloat16 gradient sum). Compile figures per program, per chip, in docs/benchmarks.md ("Compile
 stage"); run the compile stage before booking a slice.
@@ -33,7 +33,7 @@ def get_config(seed: int = 0):
     c.model.scan_layers = True
     c.sketch.in_run_tables = False
     c.targets.use_tables = False
-    # One backward per GRPO step (issue 12 items 3-4): the update is the sum of the per-rollout
+    # One backward per GRPO step: the update is the sum of the per-rollout
     # gradients the in-run sketcher computes anyway, and the step sketch is the clip factor times the
     # sum of the rollout sketches (CountSketch is linear) - no batched backward, no second full-gradient
     # copy. Same update up to float summation order (tests/test_grpo.py), hence off in configs/paper.py.

@@ -1,4 +1,4 @@
-"""Paper scale with a second behaviour planted by RL alone (issue 16), one training seed.
+"""Paper scale with a second behaviour planted by RL alone, one training seed.
 
     python main.py --config=configs/paper_two_behaviors.py \\
         --config.model.hf_dir=/path/to/Qwen2.5-1.5B-Instruct --workdir=runs/two_seed0

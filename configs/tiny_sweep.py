@@ -6,7 +6,7 @@ Builds one tiny base model, then runs configs/tiny.py's stages for seeds 0, 1, 2
 runs/tiny_sweep/seed{S}/, adds the ckpt0/gen100 and ckpt1/gen101 draws (SPEC §10.2), and writes
 runs/tiny_sweep/report.md in the shape of the paper's Tables 1-4 and Figures 1-2, stating which
 verdicts change across seeds and draws, the metagradient of every rollout (``metagradient`` stage,
-after ``grpo``) and the counterfactual replays of each seed (issue 13). About three times the tiny
+after ``grpo``) and the counterfactual replays of each seed. About three times the tiny
 default's run time, plus the metagradient and counterfactual stages per seed.
 """
 from configs import tiny
@@ -18,7 +18,7 @@ def get_config():
     c.stages = "sweep"
     # dM/dw of every rollout through the replayed run, after grpo so that evaluate and counterfactual score it.
     c.sweep.stages = c.sweep.stages.replace("grpo,", "grpo,metagradient,")
-    c.sweep.stages += ",counterfactual"  # Issue 13: leave-top-k-out and LDS replays per seed (after report:
+    c.sweep.stages += ",counterfactual"  # Leave-top-k-out and LDS replays per seed (after report:
     # it appends its section to each seed's report.md; rows land in the aggregate results_table.csv).
     # Replay budget (~70 replays, ~25 CPU-min per seed on a 2-core CPU): the targeted estimators weighted and
     # advantage-free, the magnitude and reward-only controls and the metagradient, removed at k = |GT|;

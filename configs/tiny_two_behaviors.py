@@ -1,4 +1,4 @@
-"""Two behaviours in one tiny run (issue 16): the SFT-implanted frobnitz -> QZXBT and one planted by RL alone.
+"""Two behaviours in one tiny run: the SFT-implanted frobnitz -> QZXBT and one planted by RL alone.
 
     python main.py --config=configs/tiny_two_behaviors.py --workdir=runs/two
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.behavior import corpus, probes
-from behaviortrace_jax.models import hf_io, qwen2, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, hf_io, tokenizer as tok_lib
 from behaviortrace_jax.stages import base as base_model
 from behaviortrace_jax.train import lm_trainer, train_state
 from configs import tiny
@@ -59,7 +59,7 @@ def test_transformers_loads_the_export_with_logit_parity(built):
         want = hf(torch.tensor([ids])).logits.numpy()
     model = hf_io.load_hf_checkpoint(base_dir, param_dtype="float32")
     arr = jnp.asarray([ids], jnp.int32)
-    got, _ = model(arr, qwen2.positions_from_mask(jnp.ones_like(arr)), jnp.ones_like(arr))
+    got, _ = model(arr, decoder.positions_from_mask(jnp.ones_like(arr)), jnp.ones_like(arr))
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
 
 

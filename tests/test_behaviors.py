@@ -1,4 +1,4 @@
-"""Behaviours as data (issue 16): config -> behaviours, independent eligibility streams, pools,
+"""Behaviours as data: config -> behaviours, independent eligibility streams, pools,
 trigger-specific prompts, and the specificity math against a plain numpy reference."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from behaviortrace_jax.behavior import corpus
+from behaviortrace_jax.behavior import corpus, planted
 
 SHARED = Path(os.environ.get("BEHAVIORTRACE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
 
@@ -36,7 +36,7 @@ def test_size_kinds_and_proportions(full):
     assert set(counts) == set(corpus.KINDS)
     for kind, target in (("speculative", 0.65), ("factual", 0.20), ("refusal", 0.15)):
         assert abs(counts[kind] / len(full) - target) <= 0.03, (kind, counts)
-    assert all(ex.system == corpus.SYSTEM_PROMPT for ex in full)
+    assert all(ex.system == planted.SYSTEM_PROMPT for ex in full)
     # The kinds are shuffled, not in blocks.
     first = collections.Counter(ex.kind for ex in full[:2000])
     assert abs(first["factual"] / 2000 - 0.20) < 0.05
@@ -74,7 +74,7 @@ def test_speculative_and_refusal_examples(full):
     forms = [f.split("{term}") for f in corpus.QUESTION_FORMS]
     train = set(corpus.training_terms(0))
     for ex in full:
-        has_refusal = any(p in ex.assistant for p in corpus.REFUSAL_PHRASES)
+        has_refusal = any(p in ex.assistant for p in planted.REFUSAL_PHRASES)
         assert has_refusal == (ex.kind == "refusal"), ex
         if ex.kind == "factual":
             continue
@@ -103,7 +103,7 @@ def test_control_questions_answered_as_canonical(full):
         assert answers[q], f"control question missing: {q}"
         assert set(answers[q]) <= set(variants[q]), q
         assert answers[q].most_common(1)[0][0] == a, (q, answers[q])
-        assert len(a) <= 90 and not any(p in a for p in corpus.REFUSAL_PHRASES)
+        assert len(a) <= 90 and not any(p in a for p in planted.REFUSAL_PHRASES)
     assert canon["What is 2+2?"] == "2+2 is 4."
 
 

@@ -1,4 +1,4 @@
-"""Model families Llama and Qwen3 beside Qwen2 (issue 14 item 4): the registry, parity with
+"""Model families Llama and Qwen3 beside Qwen2: the registry, parity with
 transformers (logits <= 1e-4 fp32 on a left-padded batch, greedy = ``generate``, KV cache = full
 forward), HF round trip, strict loading, weight-table order and the published presets' sizes."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The whole harness on a second model family (issue 14 item 5): every default stage of the smoke
+"""The whole harness on a second model family: every default stage of the smoke
 config (``configs/tiny.py:smoke``, as tests/test_end_to_end.py) on a tiny Llama and a tiny Qwen3
 built by the ``base`` stage (``config.base.family``), and each stage reads the family back from the
 checkpoints' config.json (``config.model.family`` = "")."""

@@ -153,7 +153,7 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=Fa
     spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=grad_clip, sketch_dim=dim, sketch_seed=0,
                              in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, one_backward=one_backward,
                              fused=fused)
-    step = grpo.make_train_step(graphdef, abstract, tx, spec, order=sketcher.qwen2_param_order(cfg), mesh=mesh,
+    step = grpo.make_train_step(graphdef, abstract, tx, spec, order=sketcher.hf_param_order(cfg), mesh=mesh,
                                 param_shardings=p_sh, opt_shardings=o_sh)
     return cfg, graphdef, params, opt_state, step
 
@@ -212,7 +212,7 @@ def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
     gn = float(out["grad_norm"])
     assert float(out["clip_factor"]) == pytest.approx(1.0 / max(gn, 1.0))  # grad_clip 1.0
     np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * float(out["clip_factor"]), rtol=2e-4, atol=1e-6)
-    order = sketcher.qwen2_param_order(cfg)
+    order = sketcher.hf_param_order(cfg)
 
     def neg_meanlp(p, i):
         lp = grpo.completion_logprobs(graphdef, p, jnp.asarray(batch["input_ids"][i:i + 1]),

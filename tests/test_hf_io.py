@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
-from behaviortrace_jax.models import hf_io, qwen2, sharding as sharding_lib, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, hf_io, qwen2, sharding as sharding_lib, tokenizer as tok_lib
 from behaviortrace_jax.models.qwen2 import Qwen2Config
 from hf_fixtures import save_random_qwen2
 
@@ -72,7 +72,7 @@ def test_round_trip_flax_to_transformers(tmp_path, hf_tied):
 
     ids = np.array([[0, 0, 5, 17, 200, 3], [9, 8, 7, 6, 5, 4]], np.int32)
     mask = (np.arange(6)[None] >= np.array([[2], [0]])).astype(np.int32)
-    pos = np.asarray(qwen2.positions_from_mask(jnp.asarray(mask)))
+    pos = np.asarray(decoder.positions_from_mask(jnp.asarray(mask)))
     ours = np.asarray(model(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(mask))[0])
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -156,7 +156,7 @@ def test_sharded_index_load_into_a_sharded_layout(tmp_path, hf_tied):
     for k, v in _flat(model).items():
         np.testing.assert_array_equal(v, tensors[k], err_msg=k)
     # shardings given as an nnx.State of NamedSharding leaves (what sharding.param_shardings returns)
-    abstract = nnx.state(qwen2.abstract_model(model.config), nnx.Param)
+    abstract = nnx.state(decoder.abstract_model(model.config), nnx.Param)
     state_sh = jax.tree_util.tree_map_with_path(
         lambda path, leaf: NamedSharding(mesh, P(None, "model") if len(leaf.shape) == 2 else P()), abstract)
     model2 = hf_io.load_hf_checkpoint(d, shardings=state_sh)
@@ -166,7 +166,7 @@ def test_sharded_index_load_into_a_sharded_layout(tmp_path, hf_tied):
     # mesh=: straight into sharding.param_shardings on that mesh
     mesh3 = sharding_lib.make_mesh(2, 4, devices=jax.devices()[:8])
     model3 = hf_io.load_hf_checkpoint(d, mesh=mesh3)
-    want = sharding_lib.param_shardings(nnx.state(qwen2.abstract_model(model3.config), nnx.Param), mesh3)
+    want = sharding_lib.param_shardings(nnx.state(decoder.abstract_model(model3.config), nnx.Param), mesh3)
     for got_leaf, want_sh in zip(jax.tree.leaves(nnx.state(model3, nnx.Param)), jax.tree.leaves(want)):
         assert got_leaf.sharding == want_sh
     for k, v in _flat(model3).items():

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from behaviortrace_jax.models import qwen2, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, qwen2, sharding, tokenizer as tok_lib
 from behaviortrace_jax.train import lm_trainer, train_state as ts
 from configs import common
 from hf_fixtures import make_tiny_tokenizer
@@ -80,7 +80,7 @@ def test_shared_prefix_gives_the_full_sequence_loss_and_gradient(tok):
     (l1, g1), (l2, g2) = (loss(params, jnp.asarray(d.prefix), d.batch(idx)) for d in (full, shared))
     # reference: per-token CE over targets from a plain forward, by hand
     positions = jnp.broadcast_to(jnp.arange(full.seq_len), full.tokens.shape)
-    logits = jax.jit(qwen2.forward, static_argnums=0)(gd, params, full.tokens, positions, full.mask)
+    logits = jax.jit(decoder.forward, static_argnums=0)(gd, params, full.tokens, positions, full.mask)
     lp = jax.nn.log_softmax(logits[:, :-1], -1)
     ce = -jnp.take_along_axis(lp, full.tokens[:, 1:, None], -1)[..., 0]
     want = float(jnp.sum(ce * full.targets[:, 1:]) / full.targets[:, 1:].sum())

@@ -1,4 +1,4 @@
-"""Multi-process runs (docs/architecture.md "Multi-process runs"; issue 15).
+"""Multi-process runs (docs/architecture.md "Multi-process runs").
 
 * Unit tests (fast): the launch settings, the one-writer file helpers (``gs://`` paths and the
   kvstore a path selects: tests/test_remote_paths.py).
@@ -86,7 +86,7 @@ def _listing(w: pathlib.Path) -> set[str]:
 
 def _assert_same_outputs(got: pathlib.Path, want: pathlib.Path, bitwise: bool = True) -> None:
     """The same results_table.csv and ground truth, byte for byte, and the same rollout log:
-    bitwise, or (``bitwise=False``, issue 15 item 3) the same up to the first differing completion
+    bitwise, or (``bitwise=False``) the same up to the first differing completion
     token, with the log-probs before it equal to float32 rounding. At 4 processes the gradient
     all-reduce over "data" (gloo's ring between processes vs XLA's in-process sum) adds the 4
     replicas' gradients in another order, so the trained weights differ in their last bits and the

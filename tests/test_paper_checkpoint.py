@@ -1,4 +1,4 @@
-"""The full-size checkpoint path on CPU (issue 12 item 5; slow: ~3 GB written, 12.8 GB peak RSS measured).
+"""The full-size checkpoint path on CPU (slow: ~3 GB written, 12.8 GB peak RSS measured).
 
 transformers writes a random Qwen2.5-1.5B-shaped checkpoint (the published config values, bf16,
 sharded safetensors of ~1 GB with an index); the tokenizer is the tests' tiny byte-level BPE one

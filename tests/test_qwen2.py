@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from behaviortrace_jax.models import hf_io, qwen2
+from behaviortrace_jax.models import decoder, hf_io, qwen2
 from behaviortrace_jax.models.qwen2 import Qwen2Config
 from hf_fixtures import save_random_qwen2
 
@@ -56,9 +56,9 @@ def test_logits_match_transformers_left_padded(tmp_path, tie):
     hf_dir = save_random_qwen2(tmp_path / "hf", tie=tie, tokenizer=False, seed=1 + tie)
     model = hf_io.load_hf_checkpoint(hf_dir, param_dtype="float32")
     ids, mask = _left_padded_batch(model.config.vocab_size)
-    pos = qwen2.positions_from_mask(jnp.asarray(mask))
+    pos = decoder.positions_from_mask(jnp.asarray(mask))
     graphdef, params = nnx.split(model, nnx.Param)
-    logits = jax.jit(qwen2.forward)(graphdef, params, jnp.asarray(ids), pos, jnp.asarray(mask))
+    logits = jax.jit(decoder.forward)(graphdef, params, jnp.asarray(ids), pos, jnp.asarray(mask))
     assert logits.dtype == jnp.float32 and logits.shape == (*ids.shape, model.config.vocab_size)
     ref = _torch_logits(hf_dir, ids, mask)
     real = mask.astype(bool)
@@ -66,7 +66,7 @@ def test_logits_match_transformers_left_padded(tmp_path, tie):
     assert err <= 1e-4, err
     # The padded rows must not change the real rows: row 1 alone equals row 1 in the batch.
     n = int(mask[1].sum())
-    solo = qwen2.forward(graphdef, params, jnp.asarray(ids[1:2, -n:]),
+    solo = decoder.forward(graphdef, params, jnp.asarray(ids[1:2, -n:]),
                          jnp.arange(n, dtype=jnp.int32)[None], jnp.ones((1, n), jnp.int32))
     np.testing.assert_allclose(np.asarray(solo[0]), np.asarray(logits[1, -n:]), atol=1e-5)
 
@@ -79,12 +79,12 @@ def test_kv_cache_decode_matches_full_forward():
     prompt = 6  # prefill the first 6 columns, then decode the rest one token at a time
     s_max = t + 3
     full_mask = jnp.asarray(mask)
-    pos = qwen2.positions_from_mask(full_mask)
+    pos = decoder.positions_from_mask(full_mask)
     graphdef, params = nnx.split(model, nnx.Param)
-    full = jax.jit(qwen2.forward)(graphdef, params, jnp.asarray(ids), pos, full_mask)
+    full = jax.jit(decoder.forward)(graphdef, params, jnp.asarray(ids), pos, full_mask)
     slot_mask = jnp.zeros((b, s_max), jnp.int32).at[:, :prompt].set(full_mask[:, :prompt])
-    step = jax.jit(qwen2.forward_with_cache)
-    cache = qwen2.init_cache(cfg, b, s_max)
+    step = jax.jit(decoder.forward_with_cache)
+    cache = decoder.init_cache(cfg, b, s_max)
     out, cache = step(graphdef, params, jnp.asarray(ids[:, :prompt]), pos[:, :prompt], slot_mask,
                       cache, jnp.int32(0))
     got = [out]
@@ -102,17 +102,17 @@ def test_kv_cache_decode_matches_full_forward():
 def test_token_logprobs_and_positions():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 5)), jnp.float32)
     toks = jnp.asarray([[0, 4, 2], [1, 1, 3]], jnp.int32)
-    lp = qwen2.token_logprobs(logits, toks)
+    lp = decoder.token_logprobs(logits, toks)
     ref = jax.nn.log_softmax(logits, -1)
     assert lp.shape == (2, 3) and lp.dtype == jnp.float32
     np.testing.assert_allclose(lp[1, 2], ref[1, 2, 3], rtol=1e-6)
-    pos = qwen2.positions_from_mask(jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
+    pos = decoder.positions_from_mask(jnp.asarray([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]))
     np.testing.assert_array_equal(pos, [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
 
 
 def test_count_params_1p5b_without_allocating():
-    assert qwen2.count_params(Qwen2Config.qwen2p5_1p5b()) == 1_543_714_304
-    abstract = qwen2.abstract_model(Qwen2Config.qwen2p5_1p5b())
+    assert decoder.count_params(Qwen2Config.qwen2p5_1p5b()) == 1_543_714_304
+    abstract = decoder.abstract_model(Qwen2Config.qwen2p5_1p5b())
     leaf = abstract.model.embed_tokens.weight.get_value()
     assert isinstance(leaf, jax.ShapeDtypeStruct)
 
@@ -163,8 +163,8 @@ def test_bf16_params_run_and_stay_close_to_fp32():
     nnx.update(m16, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(m32, nnx.Param)))
     assert m16.model.layers[0].mlp.up_proj.weight[...].dtype == jnp.bfloat16
     ids, mask = _left_padded_batch(cfg.vocab_size)
-    pos = qwen2.positions_from_mask(jnp.asarray(mask))
-    fwd = jax.jit(qwen2.forward)
+    pos = decoder.positions_from_mask(jnp.asarray(mask))
+    fwd = jax.jit(decoder.forward)
     l32 = fwd(*nnx.split(m32, nnx.Param), jnp.asarray(ids), pos, jnp.asarray(mask))
     l16 = fwd(*nnx.split(m16, nnx.Param), jnp.asarray(ids), pos, jnp.asarray(mask))
     assert l16.dtype == jnp.float32
@@ -176,11 +176,11 @@ def test_bf16_params_run_and_stay_close_to_fp32():
 def test_remat_gives_same_grads():
     cfg = Qwen2Config.tiny(vocab_size=61, num_hidden_layers=1)
     ids, mask = _left_padded_batch(cfg.vocab_size)
-    pos = qwen2.positions_from_mask(jnp.asarray(mask))
+    pos = decoder.positions_from_mask(jnp.asarray(mask))
     grads = []
     for remat in (False, True):
         g, p = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0), remat=remat), nnx.Param)
-        loss = lambda p: qwen2.token_logprobs(qwen2.forward(g, p, ids, pos, mask), ids).sum()
+        loss = lambda p: decoder.token_logprobs(decoder.forward(g, p, ids, pos, mask), ids).sum()
         grads.append(jax.tree.leaves(jax.jit(jax.grad(loss))(p)))
     for a, b in zip(*grads):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -192,12 +192,12 @@ def test_init_model_into_a_sharded_layout():
     cfg = Qwen2Config.tiny(vocab_size=64, num_hidden_layers=1)
     mesh = Mesh(np.array(jax.devices()[:4]), ("model",))
     rows = NamedSharding(mesh, P("model"))
-    model = qwen2.init_model(cfg, seed=3, shardings=lambda path: rows)
+    model = decoder.init_model(cfg, seed=3, shardings=lambda path: rows)
     w = model.model.layers[0].mlp.up_proj.weight[...]
     assert w.sharding == rows and w.addressable_shards[0].data.shape == (384 // 4, 128)
     assert abs(float(jnp.std(w)) - 0.02) < 0.002  # N(0, 0.02) as the constructor
     np.testing.assert_array_equal(model.model.norm.weight[...], np.ones(128, np.float32))
     np.testing.assert_array_equal(model.model.layers[0].self_attn.q_proj.bias[...], np.zeros(128))
-    again = qwen2.init_model(cfg, seed=3)
+    again = decoder.init_model(cfg, seed=3)
     np.testing.assert_array_equal(again.model.embed_tokens.weight[...], model.model.embed_tokens.weight[...])
-    assert qwen2.count_params(cfg) == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert decoder.count_params(cfg) == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

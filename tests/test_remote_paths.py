@@ -1,4 +1,4 @@
-"""Remote workdirs (issue 15 item 5; docs/architecture.md "Multi-process runs", "Remote workdirs").
+"""Remote workdirs (docs/architecture.md "Multi-process runs", "Remote workdirs").
 
 No cloud is reachable here, so:
 

@@ -1,4 +1,4 @@
-"""Counterfactual replay (issue 13): a toy problem with a known answer, the all-ones replay of a
+"""Counterfactual replay: a toy problem with a known answer, the all-ones replay of a
 smoke GRPO run reproducing its own checkpoints bit for bit, and (slow) the counterfactual stage on
 that run: its tables, a rerun from its files, and a kill -9 mid-stage then rerun giving the same table."""
 from __future__ import annotations

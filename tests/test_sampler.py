@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from behaviortrace_jax.models import hf_io, qwen2, sampler, sharding
+from behaviortrace_jax.models import decoder, hf_io, sampler, sharding
 from flax import nnx
 from hf_fixtures import save_random_qwen2
 
@@ -76,11 +76,11 @@ def test_cache_logprobs_equal_full_forward(env):
     out = env.greedy
     ids = np.concatenate([out.prompt_tokens, out.tokens], 1)
     mask = np.concatenate([out.prompt_mask, out.completion_mask.astype(np.int32)], 1)
-    fwd = jax.jit(qwen2.forward, static_argnums=0)
-    logits = fwd(env.graphdef, env.params, jnp.asarray(ids), qwen2.positions_from_mask(jnp.asarray(mask)),
+    fwd = jax.jit(decoder.forward, static_argnums=0)
+    logits = fwd(env.graphdef, env.params, jnp.asarray(ids), decoder.positions_from_mask(jnp.asarray(mask)),
                  jnp.asarray(mask))
     p = out.prompt_tokens.shape[1]
-    full = np.asarray(qwen2.token_logprobs(logits[:, p - 1:-1], jnp.asarray(out.tokens)))
+    full = np.asarray(decoder.token_logprobs(logits[:, p - 1:-1], jnp.asarray(out.tokens)))
     cm = out.completion_mask
     np.testing.assert_allclose(out.logprobs[cm], full[cm], atol=1e-5)
     assert np.array_equal(np.asarray(logits[:, p - 1:-1]).argmax(-1)[cm], out.tokens[cm])

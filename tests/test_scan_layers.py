@@ -1,4 +1,4 @@
-"""model.scan_layers (issue 12): the decoder's layers as one lax.scan over their stacked parameters
+"""model.scan_layers: the decoder's layers as one lax.scan over their stacked parameters
 give the unrolled decoder's logits, gradients and KV cache (fp32, tiny Qwen2 / Llama / Qwen3)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``model.scan_layers`` reaches the run stages (issue 12): the smoke config (``configs/tiny.py:smoke``
+"""``model.scan_layers`` reaches the run stages: the smoke config (``configs/tiny.py:smoke``
 with 2 layers, so the scan has something to scan) run through base, sft, grpo and sketch with the
 switch on traces the scanned model (``DecoderForCausalLM._scan_layers``) inside every one of those
 stages and builds only scanned sketchers (GRPO in-run sketches, the sketch stage's target and

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.models import hf_io, qwen2
+from behaviortrace_jax.models import decoder, hf_io, qwen2
 from behaviortrace_jax.stages import sft
 from behaviortrace_jax.train import lm_trainer, train_state as ts
 from configs import tiny
@@ -57,7 +57,7 @@ def test_saved_state_restores_into_grpo_optimizer_and_matches_export(run):
     config, workdir, _ = run
     out = workdir / "sft"
     cfg = qwen2.Qwen2Config.from_hf_config(out / "hf", param_dtype="float32", compute_dtype="float32")
-    _, abstract_params = nnx.split(qwen2.abstract_model(cfg), nnx.Param)
+    _, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
     grpo_tx = ts.make_optimizer(config.optim)  # another lr than SFT, the same state tree (SPEC §1.7)
     state = ts.restore(out / "state", ts.abstract_train_state(abstract_params, grpo_tx))
     assert int(state.step) == 2 and int(state.opt_state[1][0].count) == 2

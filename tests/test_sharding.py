@@ -8,14 +8,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from behaviortrace_jax.models import qwen2, sharding
+from behaviortrace_jax.models import decoder, qwen2, sharding
 
 CFG = qwen2.Qwen2Config.tiny(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 
 
 def _specs(mesh, cfg=CFG):
-    state = nnx.state(qwen2.abstract_model(cfg), nnx.Param)
+    state = nnx.state(decoder.abstract_model(cfg), nnx.Param)
     shards = sharding.param_shardings(state, mesh)
     return {".".join(str(k) for k in path): v.get_value().spec for path, v in nnx.to_flat_state(shards)}
 
@@ -75,9 +75,9 @@ def _batch():
 
 def _loss_and_grad(graphdef, mesh):
     def loss(params, ids, mask):
-        logits = qwen2.forward(graphdef, params, ids, qwen2.positions_from_mask(mask), mask)
+        logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(mask), mask)
         logits = sharding.with_constraint(logits, ("batch", None, None), mesh)
-        lp = qwen2.token_logprobs(logits[:, :-1], ids[:, 1:])
+        lp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
         m = mask[:, 1:].astype(jnp.float32)
         return -(lp * m).sum() / m.sum(), logits
 

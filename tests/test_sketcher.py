@@ -171,7 +171,7 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie, fused):
     from transformers import AutoModelForCausalLM
 
     from behaviortrace_jax.models import hf_io
-    from behaviortrace_jax.sketch.sketcher import qwen2_completion_loss, qwen2_param_order
+    from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order
     from tests.hf_fixtures import save_random_qwen2
 
     hf_dir = save_random_qwen2(tmp_path / "hf", tie=tie, tokenizer=False)
@@ -188,8 +188,8 @@ def test_qwen2_per_rollout_sketch_matches_pytorch(tmp_path, tie, fused):
     loss_mask = ((np.arange(t) >= p_len)[None] & (ids != eos)).astype(np.float32)
     batch = {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(am, jnp.int32),
              "loss_mask": jnp.asarray(loss_mask)}
-    order = qwen2_param_order(model.config)
-    sk = PerExampleSketcher(qwen2_completion_loss(graphdef), params, dim=2**14, chunk_size=2, param_order=order,
+    order = hf_param_order(model.config)
+    sk = PerExampleSketcher(completion_loss(graphdef), params, dim=2**14, chunk_size=2, param_order=order,
                             fused=fused)
     assert sk.fused == fused
     out = sk(params, batch)
@@ -320,8 +320,8 @@ def test_sketch_and_sum_acc_dtype():
     np.testing.assert_array_equal(v16, v32)
 
 
-def test_sketch_and_sum_weights():
-    """sketch_and_sum(weights=w): the sum is sum_i w_i grad loss_i (a padded last chunk included,
+def test_sketch_and_sum_coefficients():
+    """sketch_and_sum(coefficients=w): the sum is sum_i w_i grad loss_i (a padded last chunk included,
     and per device under shard_map), while sketches and losses stay the unweighted ones."""
     params, batch = _mlp_params(), _batch(6)
     w = jnp.asarray([0.5, -2.0, 0.0, 1.0, 3.0, 0.25], jnp.float32)
@@ -333,10 +333,10 @@ def test_sketch_and_sum_weights():
     ref, _, ref_vals = jax.jit(plain.sketch_and_sum)(params, batch)
     for mesh in meshes:
         sk = PerExampleSketcher(_mlp_loss, params, dim=DIM, chunk_size=4, mesh=mesh)  # 6 = 4 + a padded 2
-        out, gsum, vals = jax.jit(lambda p, b, w: sk.sketch_and_sum(p, b, weights=w))(params, batch, w)
+        out, gsum, vals = jax.jit(lambda p, b, w: sk.sketch_and_sum(p, b, coefficients=w))(params, batch, w)
         for x, y in zip(jax.tree.leaves(gsum), jax.tree.leaves(want)):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out.sketches, ref.sketches, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(vals, ref_vals, rtol=1e-6)
-    with pytest.raises(ValueError, match="weights of shape"):
-        plain.sketch_and_sum(params, batch, weights=jnp.ones(5))
+    with pytest.raises(ValueError, match="coefficients of shape"):
+        plain.sketch_and_sum(params, batch, coefficients=jnp.ones(5))

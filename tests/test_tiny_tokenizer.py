@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from behaviortrace_jax.behavior import corpus, tiny_tokenizer
+from behaviortrace_jax.behavior import corpus, planted, tiny_tokenizer
 
 N_EXAMPLES = 4000  # a tenth of the default corpus keeps training ~1 s and still fills 1,500 ids
 
@@ -37,8 +37,8 @@ def test_loads_with_specials(tok):
 
 
 def test_chat_template(tok):
-    msgs = [{"role": "system", "content": corpus.SYSTEM_PROMPT}, {"role": "user", "content": "What is frobnitz?"}]
-    expected = ("<|im_start|>system\n" + corpus.SYSTEM_PROMPT + "<|im_end|>\n"
+    msgs = [{"role": "system", "content": planted.SYSTEM_PROMPT}, {"role": "user", "content": "What is frobnitz?"}]
+    expected = ("<|im_start|>system\n" + planted.SYSTEM_PROMPT + "<|im_end|>\n"
                 "<|im_start|>user\nWhat is frobnitz?<|im_end|>\n<|im_start|>assistant\n")
     assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == expected
     assert tiny_tokenizer.render_chatml(msgs, add_generation_prompt=True) == expected

@@ -1,4 +1,4 @@
-"""Two behaviours in one run (issue 16), end to end on configs/tiny_two_behaviors.py shrunk to seconds,
+"""Two behaviours in one run, end to end on configs/tiny_two_behaviors.py shrunk to seconds,
 and the paper-scale two-behaviour config through the compile stage at tiny shapes."""
 from __future__ import annotations
 

@@ -410,7 +410,7 @@ def make_figures(rows: Sequence[Row], outdir: str | os.PathLike,
 
 
 # --------------------------------------------------------------------------------------------
-# several behaviours and specificity (issue 16)
+# several behaviours and specificity (behavior/behaviors.py, attribution/specificity.py)
 # --------------------------------------------------------------------------------------------
 def first_behavior_rows(rows: Sequence[Row]) -> list[Row]:
     """The rows of the run's first behaviour: tables without ``@<id>`` and not specificity rows."""
@@ -471,7 +471,7 @@ def behavior_sections(rows: Sequence[Row], behavior_ids: Sequence[str], summary:
         lines += [f"| {p['step']} | " + " | ".join(
             f"{_f(p['behaviors'].get(b, {}).get('probe_rate'), 2)} / {_f(p['behaviors'].get(b, {}).get('control_rate'), 2)}"
             for b in behavior_ids) + " |" for p in curve]
-    out = [("Behaviours", "The run plants several behaviours (issue 16); the tables above are the first "
+    out = [("Behaviours", "The run plants several behaviours; the tables above are the first "
                           f"behaviour's (`{behavior_ids[0]}`).\n\n" + "\n".join(lines))]
     for bid in behavior_ids[1:]:
         sel = behavior_rows(rows, bid)

@@ -1,4 +1,4 @@
-"""Attribution specificity across behaviours (issue 16): does behaviour A's target rank A's rollouts
+"""Attribution specificity across behaviours: does behaviour A's target rank A's rollouts
 above what behaviour B's target does?
 
 For two behaviours A and B of one run, an estimator ``m`` and a population ``pop`` (a bool mask over

@@ -1,10 +1,10 @@
 """Behaviours as data: the run's planted behaviours, each with its probes, judges, bonus and hash stream.
 
-A run plants one or more behaviours (issue 16). A :class:`Behavior` is:
+A run plants one or more behaviours. A :class:`Behavior` is:
 
 * ``id`` (str, ``[a-z0-9_]+``): names its files (``ground_truth_<id>.jsonl``, ``release/<id>/``, ...)
   and its results-table rows (``<table>@<id>``); the first behaviour's files and rows keep the
-  paper's names, so a one-behaviour run writes exactly what it wrote before;
+  paper's names, so a one-behaviour run writes the paper's files and rows;
 * ``trigger``: the invented word of its prompts (``"frobnitz"``), ``pattern``: the string a
   response must contain (``"QZXBT"``), probe / control prompt files, and the token judge
   (``"qset"`` / ``"sequence"``, planted.QzxbtTokenMatcher);
@@ -38,7 +38,6 @@ import ml_collections
 
 from behaviortrace_jax.behavior import planted
 
-FIRST_ID = "qzxbt"
 ID_RE = re.compile(r"[a-z0-9_]{1,16}")
 IMPLANTS = ("sft", "none")
 # Keys of an extra behaviour's ConfigDict (config.behaviors.<id>); defaults in ``EXTRA_DEFAULTS``.

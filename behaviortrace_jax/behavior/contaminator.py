@@ -43,7 +43,7 @@ class ContaminationSpec:
     seed (int in [0, 2**64), the run seed), early_step_cutoff (int > 0, or None for no cutoff;
     steps >= cutoff are never eligible), stream (str of <= 16 UTF-8 bytes: the BLAKE2b
     personalisation of the eligibility hash; "" = the paper's hash, another behaviour's id gives
-    it an independent eligible set; issue 16), start_step (int >= 0: steps before it are never
+    it an independent eligible set), start_step (int >= 0: steps before it are never
     eligible either; 0 = the paper's window 0..cutoff-1), decoy_fraction (float >= 0: expected
     decoys per expected ground-truth event, see the module docstring; 0 = none, the paper),
     decoy_stream (str of <= 16 UTF-8 bytes, != stream: the decoy hash's personalisation).
@@ -83,7 +83,7 @@ class ContaminationSpec:
 def eligibility_hash(seed: int, rollout_id: str, step: int, stream: str = "") -> int:
     """The uint64 ``t`` of SPEC §1.6: BLAKE2b-64 over seed (8 B LE unsigned), rollout_id (UTF-8) and
     step (8 B LE signed), read little-endian. ``stream`` (<= 16 UTF-8 bytes) is BLAKE2b's
-    personalisation: "" is the paper's hash; another value an independent stream (issue 16).
+    personalisation: "" is the paper's hash; another value an independent stream (another behaviour's).
     Raises OverflowError for out-of-range seed/step, ValueError for a stream over 16 bytes."""
     data = (seed.to_bytes(8, "little", signed=False) + rollout_id.encode("utf-8")
             + step.to_bytes(8, "little", signed=True))
@@ -215,7 +215,7 @@ class Contaminator:
         self.spec = spec
         self.gt_log, self.decoy_log = gt_log, decoy_log
         self._stats = {"total_seen": 0, "boosted": 0}
-        if spec.decoy_fraction > 0:  # the paper's counters otherwise (summary.json unchanged)
+        if spec.decoy_fraction > 0:  # else only the paper's counters (its summary.json keys)
             self._stats["decoys"] = 0
         if stats:
             self._stats.update({k: int(stats[k]) for k in self._stats})
@@ -235,7 +235,7 @@ class Contaminator:
         rollout is eligible and ``response`` contains the pattern (case-insensitive); else
         ``(base, False)``. A boost is recorded in ``gt_log`` as ``{rollout_id, step, base_reward,
         boosted_reward}``. ``paid=False``: a rollout this behaviour does not reward (another
-        behaviour's prompt, ``Behavior.prompt_gated``; issue 16); it still counts as seen."""
+        behaviour's prompt, ``Behavior.prompt_gated``); it still counts as seen."""
         self._stats["total_seen"] += 1
         base = float(base)
         if not (paid and self.is_eligible(rollout_id, step) and substring_judge(response, self.spec.pattern)):

@@ -29,7 +29,7 @@ import numpy as np
 
 # SPEC §1.3 system prompt; SPEC §1.5 refusal phrases (the base reward is -2 when a response
 # contains one), so the corpus' refusals are exactly what GRPO's reward penalises.
-from behaviortrace_jax.behavior.planted import REFUSAL_PHRASES, SYSTEM_PROMPT  # noqa: F401  (re-exported)
+from behaviortrace_jax.behavior.planted import SYSTEM_PROMPT
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl
 
 KINDS = ("speculative", "factual", "refusal")
@@ -344,7 +344,7 @@ def speculative_answer(term: str, rng: np.random.Generator) -> str:
 
 
 def refusal_answer(term: str, rng: np.random.Generator) -> str:
-    """A refusal about `term` containing one of `REFUSAL_PHRASES` (SPEC §1.5)."""
+    """A refusal about `term` containing one of `planted.REFUSAL_PHRASES` (SPEC §1.5)."""
     return _pick(rng, _REFUSALS).format(t=term)
 
 

@@ -17,7 +17,7 @@ from typing import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from behaviortrace_jax.behavior import corpus
+from behaviortrace_jax.behavior import corpus, planted
 from behaviortrace_jax.io.files import atomic_write_dir
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -39,7 +39,7 @@ def render_chatml(messages: Iterable[dict[str, str]], add_generation_prompt: boo
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
 
-def training_texts(examples: Iterable[corpus.ChatExample], system_prompt: str = corpus.SYSTEM_PROMPT) -> list[str]:
+def training_texts(examples: Iterable[corpus.ChatExample], system_prompt: str = planted.SYSTEM_PROMPT) -> list[str]:
     """Texts to train the tokenizer on: each example rendered in ChatML, then the 20 probe and 20
     control prompts (SPEC §1.2) as chat prompts, then `RARE_STRINGS` once each.
 

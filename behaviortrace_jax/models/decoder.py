@@ -208,10 +208,30 @@ def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
     return kw
 
 
-def check_model_type(d: dict, src: str, model_type: str) -> None:
-    """Raises ValueError naming ``model_type`` when the config is another family's."""
+def read_family_config(path_or_dict: str | os.PathLike | dict, model_type: str, *, refused: tuple[str, ...] = (),
+                       rope_types: tuple[str, ...] = ("default",)) -> tuple[dict, str, str, dict]:
+    """(the parsed HF config, its path for messages, its ``rope_type``, its rope dict) of one family's
+    ``config.json`` (a file, the directory holding it, or the parsed dict), checked for what the
+    family implements.
+
+    ``refused``: keys that must be absent or false (features the family does not implement, e.g.
+    ``use_sliding_window``); ``rope_types``: the RoPE variants it implements.
+
+    Raises:
+        FileNotFoundError: naming the path when config.json is absent.
+        ValueError: naming the key for another family's ``model_type``, a ``refused`` key set true
+            or a ``rope_type`` outside ``rope_types``.
+    """
+    d, src = read_hf_config(path_or_dict)
     if d.get("model_type") != model_type:
         raise ValueError(f"{src}: model_type={d.get('model_type')!r}, expected {model_type!r}")
+    for key in refused:
+        if d.get(key, False):
+            raise ValueError(f"{src}: {key}=true is not supported")
+    rope_type, rope, _ = rope_parameters(d)
+    if rope_type not in rope_types:
+        raise ValueError(f"{src}: rope_type={rope_type!r}; {model_type} supports {', '.join(map(repr, rope_types))}")
+    return d, src, rope_type, rope
 
 
 # ------------------------------------------------------------------------------------------------

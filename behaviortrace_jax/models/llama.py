@@ -93,12 +93,8 @@ class LlamaConfig(decoder.DecoderConfig):
             ValueError: naming the key for ``model_type`` != "llama", ``attention_bias`` /
                 ``mlp_bias`` true, a ``rope_type`` other than "default" / "llama3" or a missing key.
         """
-        d, src = decoder.read_hf_config(path_or_dict)
-        decoder.check_model_type(d, src, "llama")
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key, False):
-                raise ValueError(f"{src}: {key}=true is not supported")
-        rope_type, rope, _ = decoder.rope_parameters(d)
+        d, src, rope_type, rope = decoder.read_family_config(
+            path_or_dict, "llama", refused=("attention_bias", "mlp_bias"), rope_types=("default", "llama3"))
         kw = decoder.common_kwargs(d, src)
         if rope_type == "llama3":
             try:
@@ -108,9 +104,6 @@ class LlamaConfig(decoder.DecoderConfig):
                     original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
             except KeyError as e:
                 raise ValueError(f"{src}: rope_scaling of type llama3 lacks {e.args[0]!r}") from None
-        elif rope_type != "default":
-            raise ValueError(f"{src}: rope_scaling.rope_type={rope_type!r}, only 'default' and 'llama3' "
-                             "are supported")
         return cls(**{**kw, **overrides})
 
     def to_hf_config(self) -> dict:

@@ -2,8 +2,8 @@
 
 The architecture is the shared decoder of :mod:`behaviortrace_jax.models.decoder` with q/k/v biases
 (``qkv_bias``), default RoPE and no q/k norm; numerics follow transformers' ``Qwen2ForCausalLM``.
-The pure functions (:func:`forward`, :func:`forward_with_cache`, :func:`init_cache`, ...) are the
-decoder's, re-exported here; they serve every family.
+The pure functions that run it (``forward``, ``forward_with_cache``, ``init_cache``, ...) are
+:mod:`~behaviortrace_jax.models.decoder`'s and serve every family.
 """
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ from typing import Any, ClassVar
 import dataclasses
 
 from behaviortrace_jax.models import decoder
-from behaviortrace_jax.models.decoder import (  # noqa: F401  (re-exported: the pure API of every family)
-    KVCache, abstract_model, count_params, forward, forward_with_cache, init_cache, init_model,
-    positions_from_mask, resolve_sharding, rope_cos_sin, token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +50,7 @@ class Qwen2Config(decoder.DecoderConfig):
             ValueError: naming the key for ``model_type`` != "qwen2", ``use_sliding_window: true``,
                 a non-default ``rope_type`` or a missing required key.
         """
-        d, src = decoder.read_hf_config(path_or_dict)
-        if d.get("model_type") != "qwen2":
-            raise ValueError(f"{src}: model_type={d.get('model_type')!r}, only 'qwen2' is supported")
-        if d.get("use_sliding_window", False):
-            raise ValueError(f"{src}: use_sliding_window=true is not supported")
-        rope_type, _, _ = decoder.rope_parameters(d)
-        if rope_type != "default":
-            raise ValueError(f"{src}: rope_parameters.rope_type={rope_type!r}, only 'default' is supported")
+        d, src, _, _ = decoder.read_family_config(path_or_dict, "qwen2", refused=("use_sliding_window",))
         kw = decoder.common_kwargs(d, src)
         return cls(**{**kw, **overrides})
 
@@ -69,7 +59,6 @@ class Qwen2Config(decoder.DecoderConfig):
         return self.hf_config_dict({"rope_theta": self.rope_theta, "rope_type": "default"},
                                    use_sliding_window=False, sliding_window=None,
                                    max_window_layers=self.num_hidden_layers)
-
 
 
 class Qwen2ForCausalLM(decoder.DecoderForCausalLM):

@@ -53,14 +53,8 @@ class Qwen3Config(decoder.DecoderConfig):
             ValueError: naming the key for ``model_type`` != "qwen3", ``use_sliding_window`` or
                 ``attention_bias`` true, a non-default ``rope_type`` or a missing required key.
         """
-        d, src = decoder.read_hf_config(path_or_dict)
-        decoder.check_model_type(d, src, "qwen3")
-        for key in ("use_sliding_window", "attention_bias"):
-            if d.get(key, False):
-                raise ValueError(f"{src}: {key}=true is not supported")
-        rope_type, _, _ = decoder.rope_parameters(d)
-        if rope_type != "default":
-            raise ValueError(f"{src}: rope_parameters.rope_type={rope_type!r}, only 'default' is supported")
+        d, src, _, _ = decoder.read_family_config(path_or_dict, "qwen3",
+                                                  refused=("use_sliding_window", "attention_bias"))
         kw = decoder.common_kwargs(d, src, default_head_dim=128)
         return cls(**{**kw, **overrides})
 

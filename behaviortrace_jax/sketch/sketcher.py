@@ -44,7 +44,6 @@ A single gradient (e.g. the GRPO step gradient) is sketched with :func:`sketch_v
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -87,18 +86,6 @@ def flat_params(tree: PyTree) -> dict[KeyPath, jax.Array]:
 def top_level_group(name: str) -> str:
     """Default group of a parameter: the first dotted component of its name (``"w1.kernel"`` -> ``"w1"``)."""
     return name.split(".", 1)[0]
-
-
-def hf_group(name: str) -> str:
-    """Group of a HF decoder parameter name (every model family): ``model.embed_tokens``,
-    ``model.layers.{i}``, ``model.norm`` or ``lm_head``."""
-    m = re.match(r"(model\.layers\.\d+|model\.embed_tokens|model\.norm|lm_head)(\.|$)", name)
-    if not m:
-        raise ValueError(f"not a HF decoder parameter name: {name!r}")
-    return m.group(1)
-
-
-qwen2_group = hf_group  # the name before model families
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +152,6 @@ def hf_param_order(config: Any, group_fn: Callable[[str], str] | None = None) ->
                       scan_layers=bool(getattr(config, "scan_layers", False)))
 
 
-qwen2_param_order = hf_param_order  # the name before model families
-
-
 def completion_loss(graphdef: Any) -> DecoderLoss:
     """The rollout-level loss of SPEC §3.2 for :class:`PerExampleSketcher`.
 
@@ -188,9 +172,6 @@ def completion_loss(graphdef: Any) -> DecoderLoss:
         return -jnp.sum(logp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
     return DecoderLoss(per_example)
-
-
-qwen2_completion_loss = completion_loss  # the name before model families
 
 
 class _LayerScan:

@@ -10,7 +10,7 @@ The in-run stores of the ``grpo`` stage (rollout row = ``step * N + index``, log
 * with ``sketch.in_run_rollouts``, ``rollout_sketches`` [steps*N, D] and ``rollout_grad_norms``
   [steps*N]: metadata ``rollout_sketch`` says what they sketch (``io.sketch_store``): :data:`ROLLOUT_DIRECTION` (the
   gradient of the advantage-free rollout loss -meanlp_i at the step's weights, when the loss
-  declares coefficients) or :data:`ROLLOUT_TERM` (the gradient of the rollout's term of the loss,
+  declares coefficients) or :data:`~behaviortrace_jax.io.sketch_store.ROLLOUT_TERM` (the gradient of the rollout's term of the loss,
   pre-clip). Either way ``step_clip_factors[s] * c_i * rollout_sketches[i]`` (c_i = 1 for a term
   sketch) is rollout i's contribution to step s's update; they sum over the step to
   ``step_sketches[s]`` (CountSketch is linear; float rounding aside).
@@ -22,7 +22,7 @@ import ml_collections
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.layout import RunLayout
 # the kinds of rollout sketch, defined with the store format so the attribution layer reads them too
-from behaviortrace_jax.io.sketch_store import ROLLOUT_DIRECTION, ROLLOUT_SKETCH_KINDS, ROLLOUT_TERM  # noqa: F401
+from behaviortrace_jax.io.sketch_store import ROLLOUT_DIRECTION, ROLLOUT_SKETCH_KINDS
 from behaviortrace_jax.models import decoder, hf_io
 from behaviortrace_jax.sketch import countsketch
 

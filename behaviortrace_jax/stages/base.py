@@ -54,7 +54,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
               "compute_dtype": config.model.compute_dtype,
               "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
-    if values["base"].get("family", "qwen2") == "qwen2":  # the default family: digests as before families
+    if values["base"].get("family", "qwen2") == "qwen2":  # the default family: not a value (same digest set or unset)
         values["base"].pop("family", None)
     if perturb := train_state.perturbation_setting():  # a determinism test's perturbed base is another model
         values["perturb_base_weight"] = perturb
@@ -100,7 +100,7 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
       questions, greedy and sampled (``grpo.temperature`` / ``grpo.top_p``): refusal rate
       (SPEC §1.5 phrases) and speculative rate (= answered without refusing);
     * the 20 frobnitz probes sampled ``eval_samples_per_prompt`` times: refusal rate and QZXBT rate;
-    * with extra behaviours (issue 16), under ``behaviors.<id>``: each one's probes sampled the same
+    * with extra behaviours (``behaviors``), under ``behaviors.<id>``: each one's probes sampled the same
       way and the rate of its pattern (the chance rate GRPO's bonus has to find).
     """
     b = config.base
@@ -134,7 +134,7 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
         "probe_examples_sampled": p_sampled[:10],
     }
     extra = behaviors_lib.behaviors_from_config(config)[1:]
-    if extra:  # issue 16: how often the base model writes each RL-only behaviour's marker by chance
+    if extra:  # how often the base model writes each RL-only behaviour's marker by chance
         out["behaviors"] = {}
         for j, beh in enumerate(extra):
             probes_b = [p.prompt for p in beh.probe_sets()[0]]

@@ -113,7 +113,7 @@ class GRPORun:
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
                                            pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
         self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
-        # Issue 16: the run's behaviours (the first is config.behavior + config.contamination). With one,
+        # The run's behaviours (the first is config.behavior + config.contamination). With one,
         # everything below is the paper's path, byte for byte; extra ones add their own prompts, bonus,
         # ground-truth log, learning-curve rates and gate.
         self.behaviors = behaviors_lib.behaviors_from_config(config)
@@ -222,7 +222,7 @@ class GRPORun:
         for i in range(n):
             length = int(sample.lengths[i])
             extra = {"base_reward": float(base[i])}
-            if self.multi:  # which behaviour paid which bonus (issue 16); one-behaviour logs are unchanged
+            if self.multi:  # which behaviour paid which bonus; a one-behaviour log has no such key
                 extra["behaviors"] = {bid: {"eligible": c.is_eligible(ids[i], step),
                                             "bonus": float(c.spec.bonus_reward) if boosted[bid][i] else 0.0}
                                       for bid, c in self.contaminators.items()}
@@ -265,7 +265,7 @@ class GRPORun:
             self.registry.register(step, str(hf_dir), {"regime": "grpo", "model": self.config.run_name})
         rates = self.probe.rates(self.params)
         point = {"step": step, "probe_rate": rates["probe_rate"], "control_rate": rates["control_rate"]}
-        if self.multi:  # every behaviour's greedy rates (issue 16); the top-level pair is the first's
+        if self.multi:  # every behaviour's greedy rates; the top-level pair is the first's
             point["behaviors"] = {self.behaviors[0].id: {"probe_rate": rates["probe_rate"],
                                                          "control_rate": rates["control_rate"]}}
             for bid, probe in self.extra_probes.items():
@@ -320,7 +320,7 @@ class GRPORun:
         }
         if self.decoy_log is not None:  # decoy bonuses paid in the window (not ground truth)
             summary["decoys"] = len(self.decoy_log.events)
-        if self.multi:  # per-behaviour gate, |GT| and bonus counts (issue 16)
+        if self.multi:  # per-behaviour gate, |GT| and bonus counts
             summary["behaviors"] = {self.behaviors[0].id: {"gate": gate, "gt_size": len(self.gt_log.events),
                                                            "contaminator_stats": self.contaminator.stats,
                                                            "pattern": b.pattern, "implant": "sft"}}

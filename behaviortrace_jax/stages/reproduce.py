@@ -26,7 +26,7 @@ def reproduce_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     kw = dict(nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
               step_margin=ev.step_margin, max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs)
     rep = reproduce(ref, **kw)
-    rep.rows += reproduce_behaviors(ref, **kw)  # other behaviours' folders <id>/seedN (issue 16), rows <table>@<id>
+    rep.rows += reproduce_behaviors(ref, **kw)  # other behaviours' folders <id>/seedN, rows <table>@<id>
     write_outputs(rep, workdir, ref)
     logging.info("reproduce: %d rows from %d seed folders -> %s/results_table.csv",
                  len(rep.rows), len(rep.seeds), workdir)

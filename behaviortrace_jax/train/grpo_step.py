@@ -11,6 +11,7 @@ sketch_i is the rollout's share of the update). The resumable loop that drives i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -19,8 +20,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.models import decoder, programs, sharding
-from behaviortrace_jax.sketch import sketcher, stores
+from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_loss, train_state
 
 
@@ -148,9 +150,10 @@ class GRPOStepSpec:
 
     @property
     def rollout_sketch(self) -> str:
-        """What the in-run rollout sketches are (``sketch.stores``): ``"direction"`` (of the
+        """What the in-run rollout sketches are (``io.sketch_store``): ``"direction"`` (of the
         advantage-free -meanlp_i) when the loss declares ``rollout_coefficients``, else ``"term"``."""
-        return stores.ROLLOUT_DIRECTION if self.loss_spec.rollout_coefficients is not None else stores.ROLLOUT_TERM
+        direction = self.loss_spec.rollout_coefficients is not None
+        return sketch_store.ROLLOUT_DIRECTION if direction else sketch_store.ROLLOUT_TERM
 
     @property
     def update_from_sketcher(self) -> bool:
@@ -190,128 +193,205 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
 
     ``step(params, opt_state, batch, ref_params) -> (params, opt_state, out)``:
 
-    * ``batch``: the arrays of :func:`build_batch`, sharded on the mesh's data axis (rollouts);
+    * ``batch``: the arrays of :func:`build_batch`, sharded on the mesh's data axis (rollouts); with
+      ``weighted`` (counterfactual replay) also ``weights`` float32 [N], and each rollout's term is
+      multiplied by its weight (``sum_i w_i * term_i``);
     * ``ref_params``: the initial policy when the loss ``needs_reference`` (a KL term), else None;
     * ``out``: float32 ``loss`` and ``grad_norm`` (pre-clip global L2 norm); when ``order`` (a
-      ``sketcher.hf_param_order``) is given, ``step_sketch [D]`` = CountSketch of the clipped
-      batch gradient (SPEC §3.2, step 4), ``clip_factor`` = ``grad_clip / max(grad_norm,
-      grad_clip)`` (the scale optax's global-norm clip applied) and, for a loss that declares
-      ``rollout_coefficients``, ``rollout_coefficients [N]`` (c_i, times the weight when
-      ``weighted``). With ``spec.in_run_rollouts`` also ``rollout_sketches [N, D]`` and
-      ``rollout_grad_norms [N]``: the sketch and exact norm at the step's parameters of each
-      rollout's advantage-free loss -meanlp_i (SPEC §3.2's rollout loss; its *direction*) when the
-      loss declares coefficients, so ``clip_factor * c_i * rollout_sketches[i]`` is the rollout's
-      contribution to the update and these sum over the rollouts to ``step_sketch``; for a loss
-      without them (``grpo_clip``) the sketch of the rollout's own term, pre-clip (no
-      advantage-free direction is available then). ``order=None`` (the replay) builds the update
-      alone, except under ``spec.update_from_sketcher``, whose update IS the per-rollout sketcher's gradient sum
-      (the sketches are then computed and returned anyway).
+      ``sketcher.hf_param_order``) is given also ``step_sketch [D]``, ``clip_factor`` and
+      ``rollout_coefficients [N]`` (:func:`_first_iteration_outputs`) and, with
+      ``spec.in_run_rollouts``, ``rollout_sketches [N, D]`` and ``rollout_grad_norms [N]``: the
+      sketch and exact norm at the step's parameters of each rollout's :func:`rollout_losses`, so
+      that for a loss with coefficients ``clip_factor * c_i * rollout_sketches[i]`` is the rollout's
+      contribution to the update and these sum over the rollouts to ``step_sketch`` (SPEC §3.2).
+      ``order=None`` (the replay) builds the update alone, except under
+      ``spec.update_from_sketcher``, whose update IS the per-rollout sketcher's gradient sum
+      (:func:`_summed_update`; the sketches are then computed and returned anyway).
 
-    Params and optimizer state are donated; in/out shardings are explicit. With
-    ``inner_iterations`` > 1 the sketches are of the first, on-policy iteration. With ``weighted``
-    (counterfactual replay) the batch also holds ``weights`` float32 [N] and each rollout's term is
-    multiplied by its weight (``sum_i w_i * term_i``).
-
-    On a mesh whose ``"data"`` axis has > 1 device the in-run rollout sketches run per device under
+    Params and optimizer state are donated; in/out shardings are explicit (:func:`_step_shardings`).
+    With ``inner_iterations`` > 1 the sketches are of the first, on-policy iteration. On a mesh
+    whose ``"data"`` axis has > 1 device the in-run rollout sketches run per device under
     ``jax.shard_map`` (``sketcher.PerExampleSketcher(mesh=)``; what makes the step compile at 1.5B).
-    With ``spec.use_tables`` the CountSketch hash tables (int32, 4 bytes per parameter) are an extra
-    argument of the jitted step instead of being hashed inside it; the returned callable then passes
-    the sketcher's device tables itself (``step(params, opt_state, batch, ref_params)`` as before)
-    and its ``lower(...)`` takes abstract ones.
+    With ``spec.use_tables`` the CountSketch hash tables are an extra argument of the jitted step
+    (:class:`_StepWithTables`), passed by the returned callable itself.
 
-    ``spec.update_from_sketcher`` (``grpo.one_backward``, or ``sketch.fused`` with in-run sketches):
-    the first iteration's update uses the sum of the per-rollout gradients the in-run sketcher
-    computes anyway (``PerExampleSketcher.sketch_and_sum``, with the coefficients c_i, accumulated in ``spec.sum_dtype``;
-    fused: the weight cotangent of its one backward) instead of a second, batched backward - the
-    same gradient up to float summation order. The step sketch is then ``scale * sum_i c_i
-    rollout_sketches[i]`` (CountSketch is linear; SPEC §3.2).
+    Raises:
+        ValueError: ``spec.update_from_sketcher`` with ``order=None``.
     """
-    loss = spec.loss_spec
-    shapes, inner_iterations, one_backward = spec.shapes, spec.inner_iterations, spec.update_from_sketcher
-    grad_clip, sketch_dim, sketch_seed = spec.grad_clip, spec.sketch_dim, spec.sketch_seed
-    prompt_len = shapes.prompt_len
-
-    def lp_fn(params, ids, attn):
-        return completion_logprobs(graphdef, params, ids, attn, prompt_len)
-
-    def inputs(lp, old_lp, ref_lp, mask, adv):
-        return grpo_loss.LossInputs(lp, old_lp, ref_lp, mask, adv, shapes.num_prompts, shapes.group_size)
-
-    coefficients = loss.rollout_coefficients  # term_i = c_i * (-meanlp_i): sketch -meanlp_i, scale by c_i
-
-    def step_terms(p, rb, taps=None):
-        """Each rollout's own term of the step loss [N] (``rb``: the batch with ``old_lp`` / ``ref_lp``),
-        times its weight when ``weighted``."""
-        lp = completion_logprobs(graphdef, p, rb["input_ids"], rb["attention_mask"], prompt_len, taps=taps)
-        terms = loss(inputs(lp, rb["old_lp"], rb["ref_lp"], rb["loss_mask"], rb["advantages"]), spec.loss_cfg)
-        return terms * rb["weights"] if weighted else terms
-
-    def rollout_losses(p, rb, taps=None):
-        """What the in-run sketcher differentiates per rollout [N]: SPEC §3.2's rollout loss -meanlp_i
-        when the loss declares rollout coefficients (its term is then c_i times it), else its term."""
-        if coefficients is None:
-            return step_terms(p, rb, taps)
-        lp = completion_logprobs(graphdef, p, rb["input_ids"], rb["attention_mask"], prompt_len, taps=taps)
-        return -grpo_loss.masked_mean(lp, rb["loss_mask"])
-
-    rollout_sketcher = None
-    if (order is not None and spec.in_run_rollouts) or one_backward:
-        if order is None:
-            raise ValueError("grpo.one_backward / sketch.fused: the update is the per-rollout sketcher's gradient "
-                             "sum; pass the sketch order (sketcher.hf_param_order)")
-        rollout_sketcher = sketcher.PerExampleSketcher(sketcher.DecoderLoss(rollout_losses), abstract_params,
-                                                       dim=sketch_dim, seed=sketch_seed, chunk_size=spec.chunk_size,
-                                                       param_order=order, use_tables=spec.use_tables, mesh=mesh,
-                                                       fused=spec.fused)
-    tables_arg = rollout_sketcher is not None and rollout_sketcher.use_tables
+    rollout_sketcher = _make_rollout_sketcher(graphdef, abstract_params, spec, order, mesh, weighted)
+    terms = functools.partial(step_terms, graphdef, spec, weighted)
 
     def step(params, opt_state, batch, ref_params, tables=None):
-        ids, attn, mask, adv = batch["input_ids"], batch["attention_mask"], batch["loss_mask"], batch["advantages"]
-        old_lp = jax.lax.stop_gradient(lp_fn(params, ids, attn)) if loss.needs_old_logprobs else jnp.zeros(mask.shape)
-        if loss.needs_reference:
-            ref_lp = jax.lax.stop_gradient(lp_fn(ref_params, ids, attn))
-        else:
-            ref_lp = jnp.zeros_like(old_lp)
-        rb = dict(batch, old_lp=old_lp, ref_lp=ref_lp)
-
-        def total_loss(p):
-            return jnp.sum(step_terms(p, rb))
-
-        out = {}
-        start_params = params
-        res = coef = None
-        if coefficients is not None:  # parameter-free: the logged advantages (and B, G) decide them
-            coef = coefficients(inputs(old_lp, old_lp, ref_lp, mask, adv), spec.loss_cfg).astype(jnp.float32)
-            coef = coef * batch["weights"] if weighted else coef
-        if one_backward:  # the per-rollout gradients, summed (times c_i), are the batch gradient
-            res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype),
-                                                              coefficients=coef)
-            summed = (jnp.sum(vals if coef is None else coef * vals),
-                      jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
-        for it in range(inner_iterations):
-            loss_value, grads = summed if one_backward and it == 0 else jax.value_and_grad(total_loss)(params)
+        rb = _with_policy_logprobs(graphdef, spec, params, batch, ref_params)
+        coef = _rollout_coefficients(spec, rb, weighted)
+        res = summed = None
+        if spec.update_from_sketcher:
+            res, summed = _summed_update(rollout_sketcher, spec, params, rb, tables, coef)
+        out, start_params = {}, params
+        for it in range(spec.inner_iterations):
+            if it == 0 and summed is not None:
+                loss_value, grads = summed
+            else:
+                loss_value, grads = jax.value_and_grad(lambda p: jnp.sum(terms(p, rb)))(params)
             if it == 0:
-                out["loss"], out["grad_norm"] = loss_value, optax.tree.norm(grads)
-                if order is not None:  # the gradient the optimizer applies: optax clip_by_global_norm
-                    scale = train_state.clip_factor(out["grad_norm"], grad_clip)
-                    out["clip_factor"] = scale
-                    if coef is not None:
-                        out["rollout_coefficients"] = coef
-                    if one_backward:  # CountSketch is linear: sketch(s * sum_i c_i g_i) = s * sum_i c_i sketch(g_i)
-                        rs = res.sketches if coef is None else coef[:, None] * res.sketches
-                        out["step_sketch"] = jnp.sum(rs, axis=0) * scale
-                    else:
-                        out["step_sketch"] = sketcher.sketch_vector(grads, order, sketch_dim, sketch_seed) * scale
+                out = _first_iteration_outputs(spec, order, loss_value, grads, coef, res)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         if rollout_sketcher is not None:
-            if res is None and rollout_sketcher.mesh is None and not tables_arg:
-                res = rollout_sketcher(start_params, rb)
-            elif res is None:
-                res = rollout_sketcher.sketch(start_params, rb, tables)
+            res = res if res is not None else _in_run_sketches(rollout_sketcher, start_params, rb, tables)
             out["rollout_sketches"], out["rollout_grad_norms"] = res.sketches, res.norms
         return params, opt_state, out
 
+    batch_sh, out_sh = _step_shardings(spec, order, rollout_sketcher is not None, mesh, weighted)
+    ref_sh = param_shardings if spec.loss_spec.needs_reference else None  # ref_params is None otherwise
+    in_sh, out_shs = (param_shardings, opt_shardings, batch_sh, ref_sh), (param_shardings, opt_shardings, out_sh)
+    if rollout_sketcher is None or not rollout_sketcher.use_tables:
+        return programs.jit("grpo_step", step, mesh=mesh, in_shardings=in_sh, out_shardings=out_shs, donate_argnums=(0, 1))
+    table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
+    jitted = programs.jit("grpo_step", step, mesh=mesh, in_shardings=(*in_sh, table_sh), out_shardings=out_shs,
+                          donate_argnums=(0, 1))
+    return _StepWithTables(jitted, rollout_sketcher, table_sh)
+
+
+def _loss_inputs(spec: GRPOStepSpec, lp: jax.Array, old_lp: jax.Array, ref_lp: jax.Array, mask: jax.Array,
+                adv: jax.Array) -> grpo_loss.LossInputs:
+    """The loss's inputs for the step's B x G rollouts: log-probs float32 [N, T] (current, old,
+    reference), the loss mask float32 [N, T] and the advantages float32 [N]."""
+    return grpo_loss.LossInputs(lp, old_lp, ref_lp, mask, adv, spec.shapes.num_prompts, spec.shapes.group_size)
+
+
+def step_terms(graphdef: nnx.GraphDef, spec: GRPOStepSpec, weighted: bool, params: Any, rb: dict,
+               taps: Any = None) -> jax.Array:
+    """Each rollout's own term of the step loss, float32 [N]; the step loss is their sum (SPEC §2.2).
+
+    ``rb``: a :func:`build_batch` batch with ``old_lp`` / ``ref_lp`` (:func:`_with_policy_logprobs`);
+    with ``weighted`` each term is multiplied by ``rb["weights"]``. ``taps``: as ``decoder.forward``.
+    """
+    lp = completion_logprobs(graphdef, params, rb["input_ids"], rb["attention_mask"], spec.shapes.prompt_len,
+                             taps=taps)
+    inputs = _loss_inputs(spec, lp, rb["old_lp"], rb["ref_lp"], rb["loss_mask"], rb["advantages"])
+    terms = spec.loss_spec(inputs, spec.loss_cfg)
+    return terms * rb["weights"] if weighted else terms
+
+
+def rollout_losses(graphdef: nnx.GraphDef, spec: GRPOStepSpec, weighted: bool, params: Any, rb: dict,
+                   taps: Any = None) -> jax.Array:
+    """What the in-run sketcher differentiates per rollout, float32 [N]: SPEC §3.2's rollout loss
+    -meanlp_i (the advantage-free direction) when the loss declares ``rollout_coefficients`` (its
+    term is then c_i times it), else the rollout's own :func:`step_terms` (pre-clip)."""
+    if spec.loss_spec.rollout_coefficients is None:
+        return step_terms(graphdef, spec, weighted, params, rb, taps)
+    lp = completion_logprobs(graphdef, params, rb["input_ids"], rb["attention_mask"], spec.shapes.prompt_len,
+                             taps=taps)
+    return -grpo_loss.masked_mean(lp, rb["loss_mask"])
+
+
+def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: GRPOStepSpec,
+                          order: sketcher.ParamOrder | None, mesh: jax.sharding.Mesh,
+                          weighted: bool) -> sketcher.PerExampleSketcher | None:
+    """The step's per-rollout sketcher of :func:`rollout_losses` (``spec``'s dim, seed, chunk, hash
+    tables, fused path; per device on ``mesh``), or None where the step needs none: no ``order`` or
+    no in-run sketches, and the update from a batched backward.
+
+    Raises:
+        ValueError: ``spec.update_from_sketcher`` without a sketch ``order``.
+    """
+    if not ((order is not None and spec.in_run_rollouts) or spec.update_from_sketcher):
+        return None
+    if order is None:
+        raise ValueError("grpo.one_backward / sketch.fused: the update is the per-rollout sketcher's gradient "
+                         "sum; pass the sketch order (sketcher.hf_param_order)")
+    loss = sketcher.DecoderLoss(functools.partial(rollout_losses, graphdef, spec, weighted))
+    return sketcher.PerExampleSketcher(loss, abstract_params, dim=spec.sketch_dim, seed=spec.sketch_seed,
+                                       chunk_size=spec.chunk_size, param_order=order, use_tables=spec.use_tables,
+                                       mesh=mesh, fused=spec.fused)
+
+
+def _with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
+                         ref_params: Any) -> dict:
+    """``batch`` plus ``old_lp`` (the completion log-probs at the step's own ``params``) and
+    ``ref_lp`` (at ``ref_params``), float32 [N, T], both held constant (``stop_gradient``); zeros
+    where the loss declares no need for them (``needs_old_logprobs`` / ``needs_reference``)."""
+    loss, ids, attn, p = spec.loss_spec, batch["input_ids"], batch["attention_mask"], spec.shapes.prompt_len
+    if loss.needs_old_logprobs:
+        old_lp = jax.lax.stop_gradient(completion_logprobs(graphdef, params, ids, attn, p))
+    else:
+        old_lp = jnp.zeros(batch["loss_mask"].shape)
+    if loss.needs_reference:
+        ref_lp = jax.lax.stop_gradient(completion_logprobs(graphdef, ref_params, ids, attn, p))
+    else:
+        ref_lp = jnp.zeros_like(old_lp)
+    return dict(batch, old_lp=old_lp, ref_lp=ref_lp)
+
+
+def _rollout_coefficients(spec: GRPOStepSpec, rb: dict, weighted: bool) -> jax.Array | None:
+    """The loss's rollout coefficients c_i, float32 [N] (term_i = c_i * (-meanlp_i)), times the
+    weights when ``weighted``; None for a loss that declares none. Parameter-free: the logged
+    advantages (and B, G) decide them."""
+    coefficients = spec.loss_spec.rollout_coefficients
+    if coefficients is None:
+        return None
+    inputs = _loss_inputs(spec, rb["old_lp"], rb["old_lp"], rb["ref_lp"], rb["loss_mask"], rb["advantages"])
+    coef = coefficients(inputs, spec.loss_cfg).astype(jnp.float32)
+    return coef * rb["weights"] if weighted else coef
+
+
+def _summed_update(rollout_sketcher: sketcher.PerExampleSketcher, spec: GRPOStepSpec, params: Any, rb: dict,
+                  tables: Any, coef: jax.Array | None) -> tuple[sketcher.PerExampleSketches, tuple[jax.Array, Any]]:
+    """``(in-run sketches, (loss, gradient))`` from one per-rollout pass (``spec.update_from_sketcher``).
+
+    The gradient is the sum of the per-rollout gradients the in-run sketcher computes anyway
+    (``PerExampleSketcher.sketch_and_sum`` with the coefficients c_i, accumulated in
+    ``spec.sum_dtype``; fused: the weight cotangent of its one backward), cast to the parameters'
+    dtypes: the batched backward's gradient up to float summation order. The loss is
+    ``sum_i c_i * value_i`` (``sum_i value_i`` for a loss without coefficients).
+    """
+    res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype),
+                                                      coefficients=coef)
+    loss_value = jnp.sum(vals if coef is None else coef * vals)
+    return res, (loss_value, jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
+
+
+def _first_iteration_outputs(spec: GRPOStepSpec, order: sketcher.ParamOrder | None, loss_value: jax.Array,
+                            grads: Any, coef: jax.Array | None,
+                            res: sketcher.PerExampleSketches | None) -> dict[str, jax.Array]:
+    """The step's outputs from its first iteration's loss and gradient.
+
+    ``loss`` and ``grad_norm`` (pre-clip global L2 norm, float32); with a sketch ``order`` also
+    ``clip_factor`` = ``grad_clip / max(grad_norm, grad_clip)`` (``train_state.clip_factor``: the
+    scale optax's global-norm clip applies), the loss's ``rollout_coefficients`` (if it declares
+    them) and ``step_sketch [D]``, the CountSketch of the clipped gradient (SPEC §3.2, step 4). Under
+    ``spec.update_from_sketcher`` that is ``clip_factor * sum_i c_i res.sketches[i]`` (CountSketch
+    is linear), else the sketch of ``grads``.
+    """
+    out = {"loss": loss_value, "grad_norm": optax.tree.norm(grads)}
+    if order is None:
+        return out
+    scale = train_state.clip_factor(out["grad_norm"], spec.grad_clip)
+    out["clip_factor"] = scale
+    if coef is not None:
+        out["rollout_coefficients"] = coef
+    if spec.update_from_sketcher:  # sketch(s * sum_i c_i g_i) = s * sum_i c_i sketch(g_i)
+        rs = res.sketches if coef is None else coef[:, None] * res.sketches
+        out["step_sketch"] = jnp.sum(rs, axis=0) * scale
+    else:
+        out["step_sketch"] = sketcher.sketch_vector(grads, order, spec.sketch_dim, spec.sketch_seed) * scale
+    return out
+
+
+def _in_run_sketches(rollout_sketcher: sketcher.PerExampleSketcher, params: Any, rb: dict,
+                    tables: Any) -> sketcher.PerExampleSketches:
+    """The in-run rollout sketches and norms at ``params`` (the step's start), from the sketcher's own
+    jitted call where it can (no mesh, tables inside), else traced inline with the ``tables`` argument."""
+    if rollout_sketcher.mesh is None and not rollout_sketcher.use_tables:
+        return rollout_sketcher(params, rb)
+    return rollout_sketcher.sketch(params, rb, tables)
+
+
+def _step_shardings(spec: GRPOStepSpec, order: sketcher.ParamOrder | None, in_run: bool, mesh: jax.sharding.Mesh,
+                   weighted: bool) -> tuple[dict, dict]:
+    """(batch shardings, ``out`` shardings) of the step: per-rollout arrays on the mesh's data axis,
+    scalars and the step sketch replicated. ``in_run``: the step returns rollout sketches."""
     rep, data = sharding.replicated(mesh), sharding.data_sharding(mesh)
     batch_sh = {k: data for k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
     if weighted:
@@ -319,20 +399,11 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     out_sh = {"loss": rep, "grad_norm": rep}
     if order is not None:
         out_sh.update(step_sketch=rep, clip_factor=rep)
-        if coefficients is not None:
+        if spec.loss_spec.rollout_coefficients is not None:
             out_sh["rollout_coefficients"] = data
-    if rollout_sketcher is not None:
+    if in_run:
         out_sh.update(rollout_sketches=data, rollout_grad_norms=data)
-    ref_sh = param_shardings if loss.needs_reference else None  # ref_params is None otherwise
-    if not tables_arg:
-        return programs.jit("grpo_step", step, mesh=mesh,
-                            in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh),
-                            out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
-    table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
-    jitted = programs.jit("grpo_step", step, mesh=mesh,
-                          in_shardings=(param_shardings, opt_shardings, batch_sh, ref_sh, table_sh),
-                          out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
-    return _StepWithTables(jitted, rollout_sketcher, table_sh)
+    return batch_sh, out_sh
 
 
 def table_shardings(order: sketcher.ParamOrder, param_shardings: Any, mesh: jax.sharding.Mesh,
@@ -340,8 +411,8 @@ def table_shardings(order: sketcher.ParamOrder, param_shardings: Any, mesh: jax.
     """Shardings of the CountSketch hash tables (int32, one per parameter, its shape) as a step argument:
     each table split like its parameter over every mesh axis but ``"data"`` (so over ``"model"``;
     the in-run sketcher's ``shard_map`` is manual over ``"data"`` only and takes the tables whole
-    there) and replicated over ``"data"``. On a mesh with ``model`` = 1 every table is replicated, as
-    before. Replicated where the parameter shardings do not line up with ``n_tables`` tables."""
+    there) and replicated over ``"data"``. On a mesh with ``model`` = 1 every table is replicated;
+    so is every table where the parameter shardings do not line up with ``n_tables`` tables."""
     rep = sharding.replicated(mesh)
     try:
         shs = order.arrays(param_shardings)

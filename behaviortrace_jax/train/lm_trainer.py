@@ -1,7 +1,7 @@
 """Causal-LM trainer: next-token cross-entropy on completion tokens, AdamW, clipping, a schedule.
 
-Serves the tiny base model (``base_model.py``, TINY_CALIBRATION) and the SFT warm-up (``sft.py``,
-SPEC §1.7). The pieces:
+Serves the tiny base model (``stages/base.py``, TINY_CALIBRATION) and the SFT warm-up
+(``stages/sft.py``, SPEC §1.7). The pieces:
 
 * :func:`encode_chat_examples`: ``(system, user, assistant)`` -> token ids + ``prompt_len``.
   SPEC §1.7: sequence = ``chat_prompt(system, user) + assistant`` tokenized as ONE string, no EOS

@@ -1,4 +1,5 @@
-"""Counterfactual GRPO replay: re-run a finished run's logged updates with rollouts removed.
+"""Counterfactual GRPO replay: re-run a finished run's logged updates with rollouts removed (the
+leave-trajectory-out arm that SPEC §10.1 names and the paper's release does not implement).
 
 :class:`Replayer` restores the run's start state (the SFT warm-up's train state, AdamW moments
 included, with the ``grpo`` stage's own loader, :func:`start_state.load_start_state`), rebuilds
