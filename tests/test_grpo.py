@@ -219,8 +219,10 @@ def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
                                       jnp.asarray(batch["attention_mask"][i:i + 1]), SHAPES.prompt_len)
         return -grpo_loss.masked_mean(lp, jnp.asarray(batch["loss_mask"][i:i + 1]))[0]
 
+    sketch_of_grad = jax.jit(lambda f, p, *a: sketcher.sketch_vector(jax.grad(f)(p, *a), order, 512, 0),
+                             static_argnums=(0, 2))
     for i in (0, 1):
-        want = sketcher.sketch_vector(jax.grad(neg_meanlp)(params0, i), order, 512, 0)
+        want = sketch_of_grad(neg_meanlp, params0, i)
         np.testing.assert_allclose(sk[i], np.asarray(want), rtol=2e-4, atol=1e-6)
     # ... and the step sketch equals the sketch of jax.grad of the whole loss at the same params.
     lossf = grpo_loss.get_loss("paper")
@@ -232,12 +234,11 @@ def test_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
                                    SHAPES.num_prompts, SHAPES.group_size)
         return jnp.sum(lossf(inp, grpo_loss.LossConfig()))
 
-    g = jax.grad(total_loss)(params0)
-    want = sketcher.sketch_vector(g, order, 512, 0)
+    want = sketch_of_grad(total_loss, params0)
     np.testing.assert_allclose(total, np.asarray(want), rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("grad_clip", [0.0, -1.0])
+@pytest.mark.parametrize("grad_clip", [0.0, pytest.param(-1.0, marks=pytest.mark.slow)])  # the same <= 0 path
 def test_no_clipping_gives_unclipped_step_sketches(grad_clip):
     """optim.grad_clip <= 0 means no clipping (train_state.make_optimizer): the step sketch is then the
     sketch of the unclipped gradient (scale 1), not 0 or NaN, and the update is unclipped AdamW."""
@@ -269,7 +270,9 @@ def test_grpo_clip_rollout_sketches_sum_to_the_prebatch_gradient_sketch():
     np.testing.assert_allclose(np.asarray(out["step_sketch"]), total * scale, rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss,tables,data", [("paper", False, 2), ("grpo_clip", False, 2), ("paper", True, 3)])
+@pytest.mark.parametrize("loss,tables,data", [pytest.param("paper", False, 2, marks=pytest.mark.slow),
+                                              pytest.param("grpo_clip", False, 2, marks=pytest.mark.slow),
+                                              ("paper", True, 3)])
 def test_sharded_step_equals_single_device(loss, tables, data):
     """On a data axis > 1 the in-run rollout sketches run under shard_map (with hash tables as a step
     argument when asked); same parameters and outputs as one device."""
@@ -288,8 +291,10 @@ def test_sharded_step_equals_single_device(loss, tables, data):
         np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("path,loss,data", [("one_backward", "paper", 1), ("one_backward", "paper", 3),
-                                            ("fused", "paper", 1), ("fused", "paper", 3),
+@pytest.mark.parametrize("path,loss,data", [("one_backward", "paper", 1),
+                                            pytest.param("one_backward", "paper", 3, marks=pytest.mark.slow),
+                                            pytest.param("fused", "paper", 1, marks=pytest.mark.slow),
+                                            ("fused", "paper", 3),
                                             pytest.param("fused", "grpo_clip", 1, marks=pytest.mark.slow)])
 def test_update_from_sketcher_equals_two_backward_step(path, loss, data):
     """The update from the per-rollout sketcher's gradient sum (no second, batched backward) equals

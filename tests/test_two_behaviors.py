@@ -97,6 +97,7 @@ def test_reproduce_stage_reads_every_behaviour(run_dir, tmp_path):
     assert {"early_nonzero", f"early_nonzero@{B}"} <= tables
 
 
+@pytest.mark.slow
 def test_paper_two_behaviors_config_compiles_at_tiny_shapes(tmp_path):
     from behaviortrace_jax.stages import compile as compile_stage
 
