@@ -127,7 +127,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.repetition_penalty = -1.0
     c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
     c.grpo.one_backward = False  # paper loss + in-run sketches: update with the summed per-rollout gradients (no 2nd backward; float-order differences).
-    c.grpo.sum_dtype = "float32"  # one_backward's gradient-sum accumulator: "float32" or "bfloat16" (configs/paper_tpu.py).
+    c.grpo.sum_dtype = "float32"  # one_backward's gradient-sum accumulator: "float32" or "bfloat16" (2 bytes per parameter).
     c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
     c.grpo.inner_iterations = 1  # grpo_clip only: mu updates per batch.

@@ -79,14 +79,14 @@ def copy_start(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def smoke_grpo_run(smoke_sft, tmp_path_factory):
-    """``(config, workdir)`` of one smoke run's ``grpo`` stage on the shared start state (``base`` and
-    ``sft`` of :func:`smoke_finished`), shared by every test module that replays or differentiates a
-    finished run (test_replay, test_metagradient)."""
-    from behaviortrace_jax import pipeline
+    """``(config, workdir)`` of one smoke run's ``base``, ``sft`` and ``grpo`` stages (a copy of
+    :func:`smoke_finished`'s, so the run is not trained twice), shared by every test module that
+    replays or differentiates a finished run (test_replay, test_metagradient)."""
+    import shutil
 
     config, start = smoke_sft
     config = config.copy_and_resolve_references()
     config.stages = "grpo"
     w = copy_start(start, tmp_path_factory.mktemp("smoke_grpo_run"))
-    pipeline.run(config, str(w))
+    shutil.copytree(start / "grpo", w / "grpo")
     return config, w

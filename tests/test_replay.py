@@ -211,12 +211,12 @@ def assert_replay_reproduces_checkpoints(config, w):
 
 def test_replay_of_a_one_backward_bf16_sum_run_is_bit_for_bit(smoke_run, tmp_path):
     """The replay builds the run's own step from the same spec (GRPOStepSpec), so a run with
-    grpo.one_backward and a bfloat16 gradient sum (configs/paper_tpu.py's step) replays exactly."""
+    grpo.one_backward and a bfloat16 gradient sum (a one-backward step off the paper defaults) replays exactly."""
     config, w = smoke_run
     config = config.copy_and_resolve_references()
     config.grpo.one_backward, config.grpo.sum_dtype = True, "bfloat16"
     # No data axis: XLA:CPU aborts compiling a bfloat16 all-reduce of the gradient sum over several
-    # CPU devices (AllReducePromotion); on a TPU slice the same step compiles (configs/paper_tpu.py).
+    # CPU devices (AllReducePromotion); XLA:TPU compiles such a step.
     config.mesh.data, config.mesh.model = 1, len(jax.devices())
     config.stages = "grpo"
     pipeline.run(config, str(copy_start(w, tmp_path)))
