@@ -186,6 +186,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.num_layers = -1  # > 0: override the model depth (a quick check at 2 layers); -1 = the model's own.
     c.compile.losses = ""  # GRPO losses to compile: "" = grpo.loss, "all" = every registered loss, or "a,b".
     c.compile.both_sketch_variants = True  # Also compile the GRPO step with in-run sketches flipped (for the FLOP ratio).
+    # Stages whose programs are compiled (comma-separated): "" = the stages config.stages names besides
+    # compile (with sweep.stages for a sweep), or sft,grpo,sketch,draws (a paper run) for stages=compile alone;
+    # add "metagradient" for the metagradient stage's programs (its vjp at 1.5B needs ~21 GiB per v5e chip).
+    c.compile.stages = ""
     c.compile.programs = ""  # Comma-separated name prefixes to compile (e.g. "grpo_step,sampler"); "" = every program.
 
     # --- counterfactual replay (the `counterfactual` stage, not in the default stages) -------------

@@ -1,6 +1,6 @@
 """Paper scale on a TPU slice: configs/paper.py plus a layout for v5e:2x4 (FSDP,
-mesh data 4 x model 2, shard_map sketches, chunk 1, layers scanned, one backward per GRPO step with
-a bfloat16 gradient sum). Compile figures per program, per chip, in docs/benchmarks.md ("Compile
+mesh data 4 x model 2, shard_map sketches, layers scanned, the fused per-example sketcher at chunk 16:
+one backward per GRPO step gives the update and every rollout's sketch). Compile figures per program, per chip, in docs/benchmarks.md ("Compile
 stage"); run the compile stage before booking a slice.
 
     # check on any CPU machine with the tpu extra (nothing is allocated):
@@ -24,8 +24,11 @@ def get_config(seed: int = 0):
     # FSDP: parameters and AdamW moments split over "data" (1/8 per chip), gathered per use by GSPMD;
     # replicated they take 8.6 GiB of v5e's 16 before any activation.
     c.mesh.fsdp = True
-    # One per-example gradient at a time inside each chip's shard_map (4 rollouts per data shard).
-    c.sketch.chunk_size = 1
+    # The fused per-example sketcher (sketch/fused.py): each rollout's gradient is formed one parameter use
+    # at a time inside ONE batched backward and hashed at once, never whole, so all of a chip's rollouts
+    # go in one chunk (16 >= the 4 per data shard). Its backward's weight cotangent is the update.
+    c.sketch.fused = True
+    c.sketch.chunk_size = 16
     # The decoder layers as one lax.scan (models/decoder.py, model.scan_layers): XLA:TPU compiles one
     # layer body instead of 28 (the GRPO step with in-run sketches: 120 CPU-s instead of > 6.6 CPU-min),
     # and the per-example sketches hash on the fly inside that scan (no int32 hash tables: 5.75 GiB
@@ -33,17 +36,10 @@ def get_config(seed: int = 0):
     c.model.scan_layers = True
     c.sketch.in_run_tables = False
     c.targets.use_tables = False
-    # One backward per GRPO step: the update is the sum of the per-rollout
-    # gradients the in-run sketcher computes anyway, and the step sketch is the clip factor times the
-    # sum of the rollout sketches (CountSketch is linear) - no batched backward, no second full-gradient
-    # copy. Same update up to float summation order (tests/test_grpo.py), hence off in configs/paper.py.
-    c.grpo.one_backward = True
-    # The one-backward gradient sum accumulates in bfloat16 (sketch_and_sum acc_dtype): 2 bytes per
-    # parameter instead of 4 (at 1.54B and model 2: 1.4 instead of 2.9 GiB per chip). Measured on the
-    # test model (float32 parameters, 6 rollouts): relative L2 error 2.2e-3 against the batched
-    # backward, vs 1.8e-3 for rounding that gradient itself to bfloat16 - and the paper's parameters
-    # and their update are bfloat16 anyway.
-    c.grpo.sum_dtype = "bfloat16"
+    # The fused backward is the step's only backward (GRPOStepSpec.update_from_sketcher), so the
+    # vmap(grad) path's grpo.one_backward (per-rollout gradients summed) is not needed. Same update
+    # as configs/paper.py's batched backward up to float summation order (tests/test_grpo.py).
+    c.grpo.one_backward = False
     c.compile.target = "tpu:v5e:2x4"
     c.compile.model = "qwen2p5_1p5b"
     # The GRPO step's FLOP and bytes ratios are XLA's counts of the step with over without in-run

@@ -22,8 +22,22 @@ def _config(target):
     return c
 
 
+def test_compiled_stages_are_the_stages_the_config_runs():
+    c = _config("cpu:2")
+    assert compile_stage.compiled_stages(c) == {"base", "sft", "grpo", "sketch", "draws", "evaluate", "report"}
+    c.stages = "compile"  # --config.stages=compile alone: the programs of a paper run
+    assert compile_stage.compiled_stages(c) == set(compile_stage.PAPER_RUN_STAGES)
+    c.stages, c.sweep.stages = "sweep,compile", "sft,grpo,metagradient"
+    assert compile_stage.compiled_stages(c) == {"sft", "grpo", "metagradient"}
+    c.compile.stages = "grpo,metagradinet"
+    with pytest.raises(ValueError, match="compile.stages.*metagradinet"):
+        compile_stage.compiled_stages(c)
+
+
 def test_compile_stage_cpu_tiny(tmp_path):
-    compile_stage.compile_stage(_config("cpu:2"), str(tmp_path))
+    c = _config("cpu:2")
+    c.compile.stages = "base,sft,grpo,metagradient,sketch,draws"  # every builder of the report
+    compile_stage.compile_stage(c, str(tmp_path))
     report = json.loads((tmp_path / "compile_report.json").read_text())
     names = [p["name"] for p in report["programs"]]
     assert names[:4] == ["sampler_prefill", "sampler_decode", "sft_step", "sft_loss"]

@@ -602,17 +602,46 @@ def sketcher_programs(a: AbstractRun) -> list[Program]:
     return progs
 
 
-# The programs of a run, in report order: each builder gives its rows of the report.
-PROGRAM_BUILDERS: tuple[Callable[[AbstractRun], list[Program]], ...] = (
-    sampler_programs, lm_programs, grpo_programs, metagradient_programs, sketcher_programs)
+# The programs of a run, in report order: each builder gives its rows of the report, for the stages
+# that run those programs (compile.stages picks the builders).
+PROGRAM_BUILDERS: tuple[tuple[Callable[[AbstractRun], list[Program]], frozenset[str]], ...] = (
+    (sampler_programs, frozenset({"base", "sft", "grpo", "draws", "counterfactual"})),
+    (lm_programs, frozenset({"base", "sft"})),
+    (grpo_programs, frozenset({"grpo", "counterfactual"})),
+    (metagradient_programs, frozenset({"metagradient"})),
+    (sketcher_programs, frozenset({"sketch", "draws"})),
+)
+# What ``--config.stages=compile`` alone compiles: the stages of a paper run (configs/common.py's default).
+PAPER_RUN_STAGES = ("sft", "grpo", "sketch", "draws")
+
+
+def compiled_stages(config: ml_collections.ConfigDict) -> set[str]:
+    """The stages whose programs the compile stage compiles: ``compile.stages`` (comma-separated), or
+    for "" the stages ``config.stages`` names besides ``compile`` (a sweep's ``sweep.stages`` included),
+    or :data:`PAPER_RUN_STAGES` when it names no other.
+
+    Raises:
+        ValueError: naming ``config.compile.stages`` and the unknown stage.
+    """
+    spec = str(config.compile.stages).strip()
+    names = [x.strip() for x in (spec or config.stages).split(",") if x.strip()]
+    if "sweep" in names and not spec:
+        names += [x.strip() for x in config.sweep.stages.split(",") if x.strip()]
+    known = set().union(*(stages for _, stages in PROGRAM_BUILDERS)) | {"compile", "sweep", "evaluate", "report",
+                                                                         "info", "reproduce"}
+    bad = [x for x in names if x not in known]
+    if bad:
+        raise ValueError(f"config.compile.stages={spec!r}: unknown stage {bad[0]!r} (known: {sorted(known)})")
+    run = set(names) - {"compile", "sweep"}
+    return run if (spec or run) else set(PAPER_RUN_STAGES)
 
 
 def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
-    """Every jitted program of ``config`` at its real shapes on ``mesh``, from the run's own
-    constructors (:data:`PROGRAM_BUILDERS`), less those ``compile.programs`` leaves out (a list of
-    name prefixes; "" = all)."""
-    run = AbstractRun.build(config, cfg, mesh)
-    progs = [pr for builder in PROGRAM_BUILDERS for pr in builder(run)]
+    """Every jitted program that the stages of :func:`compiled_stages` run for ``config``, at its real
+    shapes on ``mesh``, from the run's own constructors (:data:`PROGRAM_BUILDERS`), less those
+    ``compile.programs`` leaves out (a list of name prefixes; "" = all)."""
+    run, stages = AbstractRun.build(config, cfg, mesh), compiled_stages(config)
+    progs = [pr for builder, used_by in PROGRAM_BUILDERS if used_by & stages for pr in builder(run)]
     only = [x.strip() for x in config.compile.programs.split(",") if x.strip()]
     return [pr for pr in progs if not only or any(pr.name.startswith(o) for o in only)]
 
