@@ -617,23 +617,27 @@ PAPER_RUN_STAGES = ("sft", "grpo", "sketch", "draws")
 
 def compiled_stages(config: ml_collections.ConfigDict) -> set[str]:
     """The stages whose programs the compile stage compiles: ``compile.stages`` (comma-separated), or
-    for "" the stages ``config.stages`` names besides ``compile`` (a sweep's ``sweep.stages`` included),
-    or :data:`PAPER_RUN_STAGES` when it names no other.
+    for "" the stages ``config.stages`` names besides ``compile`` (a sweep's ``sweep.stages`` included;
+    the stage registry checks those names when the run starts), or :data:`PAPER_RUN_STAGES` when it
+    names no other.
 
     Raises:
-        ValueError: naming ``config.compile.stages`` and the unknown stage.
+        ValueError: naming ``config.compile.stages`` and a stage in it that runs no program of
+            :data:`PROGRAM_BUILDERS`.
     """
+    split = lambda spec: [x.strip() for x in spec.split(",") if x.strip()]  # noqa: E731
     spec = str(config.compile.stages).strip()
-    names = [x.strip() for x in (spec or config.stages).split(",") if x.strip()]
-    if "sweep" in names and not spec:
-        names += [x.strip() for x in config.sweep.stages.split(",") if x.strip()]
-    known = set().union(*(stages for _, stages in PROGRAM_BUILDERS)) | {"compile", "sweep", "evaluate", "report",
-                                                                         "info", "reproduce"}
-    bad = [x for x in names if x not in known]
-    if bad:
-        raise ValueError(f"config.compile.stages={spec!r}: unknown stage {bad[0]!r} (known: {sorted(known)})")
-    run = set(names) - {"compile", "sweep"}
-    return run if (spec or run) else set(PAPER_RUN_STAGES)
+    if spec:
+        with_programs = set().union(*(stages for _, stages in PROGRAM_BUILDERS))
+        bad = [x for x in split(spec) if x not in with_programs]
+        if bad:
+            raise ValueError(f"config.compile.stages={spec!r}: stage {bad[0]!r} runs no compiled program "
+                             f"(stages with programs: {sorted(with_programs)})")
+        return set(split(spec))
+    names = split(config.stages)
+    if "sweep" in names:
+        names += split(config.sweep.stages)
+    return (set(names) - {"compile", "sweep"}) or set(PAPER_RUN_STAGES)
 
 
 def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
