@@ -195,7 +195,7 @@ def get_config() -> ml_collections.ConfigDict:
     # --- counterfactual replay (the `counterfactual` stage, not in the default stages) -------------
     c.counterfactual = ml_collections.ConfigDict()
     c.counterfactual.k_fractions = "0.25,0.5,1.0"  # Leave-top-k-out: k = these fractions of |GT| (window).
-    c.counterfactual.methods = ""  # Estimators whose top-k are replayed: "" = every scored method, or "a,b:direction".
+    c.counterfactual.methods = ""  # Estimators whose top-k are replayed: "" = every scored method, or "a,b:direction" (LDS rows: every method).
     c.counterfactual.random_seeds = 5  # Random k-subsets per k (the random baseline's mean ± sd).
     c.counterfactual.lds_subsets = 32  # M random half-subsets of the window replayed for the LDS (table `lds`).
     # LDS drop fractions: random subsets of these fractions of the window's rollouts are removed; 0.5 uses the

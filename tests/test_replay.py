@@ -4,6 +4,7 @@ that run: its tables, a rerun from its files, and a kill -9 mid-stage then rerun
 from __future__ import annotations
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -365,3 +366,34 @@ def test_replayed_methods_follow_the_config():
     assert list(CF.replayed_methods(s, "abs-advantage")) == ["abs-advantage"]
     with pytest.raises(ValueError, match=r"\['TRAK'\] are not scored methods"):
         CF.replayed_methods(s, "C1-dot,TRAK")
+
+
+def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimator(tmp_path, monkeypatch):
+    """``counterfactual.methods`` picks whose top-k are replayed; the LDS rows (which share the random
+    subsets' replays) cover every scored estimator. The stage runs on :class:`FakeReplayer`."""
+    from behaviortrace_jax.attribution import formats
+    from behaviortrace_jax.io import rollout_log
+
+    config = cf_config()
+    config.counterfactual.methods, config.counterfactual.topk_recomputed = "C1-dot", False
+    cut, n = int(config.contamination.early_step_cutoff), 8
+    ids = [rollout_log.rollout_id(step, i) for step in (0, cut - 1) for i in range(n // 2)]
+    gt = tmp_path / "ground_truth.jsonl"
+    gt.write_text("".join(json.dumps({"rollout_id": r, "step": 0}) + "\n" for r in ids[:2]))
+
+    class StageReplayer(FakeReplayer):
+        def __init__(self, *_, **__):
+            super().__init__(n)
+            self.rollout_ids, self.paths = ids, types.SimpleNamespace(ground_truth=gt)
+
+    rng = np.random.default_rng(0)
+    scores = {m: rng.normal(size=n) for m in ("C1-dot", "TracInCP", "abs-advantage", "random")}
+    monkeypatch.setattr(R, "Replayer", StageReplayer)
+    monkeypatch.setattr(CF, "step_method_scores", lambda *a, **k: dict(scores))
+    CF.counterfactual_stage(config, str(tmp_path))
+    rows = formats.read_results_csv(tmp_path / "results_table.csv")
+    assert {r.method for r in rows if r.table == "counterfactual_topk"} == {"oracle", "random", "C1-dot"}
+    for table in ("lds", "lds_drop0.1"):
+        assert {r.method for r in rows if r.table == table} == {"C1-dot", "TracInCP", "abs-advantage"}, table
+    replays = {p.stem for p in (tmp_path / "counterfactual" / "replays").glob("*.json")}
+    assert not any(k.startswith(("TracInCP", "abs-advantage")) for k in replays)

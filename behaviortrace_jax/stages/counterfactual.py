@@ -20,7 +20,8 @@ Rows appended to ``results_table.csv`` (earlier rows of these tables for this se
 * ``counterfactual_topk``: ``method`` = estimator name, ``oracle`` or ``random``; ``value`` = Δ;
   ``n`` = k; ``chance`` = the random subsets' mean Δ at that k; ``ceiling`` = the oracle's Δ
   (ratio to oracle = value / ceiling); for ``random``, ``lo``/``hi`` = mean ∓ sd over seeds.
-* ``lds``: M = ``counterfactual.lds_subsets`` random half-subsets of the window replayed;
+* ``lds``: for every scored estimator (not only ``counterfactual.methods``, which picks whose
+  top-k are replayed), M = ``counterfactual.lds_subsets`` random half-subsets of the window replayed;
   ``value`` = Spearman(predicted, measured behaviour), predicted = the sum of the estimator's
   scores over the kept rollouts; ``lo``/``hi`` = bootstrap CI over subsets; ``n`` = M.
 * ``lds_drop<f>`` (e.g. ``lds_drop0.05``): the same with ``counterfactual.lds_small_subsets``
@@ -362,8 +363,10 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     # Every step-level estimator, as the evaluate stage scores them (in-run rollout sketches when the
     # run has them, else step sketches); ``random`` is left out (the random subsets replace it).
     scores = step_method_scores(config, rp.paths, rp.rollout_ids, steps, per_rollout=bool(config.sketch.in_run_rollouts))
-    scores = replayed_methods(scores, config.counterfactual.methods)
-    removed = plan(config, rp.rollout_ids, steps, gt_ids, scores)
+    # The top-k replays follow ``counterfactual.methods``; the LDS needs no replays of its own (its
+    # random subsets are shared), so every scored estimator gets LDS rows.
+    removed = plan(config, rp.rollout_ids, steps, gt_ids, replayed_methods(scores, config.counterfactual.methods))
+    scores = replayed_methods(scores, "")
     jobs = replay_jobs(config, removed)
     at = measure_step(config)
     run_replays(rp, jobs, out_dir, measure_steps=sorted({R.target_checkpoint(config), at}), at=at)
