@@ -30,8 +30,8 @@ def get_config() -> ml_collections.ConfigDict:
     # --- device mesh --------------------------------------------------------------------------
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # Size of the data axis (rollouts); -1 = all devices / model.
-    c.mesh.model = 1  # Size of the model axis (tensor parallel).
-    c.mesh.fsdp = False  # Also split parameters + AdamW moments over "data" (FSDP; configs/paper_tpu.py).
+    c.mesh.model = 1  # Size of the model axis (tensor parallel); -1 = 2 when the device count is even, else 1.
+    c.mesh.fsdp = False  # Also split parameters + AdamW moments over "data" (FSDP; configs/paper.py).
 
     # --- planted behaviour (SPEC §1) ------------------------------------------------------------
     c.behavior = ml_collections.ConfigDict()

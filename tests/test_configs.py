@@ -93,3 +93,15 @@ def test_paper_configs_compile_the_paper_model():
     cfg = compile_stage.model_config(seed0.get_config())
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (28, 1536, 151936)
     assert compile_stage.model_config(tiny.get_config()).num_hidden_layers < 28
+
+
+@pytest.mark.parametrize("module", [seed0, seed1, seed2])
+def test_paper_configs_carry_the_layout_that_fits_a_v5e_slice(module):
+    """The seed configs' layout is the one whose programs were compiled for tpu:v5e:2x4
+    (docs/benchmarks.md, "Compile stage"): the mesh chosen from the devices, FSDP, the fused
+    sketcher over every rollout of a step, scanned layers, no hash tables."""
+    c = module.get_config()
+    assert (c.mesh.data, c.mesh.model, c.mesh.fsdp) == (-1, -1, True)
+    assert (c.sketch.fused, c.sketch.chunk_size, c.grpo.one_backward) == (True, 16, False)
+    assert c.sketch.chunk_size == c.grpo.prompts_per_step * c.grpo.group_size
+    assert (c.model.scan_layers, c.sketch.in_run_tables, c.targets.use_tables) == (True, False, False)

@@ -29,6 +29,16 @@ def test_make_mesh_axes_and_errors():
         sharding.make_mesh(model=3)
     with pytest.raises(ValueError, match="data=3"):
         sharding.make_mesh(data=3, model=2)
+    with pytest.raises(ValueError, match="model=-2"):
+        sharding.make_mesh(model=-2)
+
+
+def test_model_axis_chosen_from_the_device_count():
+    devs = jax.devices()
+    assert [sharding.auto_model_axis(n) for n in (1, 2, 3, 4, 5, 8, 16)] == [1, 2, 1, 2, 1, 2, 2]
+    for n, shape in ((1, (1, 1)), (3, (3, 1)), (8, (4, 2))):  # one GPU; an odd count; a v5e:2x4 slice
+        mesh = sharding.make_mesh(-1, -1, devices=devs[:n])
+        assert (mesh.shape["data"], mesh.shape["model"]) == shape, n
 
 
 def test_partition_rules_by_role():

@@ -50,22 +50,36 @@ PARAM_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
     """A ``("data", "model")`` mesh of shape ``(data, model)`` over ``devices`` (default: all).
 
-    ``data=-1`` takes ``len(devices) // model``. Axes are ``AxisType.Auto`` (GSPMD propagation).
+    ``model=-1`` chooses the model axis from the device count (:func:`auto_model_axis`: tensor-parallel
+    pairs whenever the devices pair up); ``data=-1`` takes ``len(devices) // model``. Axes are
+    ``AxisType.Auto`` (GSPMD propagation).
 
     Raises:
-        ValueError: naming the sizes when ``model`` < 1, ``data`` is not -1 or >= 1, or
-            ``data * model`` != the number of devices.
+        ValueError: naming the sizes when ``model`` is not -1 or >= 1, ``data`` is not -1 or >= 1,
+            or ``data * model`` != the number of devices.
     """
     devs = list(jax.devices() if devices is None else devices)
     n = len(devs)
+    if model == -1:
+        model = auto_model_axis(n)
     if model < 1 or n % model:
-        raise ValueError(f"mesh model={model} must be >= 1 and divide the device count {n}")
+        raise ValueError(f"mesh model={model} must be -1 (chosen from the device count) or >= 1 and divide the "
+                         f"device count {n}")
     if data == -1:
         data = n // model
     if data < 1 or data * model != n:
         raise ValueError(f"mesh data={data} x model={model} = {data * model} != {n} devices")
     return Mesh(np.asarray(devs, dtype=object).reshape(data, model), (DATA, MODEL),
                 axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def auto_model_axis(n_devices: int) -> int:
+    """The model (tensor-parallel) axis ``mesh.model = -1`` chooses for ``n_devices`` devices: 2 when
+    the count is even, else 1. A pair halves each chip's share of the gathered parameters, of the
+    per-rollout gradients and of their sum inside the in-run sketcher's ``shard_map`` (manual over
+    ``"data"`` only), which is what fits Qwen2.5-1.5B's GRPO step on a 16 GiB v5e chip
+    (docs/benchmarks.md, "Compile stage"); one device (a single GPU) keeps the whole model."""
+    return 2 if n_devices > 1 and n_devices % 2 == 0 else 1
 
 
 def logical_axes(key: str, rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> tuple[str, ...]:
