@@ -105,3 +105,17 @@ def test_paper_configs_carry_the_layout_that_fits_a_v5e_slice(module):
     assert (c.sketch.fused, c.sketch.chunk_size, c.grpo.one_backward) == (True, 16, False)
     assert c.sketch.chunk_size == c.grpo.prompts_per_step * c.grpo.group_size
     assert (c.model.scan_layers, c.sketch.in_run_tables, c.targets.use_tables) == (True, False, False)
+
+
+def test_the_7b_config_compiles_qwen2p5_7b_shapes():
+    """configs/paper_7b.py: the paper run on Qwen2.5-7B-Instruct's published shapes, whose
+    parameter count is the model card's 7,615,616,512."""
+    from behaviortrace_jax.models import decoder
+    from behaviortrace_jax.stages import compile as compile_stage
+    from configs import paper_7b
+
+    c = paper_7b.get_config()
+    cfg = compile_stage.model_config(c)
+    assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (3584, 4, False)
+    assert decoder.count_params(cfg) == 7_615_616_512
+    assert (c.grpo.steps, c.sketch.dim, c.sketch.fused, c.mesh.model) == (1000, 65536, True, -1)

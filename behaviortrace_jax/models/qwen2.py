@@ -39,6 +39,15 @@ class Qwen2Config(decoder.DecoderConfig):
         return cls(**{**kw, **overrides})
 
     @classmethod
+    def qwen2p5_7b(cls, **overrides: Any) -> "Qwen2Config":
+        """Qwen2.5-7B(-Instruct)'s published config.json: 28 layers, d 3584, MLP 18944, 28/4 heads of
+        128, vocab 152064, untied ``lm_head``."""
+        kw = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                  num_attention_heads=28, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "Qwen2Config":
         """Reads a HF Qwen2 ``config.json`` (a file, the directory holding it, or the parsed dict).
 
