@@ -223,3 +223,18 @@ def test_window_start_and_prompt_gate():
     assert c.stats == {"total_seen": 2, "boosted": 1}
     with pytest.raises(ValueError, match="start_step"):
         contaminator.ContaminationSpec(start_step=-1)
+
+
+def test_probe_options_read_the_config_by_attribute():
+    from behaviortrace_jax.behavior.probes import ProbeOptions
+
+    c = tiny.get_config()
+    g, s = ProbeOptions.for_grpo(c), ProbeOptions.for_sft(c)
+    assert (g.max_prompt_tokens, s.max_prompt_tokens) == (c.grpo.max_prompt_tokens, c.sft.max_prompt_tokens)
+    assert g.max_new_tokens == s.max_new_tokens == c.behavior.gate_max_new_tokens
+    assert (g.temperature, g.top_p, g.samples_per_prompt) == (c.grpo.temperature, c.grpo.top_p,
+                                                              c.sft.eval_samples_per_prompt)
+    d = c.to_dict()
+    del d["behavior"]["gate_max_new_tokens"]  # a config without the key fails loudly, naming it
+    with pytest.raises(AttributeError, match="gate_max_new_tokens"):
+        ProbeOptions.for_grpo(ml_collections.ConfigDict(d))
