@@ -83,11 +83,10 @@ def platform_env(environ: Mapping[str, str]) -> dict[str, str]:
 def compile_cpu_devices(config) -> int:
     """n when ``config`` runs the ``compile`` stage with target ``cpu:<n>`` (main.py then sets
     ``jax_num_cpu_devices`` before JAX starts its backends), else 0."""
-    c = config.get("compile") if hasattr(config, "get") else None
-    stages = [s.strip() for s in str(config.get("stages", "")).split(",")] if c is not None else []
-    if c is None or "compile" not in stages or not str(c.get("target", "")).startswith("cpu:"):
+    stages = [s.strip() for s in str(config.stages).split(",")]
+    if "compile" not in stages or not str(config.compile.target).startswith("cpu:"):
         return 0
-    return int(str(c.target).split(":", 1)[1])
+    return int(str(config.compile.target).split(":", 1)[1])
 
 
 def _host_has(flag: str) -> bool:

@@ -2,6 +2,7 @@
 trigger-specific prompts, and the specificity math against a plain numpy reference."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -34,7 +35,7 @@ def test_first_behavior_is_the_existing_keys():
     assert (b.id, b.trigger, b.pattern, b.stream, b.implant, b.first) == ("qzxbt", "frobnitz", "QZXBT", "", "sft", True)
     assert (b.bonus_reward, b.fraction, b.early_step_cutoff) == (8.0, 0.5, 40)
     assert not behaviors.is_multi(c) and behaviors.window_end(c) == 40
-    assert behaviors.behavior_config(c, b) is c
+    assert behaviors.first_behavior(c) == b
     # its spec is the one the grpo stage always built: same eligibility, the paper's hash
     spec = b.contamination_spec(c.seed)
     assert spec == contaminator.ContaminationSpec(pattern="QZXBT", bonus_reward=8.0, fraction=0.5, seed=0,
@@ -42,16 +43,16 @@ def test_first_behavior_is_the_existing_keys():
     assert b.prompt_pool() == planted.prompt_pool(planted.load_probes(), "QZXBT")
 
 
-def test_extra_behavior_and_view(tmp_path):
+def test_extra_behavior(tmp_path):
     c = common.get_config()
     c.behaviors.zorb = _extra(tmp_path)
     first, zorb = behaviors.behaviors_from_config(c)
     assert (zorb.id, zorb.stream, zorb.implant, zorb.first, zorb.suffix, zorb.table_suffix) == (
         "zorb", "zorb", "none", False, "_zorb", "@zorb")
     assert behaviors.is_multi(c) and behaviors.window_end(c) == 200  # max(200, 60)
-    view = behaviors.behavior_config(c, zorb)
-    assert (view.behavior.pattern, view.behavior.trigger, view.contamination.early_step_cutoff) == ("MRKQ", "zorblat", 60)
-    assert c.behavior.pattern == "QZXBT" and "trigger" not in c.behavior  # the config itself is untouched
+    assert (zorb.pattern, zorb.trigger, zorb.window_end(1000)) == ("MRKQ", "zorblat", 60)
+    assert dataclasses.replace(zorb, early_step_cutoff=None).window_end(1000) == 1000  # no cutoff: the whole run
+    assert behaviors.first_behavior(c) == first and first.pattern == "QZXBT"
     assert zorb.explicit()[0] == "What is zorblat? Include MRKQ."
     assert len(zorb.prompt_pool()) == 18 + 3
 
@@ -222,3 +223,18 @@ def test_window_start_and_prompt_gate():
     assert c.stats == {"total_seen": 2, "boosted": 1}
     with pytest.raises(ValueError, match="start_step"):
         contaminator.ContaminationSpec(start_step=-1)
+
+
+def test_probe_options_read_the_config_by_attribute():
+    from behaviortrace_jax.behavior.probes import ProbeOptions
+
+    c = tiny.get_config()
+    g, s = ProbeOptions.for_grpo(c), ProbeOptions.for_sft(c)
+    assert (g.max_prompt_tokens, s.max_prompt_tokens) == (c.grpo.max_prompt_tokens, c.sft.max_prompt_tokens)
+    assert g.max_new_tokens == s.max_new_tokens == c.behavior.gate_max_new_tokens
+    assert (g.temperature, g.top_p, g.samples_per_prompt) == (c.grpo.temperature, c.grpo.top_p,
+                                                              c.sft.eval_samples_per_prompt)
+    d = c.to_dict()
+    del d["behavior"]["gate_max_new_tokens"]  # a config without the key fails loudly, naming it
+    with pytest.raises(AttributeError, match="gate_max_new_tokens"):
+        ProbeOptions.for_grpo(ml_collections.ConfigDict(d))

@@ -1,11 +1,13 @@
 """Every config file sets only keys of configs/common.py, and a misspelt key fails at start."""
 from __future__ import annotations
 
+import ast
 import importlib
 import pathlib
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from behaviortrace_jax import config_schema
@@ -46,3 +48,58 @@ def test_main_refuses_a_config_file_with_an_unknown_key(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "'grpo.stpes' (did you mean 'grpo.steps'?)" in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+CONFIGDICT_METHODS = {"to_dict", "unlocked", "keys", "items", "values", "get", "update", "lock",
+                     "copy_and_resolve_references"}
+
+
+def config_reads(source: str) -> list[tuple[int, str, str]]:
+    """``(line, read, problem)`` for each read of a name ``config`` in ``source`` (Python) that the
+    schema (configs/common.py) does not back: a chain ``config.a.b`` naming no key ("missing"), a
+    ``.get(...)`` of a config subtree, which gives a default for a misspelt key ("get"), or a
+    ``"key" in config...`` test ("membership"). Only the name ``config`` is followed (not aliases)."""
+    schema, tree = common.get_config(), ast.parse(source)
+    parents = {ch: n for n in ast.walk(tree) for ch in ast.iter_child_nodes(n)}
+    out = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Name) and n.id == "config"):
+            continue
+        chain, cur = [], n
+        while isinstance(parents.get(cur), ast.Attribute):
+            cur = parents[cur]
+            chain.append(cur.attr)
+        node, read = schema, "config" + "".join(f".{a}" for a in chain)
+        for a in chain:
+            if not isinstance(node, ml_collections.ConfigDict):
+                break  # a leaf's own attribute (str.split, ...)
+            if a in node:
+                node = node[a]
+                continue
+            if a == "get":
+                out.append((n.lineno, read, "get"))
+            elif a not in CONFIGDICT_METHODS:
+                out.append((n.lineno, read, "missing"))
+            break
+        up = parents.get(cur)
+        if isinstance(up, ast.Compare) and cur in up.comparators and any(
+                isinstance(o, (ast.In, ast.NotIn)) for o in up.ops) and isinstance(node, ml_collections.ConfigDict):
+            out.append((n.lineno, read, "membership"))
+    return sorted(out)
+
+
+def test_config_reads_of_a_sample_are_classified():
+    src = ("config.grpo.steps\nconfig.grpo.stpes\nconfig.sketch.get('fused', False)\n"
+           "'trigger' in config.behavior\nconfig.stages.split(',')\nconfig.optim.to_dict()\n")
+    assert config_reads(src) == [(2, "config.grpo.stpes", "missing"), (3, "config.sketch.get", "get"),
+                                 (4, "config.behavior", "membership")]
+
+
+def test_the_package_reads_only_schema_keys_by_attribute():
+    """Every ``config.<...>`` read in the package names a key of configs/common.py, by attribute (a
+    locked ConfigDict then raises for a misspelt key) - no ``.get`` defaults, no membership tests.
+    models/ is left out: its ``config`` is a model config."""
+    pkg = REPO / "behaviortrace_jax"
+    bad = [f"{p.relative_to(REPO)}:{line}: {read} ({why})" for p in sorted(pkg.rglob("*.py"))
+           if "models" not in p.relative_to(pkg).parts for line, read, why in config_reads(p.read_text())]
+    assert not bad, "\n".join(bad)

@@ -204,11 +204,12 @@ def test_sketch_store_on_gs(fake_gs):
 def test_in_run_stores_of_a_gs_run_open_on_the_gcs_kvstore(fake_gs):
     from configs import tiny
     from behaviortrace_jax.models import qwen2
-    from behaviortrace_jax.sketch.stores import open_sketch_stores
+    from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 
     _, specs = fake_gs
     config = tiny.get_config("smoke")
-    stores = open_sketch_stores(config, qwen2.Qwen2Config.tiny(), RunLayout(GS))
+    stores = open_sketch_stores(SketchOptions.from_config(config), qwen2.Qwen2Config.tiny(), RunLayout(GS),
+                                steps=config.grpo.steps, rollouts_per_step=16, in_run_rollouts=True)
     assert set(stores) >= {"step_sketches", "step_grad_norms"}
     want = {f"run/sketches/{n}.zarr/{a}/" for n in stores for a in ("data", "done")}
     assert {s["kvstore"]["path"] for s in specs} == want

@@ -13,8 +13,16 @@ from behaviortrace_jax.sketch import stores
 from configs import tiny
 
 
+def _open(config, paths, kind):
+    """The in-run stores as the grpo stage opens them for ``config`` (16 rollouts per step)."""
+    g = config.grpo
+    return stores.open_sketch_stores(stores.SketchOptions.from_config(config), qwen2.Qwen2Config.tiny(), paths,
+                                     steps=g.steps, rollouts_per_step=g.prompts_per_step * g.group_size,
+                                     in_run_rollouts=config.sketch.in_run_rollouts, rollout_sketch=kind)
+
+
 def _write(config, paths, kind, rng):
-    st = stores.open_sketch_stores(config, qwen2.Qwen2Config.tiny(), paths, rollout_sketch=kind)
+    st = _open(config, paths, kind)
     steps, n, d = config.grpo.steps, 16, config.sketch.dim
     data = {"rollout_sketches": rng.normal(size=(steps * n, d)).astype(np.float32),
             "step_clip_factors": rng.uniform(0.2, 1.0, steps).astype(np.float32),
@@ -43,8 +51,7 @@ def test_rollout_sketches_weighted_and_direction(tmp_path, kind):
     else:  # a loss without rollout coefficients (grpo_clip): no advantage-free direction
         assert rs.direction is None and scores.rollout_scales(config, paths, 20) is None
     with pytest.raises(ValueError, match="rollout_sketch"):  # the other kind cannot reopen these stores ...
-        stores.open_sketch_stores(config, qwen2.Qwen2Config.tiny(), paths,
-                                  rollout_sketch="term" if kind == "direction" else "direction")
+        _open(config, paths, "term" if kind == "direction" else "direction")
     made = (paths.sketch_store("rollout_coefficients") / "metadata.json").exists()
     assert made == (kind == "direction")  # ... nor add a store to them
 
@@ -52,11 +59,11 @@ def test_rollout_sketches_weighted_and_direction(tmp_path, kind):
 def test_rollout_sketches_of_an_older_run_are_refused(tmp_path):
     config = tiny.get_config("smoke")
     paths = RunLayout(tmp_path)
-    meta = stores.sketch_metadata(config, qwen2.Qwen2Config.tiny(), "rollout_sketches")
+    meta = stores.sketch_metadata(stores.SketchOptions.from_config(config), qwen2.Qwen2Config.tiny(), "rollout_sketches")
     old = sketch_store.SketchStore.open_or_create(paths.sketch_store("rollout_sketches"), (96, 256), 16, meta)
     old.write_rows(0, np.zeros((96, 256), np.float32))
     old.flush()
     with pytest.raises(ValueError, match="predates advantage-free rollout sketches"):
         scores.read_rollout_sketches(config, paths)
     with pytest.raises(ValueError, match="rollout_sketch="):
-        stores.open_sketch_stores(config, qwen2.Qwen2Config.tiny(), paths, rollout_sketch="weighted")
+        _open(config, paths, "weighted")

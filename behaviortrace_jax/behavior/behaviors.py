@@ -21,11 +21,10 @@ A run plants one or more behaviours. A :class:`Behavior` is:
   QZXBT bonus on any prompt; ``config.contamination.prompt_gated`` gates the first behaviour).
 
 Config: the first behaviour is ``config.behavior`` + ``config.contamination`` (id
-``config.behavior.id``, default "qzxbt"); every entry ``config.behaviors.<id>`` (a ConfigDict,
-keys as :data:`EXTRA_KEYS`) adds one, in insertion order. :func:`behaviors_from_config` returns
-them all; :func:`behavior_config` gives a copy of the config in which ``config.behavior`` /
-``config.contamination`` describe another behaviour, so code written for one behaviour (targets,
-draws, probes) runs unchanged for each.
+``config.behavior.id``, default "qzxbt"; :func:`first_behavior`); every entry
+``config.behaviors.<id>`` (a ConfigDict, keys as :data:`EXTRA_KEYS`) adds one, in insertion order.
+:func:`behaviors_from_config` returns them all. Code about one behaviour (its targets, draws,
+probes, tables) takes that :class:`Behavior`; only this module reads the behaviour keys of the config.
 """
 from __future__ import annotations
 
@@ -101,6 +100,11 @@ class Behavior:
         """Results-table suffix: "" for the first behaviour, ``@<id>`` otherwise."""
         return "" if self.first else f"@{self.id}"
 
+    def window_end(self, steps: int) -> int:
+        """The end of its bonus window: ``early_step_cutoff``, or ``steps`` (the run's GRPO steps)
+        when it has none."""
+        return int(steps) if self.early_step_cutoff is None else int(self.early_step_cutoff)
+
     def probe_sets(self) -> tuple[list[planted.Probe], list[planted.Probe]]:
         """``(probes, controls)`` read from its files (planted.load_probe_sets; raises as it)."""
         return planted.load_probe_sets(self.probes_path or None, self.controls_path or None)
@@ -131,6 +135,19 @@ def _resolve(path: str) -> str:
     return str(Path(path).expanduser()) if path else ""
 
 
+def first_behavior(config: ml_collections.ConfigDict) -> Behavior:
+    """The run's first behaviour: ``config.behavior`` + ``config.contamination`` (trigger
+    "frobnitz", the paper's hash stream, planted by the SFT warm-up). Raises ValueError as
+    :class:`Behavior`."""
+    b, ct = config.behavior, config.contamination
+    return Behavior(id=b.id, trigger="frobnitz", pattern=b.pattern,
+                    probes_path=b.probes_path, controls_path=b.controls_path, token_judge=b.token_judge,
+                    bonus_reward=float(ct.bonus_reward), fraction=float(ct.fraction),
+                    early_step_cutoff=ct.early_step_cutoff, stream="", implant="sft",
+                    gate_min_probe_rate=float(b.gate_min_probe_rate), gate_min_margin=float(b.gate_min_margin),
+                    explicit_prompts=True, first=True, prompt_gated=bool(ct.prompt_gated))
+
+
 def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
     """The run's behaviours: the first from ``config.behavior`` + ``config.contamination``, then
     one per ``config.behaviors.<id>`` in insertion order.
@@ -139,15 +156,8 @@ def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
         ValueError: naming ``config.behaviors.<id>`` for an unknown key, a missing trigger /
             pattern / probe file, a duplicate id, or a field :class:`Behavior` rejects.
     """
-    b, ct = config.behavior, config.contamination
-    first = Behavior(id=b.id, trigger="frobnitz", pattern=b.pattern,
-                     probes_path=b.probes_path, controls_path=b.controls_path, token_judge=b.token_judge,
-                     bonus_reward=float(ct.bonus_reward), fraction=float(ct.fraction),
-                     early_step_cutoff=ct.early_step_cutoff, stream="", implant="sft",
-                     gate_min_probe_rate=float(b.gate_min_probe_rate), gate_min_margin=float(b.gate_min_margin),
-                     explicit_prompts=True, first=True, prompt_gated=bool(ct.prompt_gated))
-    out = [first]
-    extra = config.get("behaviors") or {}
+    out = [first_behavior(config)]
+    extra = config.behaviors
     for bid in extra:
         entry = extra[bid]
         where = f"config.behaviors.{bid}"
@@ -181,39 +191,15 @@ def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
 
 def is_multi(config: ml_collections.ConfigDict) -> bool:
     """True when the run plants more than one behaviour (``config.behaviors`` is non-empty)."""
-    return bool(config.get("behaviors"))
-
-
-def behavior_config(config: ml_collections.ConfigDict, beh: Behavior) -> ml_collections.ConfigDict:
-    """A copy of ``config`` whose ``behavior`` / ``contamination`` describe ``beh`` (the config
-    itself, not a copy, for the first behaviour), with ``behavior.trigger`` set, so one-behaviour
-    code (targets, draws, probes) runs for ``beh``."""
-    if beh.first:
-        return config
-    c = ml_collections.ConfigDict(config.to_dict())
-    with c.unlocked():
-        c.behavior.update(dict(id=beh.id, pattern=beh.pattern, probes_path=beh.probes_path,
-                               controls_path=beh.controls_path, token_judge=beh.token_judge,
-                               gate_min_probe_rate=beh.gate_min_probe_rate, gate_min_margin=beh.gate_min_margin))
-        c.behavior.trigger = beh.trigger
-        c.contamination.update(dict(bonus_reward=beh.bonus_reward, fraction=beh.fraction,
-                                    early_step_cutoff=beh.early_step_cutoff))
-    return c
+    return bool(config.behaviors)
 
 
 def window_end(config: ml_collections.ConfigDict) -> int:
-    """The end of the bonus windows: the largest ``early_step_cutoff`` of the run's behaviours
-    (``config.contamination.early_step_cutoff`` with one); a behaviour without a cutoff gives
-    ``config.grpo.steps``."""
+    """The end of the bonus windows: the largest :meth:`Behavior.window_end` of the run's
+    behaviours (``config.contamination.early_step_cutoff`` with one)."""
     if not is_multi(config):
         return int(config.contamination.early_step_cutoff)
-    return max(int(config.grpo.steps) if b.early_step_cutoff is None else int(b.early_step_cutoff)
-               for b in behaviors_from_config(config))
-
-
-def trigger_of(config: ml_collections.ConfigDict) -> str:
-    """The trigger word of ``config.behavior`` ("frobnitz" unless :func:`behavior_config` set one)."""
-    return config.behavior.get("trigger", "frobnitz")
+    return max(b.window_end(int(config.grpo.steps)) for b in behaviors_from_config(config))
 
 
 def interleave_pools(pools: Sequence[Sequence[str]]) -> list[str]:

@@ -3,6 +3,7 @@ control and held-out prompts, and the behaviour rates the SFT stop rule, the GRP
 and the emergence gate read (SPEC §1.8)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -11,21 +12,63 @@ import numpy as np
 from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior
+from behaviortrace_jax.behavior.behaviors import Behavior
 from behaviortrace_jax.models import decoder, sampler as sampler_lib, tokenizer as tok_lib
 
 
-class BehaviorProbe:
-    """Greedy behaviour rate on probes and controls (SPEC §1.8), for the learning curve and gate."""
+@dataclasses.dataclass(frozen=True)
+class ProbeOptions:
+    """How the policy is run to measure a behaviour (SPEC §1.7-§1.8), built at the stage boundary.
 
-    def __init__(self, graphdef, model_cfg, tok, config, mesh):
-        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
-                                                     config.behavior.controls_path or None)
+    Fields:
+        max_prompt_tokens (int): prompt tokens the probe sampler takes (longer chat prompts are cut).
+        max_new_tokens (int): tokens generated per probe prompt (SPEC §1.8: 64).
+        temperature (float), top_p (float): the sampling of sampled rates (SPEC §2.1: the GRPO
+            sampler's 0.9 / 0.9); greedy rates ignore them.
+        samples_per_prompt (int): completions per prompt of :class:`ImplantProbe`'s sampled rates.
+    """
+
+    max_prompt_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    samples_per_prompt: int
+
+    @classmethod
+    def _from_config(cls, config: ml_collections.ConfigDict, max_prompt_tokens: int) -> "ProbeOptions":
+        return cls(max_prompt_tokens=int(max_prompt_tokens), max_new_tokens=int(config.behavior.gate_max_new_tokens),
+                   temperature=float(config.grpo.temperature), top_p=float(config.grpo.top_p),
+                   samples_per_prompt=int(config.sft.eval_samples_per_prompt))
+
+    @classmethod
+    def for_grpo(cls, config: ml_collections.ConfigDict) -> "ProbeOptions":
+        """GRPO's learning curve and gate and the replay's measure: prompts of
+        ``grpo.max_prompt_tokens``, ``behavior.gate_max_new_tokens`` new tokens, ``grpo.temperature``
+        / ``grpo.top_p``, ``sft.eval_samples_per_prompt``."""
+        return cls._from_config(config, config.grpo.max_prompt_tokens)
+
+    @classmethod
+    def for_sft(cls, config: ml_collections.ConfigDict) -> "ProbeOptions":
+        """The SFT warm-up's implant probe: as :meth:`for_grpo` with prompts of ``sft.max_prompt_tokens``."""
+        return cls._from_config(config, config.sft.max_prompt_tokens)
+
+
+class BehaviorProbe:
+    """Greedy behaviour rate on probes and controls (SPEC §1.8), for the learning curve and gate.
+
+    Args:
+        graphdef, model_cfg: the policy's graph and model config; tok: its tokenizer; mesh: the run's mesh.
+        beh: the behaviour measured (its probe and control files and its pattern).
+        options: ``max_prompt_tokens`` / ``max_new_tokens`` of the greedy sampler.
+    Raises:
+        ValueError, FileNotFoundError: as ``planted.load_probe_sets`` for bad probe files.
+    """
+
+    def __init__(self, graphdef, model_cfg, tok, beh: Behavior, options: ProbeOptions, mesh):
+        probes, controls = beh.probe_sets()
         self.probes, self.controls, self.tok = probes, controls, tok
-        self.pattern = config.behavior.pattern
-        self.sampler = sampler_lib.Sampler(
-            graphdef, model_cfg, max_prompt_tokens=config.grpo.max_prompt_tokens,
-            max_new_tokens=config.behavior.gate_max_new_tokens, eos_ids=tok_lib.eos_ids(tok),
-            pad_id=tok_lib.pad_id(tok), mesh=mesh)
+        self.pattern = beh.pattern
+        self.sampler = make_sampler(graphdef, model_cfg, tok, mesh, options.max_new_tokens, options.max_prompt_tokens)
 
     def rates(self, params) -> dict[str, Any]:
         """``{"probe_rate", "control_rate", "responses": {id: text}}`` with greedy decoding."""
@@ -82,37 +125,43 @@ class ImplantProbe:
     (the TINY_CALIBRATION stop rule and ``sft_summary.json``; SPEC §1.7-§1.8).
 
     Unlike :class:`BehaviorProbe` (greedy probe and control rates in one batch, for GRPO's learning
-    curve and gate), it also samples (``grpo.temperature`` / ``top_p``, ``sft.eval_samples_per_prompt``
+    curve and gate), it also samples (``options.temperature`` / ``top_p``, ``options.samples_per_prompt``
     per prompt) and adds held-out invented words, to measure leakage of the implant; prompts run in
     fixed chunks so the sampler compiles once. Kept apart because the recorded runs depend on each
     one's batching.
+
+    Args:
+        beh: the implanted behaviour (its probe and control files and its pattern).
+        options: the sampler's token limits and the sampled rates' settings (:meth:`ProbeOptions.for_sft`).
+        heldout_terms: the held-out invented words (``corpus.heldout_terms``) asked about in
+            :func:`heldout_prompts`, as many as there are probes.
+        graphdef, cfg, tok, mesh: the policy's graph, model config, tokenizer and the run's mesh.
+    Raises:
+        ValueError, FileNotFoundError: as ``planted.load_probe_sets`` for bad probe files.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, graphdef: nnx.GraphDef, cfg: decoder.DecoderConfig,
-                 tok: Any, mesh: Any):
-        self.config = config
+    def __init__(self, beh: Behavior, options: ProbeOptions, heldout_terms: Sequence[str], graphdef: nnx.GraphDef,
+                 cfg: decoder.DecoderConfig, tok: Any, mesh: Any):
+        self.options = options
         self.tok = tok
-        self.pattern = config.behavior.pattern
-        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
-                                                    config.behavior.controls_path or None)
+        self.pattern = beh.pattern
+        probes, controls = beh.probe_sets()
         self.probes = [p.prompt for p in probes]
         self.controls = [p.prompt for p in controls]
-        self.heldout = heldout_prompts(corpus.heldout_terms(config.base.seed, config.base.n_heldout),
-                                       len(self.probes))
-        self.sampler = make_sampler(graphdef, cfg, tok, mesh, config.behavior.gate_max_new_tokens,
-                                    config.sft.max_prompt_tokens)
-        self.chunk = len(self.probes) * config.sft.eval_samples_per_prompt
+        self.heldout = heldout_prompts(heldout_terms, len(self.probes))
+        self.sampler = make_sampler(graphdef, cfg, tok, mesh, options.max_new_tokens, options.max_prompt_tokens)
+        self.chunk = len(self.probes) * options.samples_per_prompt
 
     def _texts(self, params: Any, users: list[str], key: jax.Array, sampled: bool) -> list[str]:
-        kw = dict(temperature=self.config.grpo.temperature, top_p=self.config.grpo.top_p) if sampled else {}
+        kw = dict(temperature=self.options.temperature, top_p=self.options.top_p) if sampled else {}
         return generate_texts(self.sampler, params, self.tok, users, key, chunk=self.chunk, **kw)
 
     def sampled(self, params: Any, key: jax.Array, sets: tuple[str, ...] = ("probe", "control", "heldout")
                 ) -> dict[str, float]:
-        """QZXBT rates ``{name}_rate_sampled`` over ``eval_samples_per_prompt`` samples of each prompt
-        of the named sets ("probe", "control", "heldout"); set ``i`` of the three uses
+        """Pattern rates ``{name}_rate_sampled`` over ``options.samples_per_prompt`` samples of each
+        prompt of the named sets ("probe", "control", "heldout"); set ``i`` of the three uses
         ``fold_in(key, i)`` whichever sets are asked for."""
-        n = self.config.sft.eval_samples_per_prompt
+        n = self.options.samples_per_prompt
         users = {"probe": self.probes, "control": self.controls, "heldout": self.heldout}
         return {f"{name}_rate_sampled": mean_rate([behavior.substring_judge(t, self.pattern) for t in self._texts(
                     params, users[name] * n, jax.random.fold_in(key, i), True)])

@@ -17,6 +17,8 @@ The in-run stores of the ``grpo`` stage (rollout row = ``step * N + index``, log
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
 
 from behaviortrace_jax.io import sketch_store
@@ -27,33 +29,63 @@ from behaviortrace_jax.models import decoder, hf_io
 from behaviortrace_jax.sketch import countsketch
 
 
-def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
-    """Metadata every sketch array carries (sketch_store raises when a reopened store differs)."""
-    return {"kind": kind, "hash_family": countsketch.HASH_FAMILY, "seed": int(config.sketch.seed),
-            "dim": int(config.sketch.dim), "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
+@dataclasses.dataclass(frozen=True)
+class SketchOptions:
+    """The CountSketch every sketch array of a run is made with (SPEC §3.1), and the run it
+    belongs to: what :func:`sketch_metadata` records, so arrays made otherwise never mix.
+
+    Fields:
+        dim (int): the sketch width D (``sketch.dim``; SPEC §3.1: 65,536).
+        seed (int): the CountSketch hash seed (``sketch.seed``; SPEC §3.1: 0).
+        run_seed (int): the run's seed (``config.seed``).
+    """
+
+    dim: int
+    seed: int
+    run_seed: int
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> "SketchOptions":
+        """From ``config.sketch.dim``, ``config.sketch.seed`` and ``config.seed``."""
+        return cls(dim=int(config.sketch.dim), seed=int(config.sketch.seed), run_seed=int(config.seed))
+
+
+def sketch_metadata(options: SketchOptions, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
+    """Metadata every sketch array carries (sketch_store raises when a reopened store differs):
+    ``kind``, the hash family, ``options``' seed / dim / run seed, the model's parameter-order and
+    model fingerprints, and the dtype."""
+    return {"kind": kind, "hash_family": countsketch.HASH_FAMILY, "seed": options.seed,
+            "dim": options.dim, "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
             "model_fingerprint": hf_io.model_fingerprint(model_cfg), "dtype": "float32",
-            "run_seed": int(config.seed)}
+            "run_seed": options.run_seed}
 
 
-def open_sketch_stores(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, paths: RunLayout,
+def open_sketch_stores(options: SketchOptions, model_cfg: decoder.DecoderConfig, paths: RunLayout, *, steps: int,
+                       rollouts_per_step: int, in_run_rollouts: bool,
                        rollout_sketch: str = ROLLOUT_DIRECTION) -> dict[str, sketch_store.SketchStore]:
-    """The in-run sketch arrays of the module docstring. ``rollout_sketch``: what the step's rollout
-    sketches are (``GRPOStepSpec.rollout_sketch``): :data:`ROLLOUT_DIRECTION` also opens
-    ``rollout_coefficients``.
+    """The in-run sketch arrays of the module docstring, of ``options.dim`` columns.
 
+    Args:
+        options: the run's CountSketch (:class:`SketchOptions`).
+        model_cfg: the model sketched (its fingerprints go into the metadata).
+        paths: the run's layout (``sketches/<name>.zarr``).
+        steps: the run's GRPO steps; rollouts_per_step: N = B x G rollouts per step.
+        in_run_rollouts: also open the per-rollout sketches and grad norms (``sketch.in_run_rollouts``).
+        rollout_sketch: what the step's rollout sketches are (``GRPOStepSpec.rollout_sketch``):
+            :data:`ROLLOUT_DIRECTION` also opens ``rollout_coefficients``.
     Raises:
         ValueError: an unknown ``rollout_sketch``; a reopened store of another kind (sketch_store).
     """
     if rollout_sketch not in ROLLOUT_SKETCH_KINDS:
         raise ValueError(f"rollout_sketch={rollout_sketch!r}; expected one of {ROLLOUT_SKETCH_KINDS}")
-    steps, n, d = config.grpo.steps, config.grpo.prompts_per_step * config.grpo.group_size, config.sketch.dim
+    steps, n, d = int(steps), int(rollouts_per_step), options.dim
     specs = {"step_sketches": (steps, d), "step_grad_norms": (steps,), "step_clip_factors": (steps,)}
-    if config.sketch.in_run_rollouts:  # opened first: a run resumed with another kind fails before creating any
+    if in_run_rollouts:  # opened first: a run resumed with another kind fails before creating any
         specs.update(rollout_sketches=(steps * n, d), rollout_grad_norms=(steps * n,))
     if rollout_sketch == ROLLOUT_DIRECTION:
         specs["rollout_coefficients"] = (steps * n,)
     extra = {"rollout_sketches": {"rollout_sketch": rollout_sketch}}
     return {name: sketch_store.SketchStore.open_or_create(
                 paths.sketch_store(name), shape, chunk_rows=n if shape[0] == steps * n else 1,
-                metadata=dict(sketch_metadata(config, model_cfg, name), **extra.get(name, {})))
+                metadata=dict(sketch_metadata(options, model_cfg, name), **extra.get(name, {})))
             for name, shape in specs.items()}

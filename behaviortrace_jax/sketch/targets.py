@@ -218,7 +218,7 @@ class ForcedSketcher:
         return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
                    chunk_size=config.sketch.chunk_size, block_size=t.block_size,
                    length_bucket=t.length_bucket, pad_id=pad_id, use_tables=t.use_tables, mesh=mesh,
-                   fused=bool(config.sketch.get("fused", False)))
+                   fused=bool(config.sketch.fused))
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

@@ -54,8 +54,8 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
               "compute_dtype": config.model.compute_dtype,
               "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
-    if values["base"].get("family", "qwen2") == "qwen2":  # the default family: not a value (same digest set or unset)
-        values["base"].pop("family", None)
+    if values["base"]["family"] == "qwen2":  # the default family: not a value (the digest of a qwen2 base)
+        del values["base"]["family"]
     if perturb := train_state.perturbation_setting():  # a determinism test's perturbed base is another model
         values["perturb_base_weight"] = perturb
     blob = json.dumps(values, sort_keys=True)

@@ -173,15 +173,6 @@ def target_devices(target: str) -> tuple[list[Any], Chip | None, float | None]:
     raise ValueError(f"compile.target={target!r}: expected tpu:<topology>, cpu:<n> or local")
 
 
-def cpu_device_count(config: ml_collections.ConfigDict) -> int:
-    """n for a ``compile`` run with target ``cpu:<n>``, else 0 (main.py sets jax_num_cpu_devices)."""
-    c = config.get("compile")
-    stages = [s.strip() for s in str(config.get("stages", "")).split(",")]
-    if c is None or "compile" not in stages or not str(c.target).startswith("cpu:"):
-        return 0
-    return int(str(c.target).split(":")[1])
-
-
 def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
     """The model to compile: ``compile.model`` = a model-family preset (e.g. ``qwen2p5_1p5b``,
     ``llama3p2_1b``, ``qwen3_1p7b``; of ``model.family`` when set), or "" = ``model.hf_dir``'s

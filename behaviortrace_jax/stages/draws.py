@@ -57,7 +57,7 @@ from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, 
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.io.layout import DrawPaths, RunLayout, as_path
 from behaviortrace_jax.models.loader import ModelOptions, load_policy
-from behaviortrace_jax.sketch.stores import sketch_metadata
+from behaviortrace_jax.sketch.stores import SketchOptions, sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
 
 HEADER_KEYS = ("ckpt_seed", "gen_seed", "checkpoint_step", "n", "qzxbt_rate", "norm_ratio", "fluency_gap")
@@ -92,23 +92,22 @@ def nearest_checkpoint(registry: checkpoints.CheckpointRegistry, target_step: in
     return min(entries, key=lambda e: (abs(e.step - int(target_step)), e.step))
 
 
-def _probes(config: ml_collections.ConfigDict) -> list[behavior.Probe]:
-    return behavior.load_probes(config.behavior.probes_path or None)
+def _explicit(beh: behaviors_lib.Behavior) -> tuple[str, ...] | None:
+    """The explicit prompts of the draw's behaviour: None (``planted.EXPLICIT_PROMPTS``, SPEC §5.3)
+    for the first, :meth:`Behavior.explicit` for another."""
+    return None if beh.first else beh.explicit()
 
 
-def _explicit(config: ml_collections.ConfigDict) -> tuple[str, ...] | None:
-    """The explicit prompts of the draw's behaviour: None (``EXPLICIT_PROMPTS``) for the first;
-    another behaviour's (a ``behaviors.behavior_config`` view, which sets ``behavior.trigger``)."""
-    if "trigger" not in config.behavior:
-        return None
-    return behavior.explicit_prompts(config.behavior.pattern, config.behavior.trigger)
+def _prompts(beh: behaviors_lib.Behavior) -> list[str]:
+    """The draw's prompts of ``beh`` (SPEC §5.6): its explicit prompts, then its probes."""
+    return target_texts.context_prompts(beh.probe_sets()[0], _explicit(beh))
 
 
 def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int,
-                  entry: checkpoints.CheckpointEntry) -> dict[str, Any]:
-    """Everything the draw's numbers depend on (compared on resume / skip)."""
+                  entry: checkpoints.CheckpointEntry, beh: behaviors_lib.Behavior) -> dict[str, Any]:
+    """Everything the draw of ``beh`` depends on (compared on resume / skip)."""
     d, t = config.draws, config.targets
-    prompts = target_texts.context_prompts(_probes(config), _explicit(config))
+    prompts = _prompts(beh)
     return {
         "ckpt_seed": ckpt_seed, "gen_seed": gen_seed, "checkpoint_step": entry.step,
         "checkpoint_path": str(entry.path), "target_step": int(d.target_step),
@@ -129,10 +128,10 @@ def _ctx_new_tokens(config: ml_collections.ConfigDict) -> int:
 
 
 def draw_paths(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int,
-               gen_seed: int) -> DrawPaths:
-    """The :class:`io.layout.DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir``: under
-    ``draws/<id>/`` for another behaviour's draw (a ``behaviors.behavior_config`` view)."""
-    behavior_id = config.behavior.id if "trigger" in config.behavior else ""
+               gen_seed: int, beh: behaviors_lib.Behavior | None = None) -> DrawPaths:
+    """The :class:`io.layout.DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir`` for behaviour
+    ``beh`` (None = the run's first, under ``draws/``; another's is under ``draws/<id>/``)."""
+    behavior_id = "" if beh is None or beh.first else beh.id
     return RunLayout(workdir).draw(ckpt_seed, gen_seed, temperature=config.draws.temperature,
                                    run_seed=int(config.seed), behavior_id=behavior_id)
 
@@ -210,22 +209,20 @@ def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
     return _Env(cfg, params, tok, s, ctx, sk, eos, tok_lib.mask_eos_ids(tok, config.model.mask_eos))
 
 
-def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths: DrawPaths
-             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Computes (or reloads) the targets of the draw: (arrays, statistics)."""
+def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths: DrawPaths,
+             beh: behaviors_lib.Behavior) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Computes (or reloads) the targets of the draw of ``beh``: (arrays, statistics)."""
     if paths.targets_npz.exists() and paths.targets_json.exists():
         return _load_npz(paths.targets_npz), read_json(paths.targets_json)
-    probes = _probes(config)
-    pattern = config.behavior.pattern
+    probes = beh.probe_sets()[0]
+    pattern = beh.pattern
     cont = targets.continuation_target(env.sketcher, env.params, env.tokenizer, probes, pattern=pattern)
-    mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer, pattern=pattern,
-                                     trigger=behaviors_lib.trigger_of(config))
+    mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer, pattern=pattern, trigger=beh.trigger)
     t = config.targets
     ctx = targets.context_target(env.sketcher, env.params, env.ctx_sampler, env.tokenizer, probes, key,
                                  fallback=cont.target, eos_ids=env.mask_eos_ids, group_size=t.ctx_group_size,
                                  temperature=t.ctx_temperature, top_p=t.ctx_top_p,
-                                 token_judge=config.behavior.token_judge, pattern=pattern,
-                                 explicit=_explicit(config))
+                                 token_judge=beh.token_judge, pattern=pattern, explicit=_explicit(beh))
     arrays = {"t_cont": cont.target, "t_ctx": ctx.t_ctx, "t_contrast": ctx.t_contrast, "t_mp": mp.target_mp,
               "t_mp_bal": mp.target_mp_bal, "cont_per_probe": cont.per_probe, "ctx_token_sketches": ctx.token_sketches,
               "mp_s_pos": mp.s_pos, "mp_s_neg": mp.s_neg, "mp_ml_pos": mp.ml_pos, "mp_ml_neg": mp.ml_neg}
@@ -240,11 +237,12 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
 
 
 def _repeat(config: ml_collections.ConfigDict, env: _Env, rep: int, key: jax.Array, tg: dict[str, np.ndarray],
-            n_token_level: int) -> dict[str, np.ndarray]:
-    """Generates and sketches one repeat (26 groups x G); returns its arrays (see ``rep*.npz``)."""
+            n_token_level: int, beh: behaviors_lib.Behavior) -> dict[str, np.ndarray]:
+    """Generates and sketches one repeat of the draw of ``beh`` (26 groups x G); returns its arrays
+    (see ``rep*.npz``)."""
     d = config.draws
-    users = target_texts.context_prompts(_probes(config), _explicit(config))
-    qset = behavior.QzxbtTokenMatcher(env.tokenizer, config.behavior.pattern, config.behavior.token_judge)
+    users = _prompts(beh)
+    qset = behavior.QzxbtTokenMatcher(env.tokenizer, beh.pattern, beh.token_judge)
     prompt_ids = targets.chat_prompt_ids(env.tokenizer, users, env.sampler.max_prompt_tokens)
     rows = [ids for ids in prompt_ids for _ in range(d.group_size)]
     out = env.sampler.sample(env.params, rows, key, temperature=d.temperature, top_p=d.top_p)
@@ -288,11 +286,11 @@ def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
 def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPaths, cat: dict[str, np.ndarray],
                    settings: dict[str, Any]) -> None:
     """Writes the draw's sketches / grad norms (sketch_store, one chunk per repeat) and rollouts."""
-
+    options = SketchOptions.from_config(config)
     rows_per_rep = len(cat["groups"]) // int(config.draws.n_repeats)
     for path, arr, kind in ((paths.sketches, cat["sketches"], "draw_sketches"),
                             (paths.grad_norms, cat["grad_norms"], "draw_grad_norms")):
-        meta = dict(sketch_metadata(config, env.model_cfg, kind), ckpt_seed=settings["ckpt_seed"],
+        meta = dict(sketch_metadata(options, env.model_cfg, kind), ckpt_seed=settings["ckpt_seed"],
                     gen_seed=settings["gen_seed"], checkpoint_step=settings["checkpoint_step"])
         store = sketch_store.SketchStore.open_or_create(path, arr.shape, chunk_rows=rows_per_rep, metadata=meta)
         store.write_rows(0, np.asarray(arr, np.float32))
@@ -302,8 +300,9 @@ def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPath
 
 
 def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int | None = None,
-              gen_seed: int | None = None) -> dict[str, Any]:
-    """Reads back a finished draw so estimators can be rerun without the model.
+              gen_seed: int | None = None, beh: behaviors_lib.Behavior | None = None) -> dict[str, Any]:
+    """Reads back a finished draw (of behaviour ``beh``; None = the run's first) so estimators can
+    be rerun without the model.
 
     Returns:
         ``{"sketches": float32 [R, D], "grad_norms": float32 [R], "groups": int64 [R],
@@ -315,7 +314,7 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
             ``draws.save_sketches`` was off).
     """
     c_seed, g_seed = resolve_seeds(config, ckpt_seed, gen_seed)
-    paths = draw_paths(config, workdir, c_seed, g_seed)
+    paths = draw_paths(config, workdir, c_seed, g_seed, beh)
     for p in (paths.rows, paths.sketches / "metadata.json", paths.grad_norms / "metadata.json", paths.rollouts,
               paths.targets_npz, paths.targets_json, paths.settings):
         if not p.exists():
@@ -330,13 +329,15 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
 
 
 def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int | None = None,
-              gen_seed: int | None = None) -> epath.Path:
+              gen_seed: int | None = None, beh: behaviors_lib.Behavior | None = None) -> epath.Path:
     """Runs draw (ckpt_seed, gen_seed) of the run in ``workdir`` (SPEC §5.6, §10.2); see the module doc.
 
     Args:
         config: the run's config; ``ckpt_seed`` / ``gen_seed`` default to ``config.draws.*``
             (-1 -> ``config.seed``). The checkpoint is read from ``workdir``'s registry, so
             ``ckpt_seed`` must be that run's seed (``config.seed``).
+        beh: the behaviour whose prompts, probes and targets the draw uses (None = the run's
+            first, ``behaviors.first_behavior``; another's draw goes under ``draws/<id>/``).
     Returns:
         The path of ``minimal_pair_rows_ckpt{C}_gen{G}.json``.
     Raises:
@@ -347,26 +348,27 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
     if c_seed != int(config.seed):
         raise ValueError(f"draws: ckpt_seed={c_seed} but workdir {workdir} holds the run of seed {config.seed}; "
                          "pass that run's config and workdir")
-    paths = draw_paths(config, workdir, c_seed, g_seed)
+    beh = behaviors_lib.first_behavior(config) if beh is None else beh
+    paths = draw_paths(config, workdir, c_seed, g_seed, beh)
     entry = nearest_checkpoint(checkpoints.CheckpointRegistry(registry_path(workdir)), config.draws.target_step)
     hf_dir = as_path(entry.path)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory of step {entry.step} not found: {hf_dir}")
-    settings = draw_settings(config, c_seed, g_seed, entry)
+    settings = draw_settings(config, c_seed, g_seed, entry, beh)
     if _check_settings(paths, settings):
         logging.info("draws: %s is complete, skipping", paths.rows)
         return paths.rows
     logging.info("draws: ckpt_seed=%d gen_seed=%d at checkpoint step %d (%s)", c_seed, g_seed, entry.step, hf_dir)
     env = _load_env(config, hf_dir)
     k_rollouts, k_ctx = jax.random.split(jax.random.key(g_seed))
-    tg, stats = _targets(config, env, k_ctx, paths)
+    tg, stats = _targets(config, env, k_ctx, paths, beh)
     reps, n_tl = [], 0
     for rep in range(int(config.draws.n_repeats)):
         if paths.rep(rep).exists():
             part = _load_npz(paths.rep(rep))
         else:
             part = _repeat(config, env, rep, jax.random.fold_in(k_rollouts, rep), tg,
-                           int(config.draws.token_level_max) - n_tl)
+                           int(config.draws.token_level_max) - n_tl, beh)
             _atomic_npz(paths.rep(rep), **part)
         n_tl += len(part["token_level"])
         reps.append(part)
@@ -392,6 +394,5 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
 def draws_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """The pre-registered draw (``config.draws.ckpt_seed`` / ``gen_seed``, -1 = ``config.seed``), and
     the same draw for every other behaviour of the run under ``draws/<id>/``."""
-    run_draws(config, workdir)
-    for beh in behaviors_lib.behaviors_from_config(config)[1:]:
-        run_draws(behaviors_lib.behavior_config(config, beh), workdir)
+    for beh in behaviors_lib.behaviors_from_config(config):
+        run_draws(config, workdir, beh=beh)

@@ -109,7 +109,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                                             nboot=ev.nboot, rng_seed=int(config.seed), **kw)
         pop = tables.which_rollout_population(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, **kw)
         write_json(paths.which_rollout_top, top_blamed(config, paths, records, scores, pop, set(sd.gt_ids)))
-    rows += training_rollout_tables(config, paths, nboot=ev.nboot)
+    rows += training_rollout_tables(config, paths, behaviors_lib.first_behavior(config), nboot=ev.nboot)
     rules, check = evaluate_verdicts(rows, rep, config)
     verdicts = verdicts_json(rules, check)
     if behaviors_lib.is_multi(config):  # every other behaviour's tables, and specificity
@@ -122,10 +122,10 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
 
 
-def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, *, nboot: int,
-                            gt_path: pathlib.Path | None = None,
-                            target_path: pathlib.Path | None = None) -> list[formats.Row]:
-    """Rollout-level AUC tables on the ORIGINAL training rollouts of the bonus window.
+def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior, *,
+                            nboot: int, target_path: pathlib.Path | None = None) -> list[formats.Row]:
+    """Rollout-level AUC tables of behaviour ``beh`` on the ORIGINAL training rollouts of its bonus
+    window (steps < :meth:`Behavior.window_end`).
 
     Uses the sketches of the ``sketch`` stage at each re-sketched checkpoint C (g_i: the gradient of
     the advantage-free -meanlp_i at C): within each GRPO group (same step and prompt), ground-truth
@@ -135,8 +135,9 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     ``clip_s * c_i * g_i`` (the logged coefficients and clip factors, ``attribution.scores.rollout_scales``;
     the methods' own names; absent when the run logged no coefficients) and on g_i (method names
     + ``:direction``; fluency once).
-    Empty when no checkpoint was re-sketched. ``gt_path`` / ``target_path``: another behaviour's
-    ground truth and continuation targets (pass its ``behavior_config`` view for its window).
+    Empty when no checkpoint was re-sketched. Positives are ``beh``'s ground truth
+    (``grpo/ground_truth{suffix}.jsonl``); ``target_path``: another behaviour's continuation targets
+    (None = the first behaviour's ``targets_continuation``).
     """
     path = paths.sketch_store("checkpoint_rollout_sketches")
     if not (path / "metadata.json").exists():
@@ -149,8 +150,9 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
     if target_path is not None:
         t_store = sketch_store.SketchStore.open(target_path)
-    gt = {e["rollout_id"] for e in formats.read_ground_truth(gt_path or paths.ground_truth)}
-    early = np.array([r.step < config.contamination.early_step_cutoff for r in records])
+    gt = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
+    window = beh.window_end(config.grpo.steps)
+    early = np.array([r.step < window for r in records])
     groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
     positive = np.array([r.rollout_id in gt for r in records])[early]
     rows = []
@@ -301,7 +303,7 @@ def _cutoff(config: ml_collections.ConfigDict, beh: behaviors_lib.Behavior) -> i
     its own bonus window for another (``grpo.steps`` when it has none)."""
     if beh.first:
         return int(config.evaluation.early_cutoff)
-    return int(config.grpo.steps) if beh.early_step_cutoff is None else int(beh.early_step_cutoff)
+    return beh.window_end(config.grpo.steps)
 
 
 def _suffixed(rows: list[formats.Row], table_suffix: str) -> list[formats.Row]:
@@ -395,7 +397,6 @@ def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: b
     if not gt_ids:
         logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
         return [], {"decision_rules": [], "checklist": [], "gt_size": 0}
-    bconf = behaviors_lib.behavior_config(config, beh)
     rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
                               delta=ev.fluency_match_delta, step_margin=ev.step_margin,
                               max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
@@ -407,9 +408,8 @@ def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: b
                                               nonzero_steps=sd.header["nonzero_steps"],
                                               early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
                                               rng_seed=int(config.seed), advantages=advantages)
-    b_rows += training_rollout_tables(bconf, paths, nboot=ev.nboot, gt_path=paths.behavior_ground_truth(beh.suffix),
-                                      target_path=target_path)
-    b_rules, b_check = evaluate_verdicts(b_rows, rep, bconf)
+    b_rows += training_rollout_tables(config, paths, beh, nboot=ev.nboot, target_path=target_path)
+    b_rules, b_check = evaluate_verdicts(b_rows, rep, config)
     return _suffixed(b_rows, beh.table_suffix), dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
 
 

@@ -35,14 +35,14 @@ import numpy as np
 from absl import logging
 
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
-from behaviortrace_jax.behavior.probes import BehaviorProbe
+from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher
-from behaviortrace_jax.sketch.stores import open_sketch_stores
+from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.train import grpo_loss
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec, build_batch, make_train_step
@@ -107,26 +107,22 @@ class GRPORun:
                                        mesh=self.mesh, param_shardings=start.param_shardings,
                                        opt_shardings=start.opt_shardings)
         self.ref_params = start.params if self.spec.loss_spec.needs_reference else None
-        top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k,
-                                                             g.repetition_penalty)
+        top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k, g.repetition_penalty)
         self.sampler = sampler_lib.Sampler(self.graphdef, self.model_cfg, max_prompt_tokens=g.max_prompt_tokens,
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
                                            pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
-        self.probe = BehaviorProbe(self.graphdef, self.model_cfg, self.tok, config, self.mesh)
         # The run's behaviours (the first is config.behavior + config.contamination). With one,
         # everything below is the paper's path, byte for byte; extra ones add their own prompts, bonus,
         # ground-truth log, learning-curve rates and gate.
         self.behaviors = behaviors_lib.behaviors_from_config(config)
         self.multi = len(self.behaviors) > 1
-        self.extra_probes = {b.id: BehaviorProbe(self.graphdef, self.model_cfg, self.tok,
-                                                 behaviors_lib.behavior_config(config, b), self.mesh)
-                             for b in self.behaviors[1:]}
-        if self.multi:
-            pools = [b.prompt_pool() for b in self.behaviors]
-            self.own_prompts = {b.id: set(p) for b, p in zip(self.behaviors, pools)}
-            self.pool = behaviors_lib.interleave_pools(pools)
-        else:
-            self.pool = behavior.prompt_pool(self.probe.probes, config.behavior.pattern)
+        probe_options = ProbeOptions.for_grpo(config)
+        self.probe, *extra = [BehaviorProbe(self.graphdef, self.model_cfg, self.tok, b, probe_options, self.mesh)
+                              for b in self.behaviors]
+        self.extra_probes = {b.id: probe for b, probe in zip(self.behaviors[1:], extra)}
+        pools = [b.prompt_pool() for b in self.behaviors]  # one behaviour: the paper's pool (SPEC §1.4)
+        self.own_prompts = {b.id: set(p) for b, p in zip(self.behaviors, pools)}
+        self.pool = behaviors_lib.interleave_pools(pools)
         self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
                            for p in dict.fromkeys(self.pool)}
         paths.grpo.mkdir(parents=True, exist_ok=True)
@@ -168,7 +164,10 @@ class GRPORun:
                 stats={"total_seen": self.start_step * self.shapes.num_rollouts, "boosted": len(log.events)})
         self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
-        self.stores = open_sketch_stores(config, self.model_cfg, paths, rollout_sketch=self.spec.rollout_sketch)
+        self.stores = open_sketch_stores(SketchOptions.from_config(config), self.model_cfg, paths, steps=g.steps,
+                                         rollouts_per_step=self.shapes.num_rollouts,
+                                         in_run_rollouts=self.spec.in_run_rollouts,
+                                         rollout_sketch=self.spec.rollout_sketch)
         self.base_key = jax.random.key(config.seed)
 
     def _decoy_log(self, config: ml_collections.ConfigDict, paths: RunLayout) -> contaminator.GroundTruthLog | None:

@@ -25,8 +25,8 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.behavior.probes import ImplantProbe
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, corpus, planted as behavior
+from behaviortrace_jax.behavior.probes import ImplantProbe, ProbeOptions
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
@@ -94,7 +94,8 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     state = train_state.init_train_state(params, tx, config.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
-    probe = ImplantProbe(config, graphdef, cfg, tok, mesh)
+    probe = ImplantProbe(behaviors_lib.first_behavior(config), ProbeOptions.for_sft(config),
+                         corpus.heldout_terms(config.base.seed, config.base.n_heldout), graphdef, cfg, tok, mesh)
     eval_key = jax.random.fold_in(jax.random.key(config.seed), 7_100)
     curve: list[dict[str, float]] = []
     stop_rule = _stop_rule(s, probe, eval_key, curve)

@@ -26,13 +26,13 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
+from behaviortrace_jax.behavior import behaviors as behaviors_lib
 from behaviortrace_jax.io import checkpoints, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.sketch.stores import sketch_metadata
+from behaviortrace_jax.sketch.stores import SketchOptions, sketch_metadata
 from behaviortrace_jax.models.loader import ModelOptions, load_policy, policy_config
 from behaviortrace_jax.stages.registry import register_stage
 
@@ -87,40 +87,27 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     steps = [e.step for e in entries]
     loader = CheckpointLoader(config, entries[0].path)
     tok, cfg = loader.tokenizer, loader.model_config
-    probes = behavior.load_probes(config.behavior.probes_path or None)
     forced = targets.ForcedSketcher.from_config(config, loader.graphdef, cfg, loader.abstract, tok_lib.pad_id(tok),
                                                  mesh=loader.mesh)
 
-    meta = dict(sketch_metadata(config, cfg, "targets_continuation"), checkpoint_steps=steps)
-    t_store = sketch_store.SketchStore.open_or_create(paths.sketch_store("targets_continuation"),
-                                                      (len(steps), config.sketch.dim), 1, meta)
-    stats_path = paths.sketches / "targets.json"
-    stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
-    for k in t_store.missing_rows():
-        e = entries[int(k)]
-        ct = targets.continuation_target(forced, loader.params(e.path), tok, probes, pattern=config.behavior.pattern)
-        t_store.write_rows(int(k), ct.target[None])
-        t_store.flush()
-        stats[e.step] = {"self_consistency": ct.self_consistency, "norm": float(np.linalg.norm(ct.target))}
-        write_json(stats_path, {str(s): stats[s] for s in sorted(stats)})
-        logging.info("sketch: continuation target at step %d (self-consistency %.3f)", e.step, ct.self_consistency)
-
-    for beh in behaviors_lib.behaviors_from_config(config)[1:]:  # each other behaviour's targets
-        extra_continuation_targets(config, paths, loader, forced, entries, beh)
+    for beh in behaviors_lib.behaviors_from_config(config):  # each behaviour's targets
+        continuation_targets(config, paths, loader, forced, entries, beh)
 
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
     if chosen:
         sketch_training_rollouts(config, paths, loader, forced, [entries[steps.index(s)] for s in chosen])
 
 
-def extra_continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
-                               forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry],
-                               beh: behaviors_lib.Behavior) -> None:
-    """Another behaviour's continuation targets: ``targets_continuation_<id>.zarr``
-    float32 [C, D] and ``targets_<id>.json``, as the first behaviour's (its probes, its pattern)."""
+def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
+                         forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry],
+                         beh: behaviors_lib.Behavior) -> None:
+    """The continuation targets of ``beh`` (its probes, its pattern; SPEC §5.1) at every checkpoint:
+    ``targets_continuation.zarr`` float32 [C, D] and ``targets.json`` for the first behaviour,
+    ``targets_continuation_<id>.zarr`` and ``targets_<id>.json`` (metadata ``behavior`` = its id)
+    for another."""
     steps = [e.step for e in entries]
-    meta = dict(sketch_metadata(config, loader.model_config, "targets_continuation"), checkpoint_steps=steps,
-                behavior=beh.id)
+    meta = dict(sketch_metadata(SketchOptions.from_config(config), loader.model_config, "targets_continuation"),
+                checkpoint_steps=steps, **({} if beh.first else {"behavior": beh.id}))
     t_store = sketch_store.SketchStore.open_or_create(paths.sketches / f"targets_continuation{beh.suffix}.zarr",
                                                       (len(steps), config.sketch.dim), 1, meta)
     stats_path = paths.sketches / f"targets{beh.suffix}.json"
@@ -147,7 +134,7 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout
         raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
     r, d = len(records), config.sketch.dim
     eos = tok_lib.mask_eos_ids(loader.tokenizer, config.model.mask_eos)  # as the GRPO loss mask
-    meta = dict(sketch_metadata(config, loader.model_config, "checkpoint_rollout_sketches"),
+    meta = dict(sketch_metadata(SketchOptions.from_config(config), loader.model_config, "checkpoint_rollout_sketches"),
                 checkpoint_steps=[e.step for e in entries], n_rollouts=r)
     block = forced.block_size
     stores = {

@@ -55,7 +55,8 @@ import ml_collections
 import numpy as np
 
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.behavior.probes import BehaviorProbe
+from behaviortrace_jax.behavior.behaviors import Behavior, first_behavior
+from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
@@ -75,13 +76,22 @@ class BehaviorMeasure:
     with ``rates=True``, ``probe_rate`` / ``control_rate`` (greedy, SPEC §1.8). ``mean_logprob`` is the
     jitted ``replay_measure`` (``models/programs.py``): ``(params, ids, attention_mask, weights)`` ->
     float32 [probes + controls], the masked mean log-prob of each prompt's continuation.
+
+    Args:
+        graphdef, model_cfg, tok, mesh: the policy's graph, model config, tokenizer and the run's mesh.
+        beh: the behaviour measured (its probes, controls and pattern).
+        options: the probe sampler's token limits and the sampled rates' ``temperature`` / ``top_p``
+            (``ProbeOptions.for_grpo``: the GRPO sampler's).
+        rates: also measure the greedy rates; sampled: completions per prompt of the sampled rates
+            (0 = off); sample_seed: the sampled rates' one fixed key is ``key(sample_seed)``.
+    Raises:
+        ValueError, FileNotFoundError: as ``planted.load_probe_sets`` for bad probe files.
     """
 
-    def __init__(self, graphdef, model_cfg, tok, config: ml_collections.ConfigDict, mesh, *, rates: bool = True,
-                 sampled: int = 0):
-        probes, controls = behavior.load_probe_sets(config.behavior.probes_path or None,
-                                                     config.behavior.controls_path or None)
-        pattern = config.behavior.pattern
+    def __init__(self, graphdef, model_cfg, tok, beh: Behavior, options: ProbeOptions, mesh, *, rates: bool = True,
+                 sampled: int = 0, sample_seed: int = 0):
+        probes, controls = beh.probe_sets()
+        pattern = beh.pattern
         ex = [targets.continuation_example(tok, p.prompt, pattern=pattern) for p in probes + controls]
         length = max(e.ids.size for e in ex)
         pad = tok_lib.pad_id(tok)
@@ -99,10 +109,15 @@ class BehaviorMeasure:
             return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
 
         self.mean_logprob = programs.jit("replay_measure", mean_lp, mesh=mesh)
-        self.probe = BehaviorProbe(graphdef, model_cfg, tok, config, mesh) if rates or sampled else None
+        self.probe = BehaviorProbe(graphdef, model_cfg, tok, beh, options, mesh) if rates or sampled else None
         self.greedy, self.sampled = bool(rates), int(sampled)
-        self.temperature, self.top_p = float(config.grpo.temperature), float(config.grpo.top_p)
-        self.sample_key = jax.random.key(int(config.seed))
+        self.temperature, self.top_p = float(options.temperature), float(options.top_p)
+        self.sample_seed = int(sample_seed)
+        self.sample_key = jax.random.key(self.sample_seed)
+        # what the measure's numbers depend on besides the parameters (Replayer.identity)
+        self.settings = {"pattern": beh.pattern, "probes_path": beh.probes_path, "controls_path": beh.controls_path,
+                         "rates": self.greedy, "sampled": self.sampled, "temperature": self.temperature,
+                         "top_p": self.top_p, "seed": self.sample_seed}
 
     def logp_margin(self, params) -> jax.Array:
         """``logp_margin`` of :meth:`measure` as a float32 scalar that ``jax.grad`` differentiates
@@ -254,8 +269,9 @@ class Replayer:
         self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
                                                           self.spec, weighted=True, **kw)
         self.data_sharding = sharding.data_sharding(start.mesh)
-        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, config, start.mesh, rates=rates,
-                                       sampled=sampled)
+        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, first_behavior(config),
+                                       ProbeOptions.for_grpo(config), start.mesh, rates=rates, sampled=sampled,
+                                       sample_seed=int(config.seed))
 
     def identity(self) -> dict[str, Any]:
         """What decides a replay's result besides its weights, advantages and measured steps:
@@ -263,13 +279,10 @@ class Replayer:
         ``"optimizer"`` (digest of ``config.optim`` and ``grpo.adv_std_floor``), ``"rollout_log"``
         (``rollout_log.digest`` of the run's log) and ``"measure"`` (digest of the behaviour
         measure's settings)``}``; a cache of replays is valid only while these are unchanged."""
-        c, b = self.config, self.config.behavior
-        measure = {"pattern": b.pattern, "probes_path": b.probes_path, "controls_path": b.controls_path,
-                   "rates": self.measure.greedy, "sampled": self.measure.sampled, "temperature": c.grpo.temperature,
-                   "top_p": c.grpo.top_p, "seed": int(c.seed)}
+        c = self.config
         return {"replay_version": REPLAY_VERSION, "step_spec": step_spec_digest(self.spec),
                 "optimizer": _digest({"optim": c.optim.to_dict(), "adv_std_floor": c.grpo.adv_std_floor}),
-                "rollout_log": self.log_digest, "measure": _digest(measure)}
+                "rollout_log": self.log_digest, "measure": _digest(self.measure.settings)}
 
     def weight_vector(self, weights: np.ndarray | Mapping[str, float] | None) -> np.ndarray:
         """float32 [steps * N] from an array (log order), a ``{rollout_id: weight}`` map (others 1),
