@@ -80,13 +80,20 @@ def copy_start(src: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def smoke_grpo_run(smoke_sft, tmp_path_factory):
     """``(config, workdir)`` of one smoke run's ``base``, ``sft`` and ``grpo`` stages (a copy of
-    :func:`smoke_finished`'s, so the run is not trained twice), shared by every test module that
-    replays or differentiates a finished run (test_replay, test_metagradient)."""
+    :func:`smoke_finished`'s ``grpo/`` and in-run sketch stores, so the run is not trained twice),
+    shared by every test module that replays or differentiates a finished run (test_replay,
+    test_metagradient)."""
     import shutil
+
+    from behaviortrace_jax.io.layout import IN_RUN_STORES, RunLayout
 
     config, start = smoke_sft
     config = config.copy_and_resolve_references()
     config.stages = "grpo"
     w = copy_start(start, tmp_path_factory.mktemp("smoke_grpo_run"))
     shutil.copytree(start / "grpo", w / "grpo")
+    src, dst = RunLayout(str(start)), RunLayout(str(w))
+    for name in IN_RUN_STORES:  # the grpo stage's sketch arrays (sketches/<name>.zarr)
+        if src.sketch_store(name).exists():
+            shutil.copytree(src.sketch_store(name), dst.sketch_store(name))
     return config, w

@@ -112,9 +112,10 @@ class DrawPaths:
 
 # The tensorstore arrays under ``sketches/`` (io/sketch_store.py): the in-run stores of the grpo
 # stage (sketch/stores.py) and the sketch stage's targets and per-checkpoint rollout sketches.
-SKETCH_STORES = ("step_sketches", "step_grad_norms", "step_clip_factors", "rollout_sketches",
-                 "rollout_grad_norms", "rollout_coefficients", "targets_continuation", "checkpoint_rollout_sketches", "checkpoint_rollout_fluency",
-                 "checkpoint_rollout_norms")
+IN_RUN_STORES = ("step_sketches", "step_grad_norms", "step_clip_factors", "rollout_sketches",
+                 "rollout_grad_norms", "rollout_coefficients")
+SKETCH_STORES = IN_RUN_STORES + ("targets_continuation", "checkpoint_rollout_sketches", "checkpoint_rollout_fluency",
+                                 "checkpoint_rollout_norms")
 
 
 @dataclasses.dataclass(frozen=True)
