@@ -29,7 +29,7 @@ from behaviortrace_jax.sketch import countsketch
 
 def sketch_metadata(config: ml_collections.ConfigDict, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
     """Metadata every sketch array carries (sketch_store raises when a reopened store differs)."""
-    return {"kind": kind, "hash_family": countsketch.HASH_FAMILY, "seed": int(config.sketch.seed),
+    return {"kind": kind, "hash_family": countsketch.hash_family(config.sketch.get("hash", "splitmix64")), "seed": int(config.sketch.seed),
             "dim": int(config.sketch.dim), "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
             "model_fingerprint": hf_io.model_fingerprint(model_cfg), "dtype": "float32",
             "run_seed": int(config.seed)}
