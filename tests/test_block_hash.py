@@ -99,8 +99,11 @@ def test_block_inner_products_are_unbiased_with_the_stated_variance():
 
 def test_hash_config_key_tables_and_store_family(tmp_path):
     """sketch.hash is checked (the error names the key); the block family takes no hash tables; the
-    stores record its family and refuse to reopen under the other."""
+    draw settings name it (a finished splitmix64 draw is not skipped); the stores record its family
+    and refuse to reopen under the other."""
+    from behaviortrace_jax.io import checkpoints
     from behaviortrace_jax.sketch import stores
+    from behaviortrace_jax.stages import draws
     from behaviortrace_jax.train import grpo_step
     from configs import tiny
 
@@ -111,6 +114,12 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
         grpo_step.GRPOStepSpec.from_config(config)
     config.sketch.hash = "block"
     assert grpo_step.GRPOStepSpec.from_config(config).sketch_hash == "block"
+    entry = checkpoints.CheckpointEntry(20, "ckpt")
+    block_draw = draws.draw_settings(config, 0, 0, entry)
+    config.sketch.hash = "splitmix64"
+    default_draw = draws.draw_settings(config, 0, 0, entry)
+    assert block_draw.pop("sketch_hash") == "block" and block_draw == default_draw  # a finished draw is not reused
+    config.sketch.hash = "block"
     cfg, gd, params = _decoder("qwen2", True)
     with pytest.raises(ValueError, match="targets.use_tables"):
         PerExampleSketcher(completion_loss(gd), params, dim=DIM, param_order=hf_param_order(cfg), use_tables=True,
