@@ -573,7 +573,8 @@ def block_sketch_at(g: jax.Array, offset_hi: Any, offset_lo: Any, first: Any, di
     offs = block_offsets_u32(*_global_u32(offset_hi, offset_lo, starts), dim, seed)
     src = (jax.lax.iota(jnp.int32, dim)[None, :] - offs[:, None]) & jnp.int32(dim - 1)  # roll: out[j] = x[j - o]
     x = x.reshape(c, nb, dim) * sign
-    return jnp.sum(jnp.take_along_axis(x, jnp.broadcast_to(src, x.shape), axis=2), axis=1)
+    # indices [1, nb, dim]: the batch axis is a gather slice (no index array per example)
+    return jnp.sum(jnp.take_along_axis(x, src[None], axis=2, mode="promise_in_bounds"), axis=1)
 
 
 def split_u64(values: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
