@@ -26,7 +26,7 @@ and peak RSS as multiples of the plain step's.
     python bench/bench_sketcher.py --gpu --override num_hidden_layers=1,vocab_size=4096  # CPU dry run
 
 GPU mode prints per-example sketches/s, plain fwd+bwd tokens/s, their time ratio and the device
-peak memory, for chunk sizes ``--chunks`` and both hash modes.
+peak memory, for chunk sizes ``--chunks``, with and without hash tables and with ``sketch.hash="block"``.
 """
 from __future__ import annotations
 
@@ -102,9 +102,10 @@ def jax_plain(graphdef: Any, params: Any, batch: dict) -> tuple[Callable[[], Any
 
 
 def jax_sketch(cfg: qwen2.Qwen2Config, graphdef: Any, params: Any, batch: dict, chunk: int, tables: bool,
-               dim: int, fused: bool = False) -> tuple[Callable[[], Any], Any, PerExampleSketcher]:
+               dim: int, fused: bool = False, hash_name: str = "splitmix64"
+               ) -> tuple[Callable[[], Any], Any, PerExampleSketcher]:
     sk = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=0, chunk_size=chunk,
-                            param_order=hf_param_order(cfg), use_tables=tables, fused=fused)
+                            param_order=hf_param_order(cfg), use_tables=tables, fused=fused, hash_name=hash_name)
     return (lambda: jax.block_until_ready(sk(params, batch))), sk.lower(params, batch), sk
 
 
@@ -288,12 +289,13 @@ def gpu_bench(args: argparse.Namespace) -> None:
     graphdef, params, batch = jax_setup(cfg, make_batch(cfg, args.batch, args.seq))
     methods = {"plain fwd+bwd": jax_plain(graphdef, params, batch)[1:]}
     for c in args.fused_chunks:
-        _, lowered, sk = jax_sketch(cfg, graphdef, params, batch, c, False, args.dim, fused=True)
-        methods[f"fused sketch chunk {c}"] = (lowered, (params, batch, sk.tables))
+        for h in ("splitmix64", "block"):  # sketch.hash: the scatter-free block family
+            _, lowered, sk = jax_sketch(cfg, graphdef, params, batch, c, False, args.dim, fused=True, hash_name=h)
+            methods[f"fused sketch chunk {c}{' block' * (h == 'block')}"] = (lowered, (params, batch, sk.tables))
     for c in args.chunks:
-        for tab in (False, True):
-            _, lowered, sk = jax_sketch(cfg, graphdef, params, batch, c, tab, args.dim)
-            methods[f"sketch chunk {c}{' tables' if tab else ''}"] = (lowered, (params, batch, sk.tables))
+        for tab, h in ((False, "splitmix64"), (True, "splitmix64"), (False, "block")):
+            _, lowered, sk = jax_sketch(cfg, graphdef, params, batch, c, tab, args.dim, hash_name=h)
+            methods[f"sketch chunk {c}{' tables' * tab}{' block' * (h == 'block')}"] = (lowered, (params, batch, sk.tables))
     results = {}
     for name, (lowered, call_args) in methods.items():
         t0 = time.perf_counter()

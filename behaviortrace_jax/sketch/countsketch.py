@@ -18,6 +18,23 @@ Hashing is done on the fly inside the jitted function (the default): on CPU it m
 fast as streaming precomputed bucket/sign tables and it costs no memory (docs/benchmarks.md). Pass
 ``tables=layout_tables(...)`` to :func:`sketch_tree` / :func:`sketch_batch` to use device tables.
 
+The block family (``hash_name="block"``, config ``sketch.hash``; metadata :data:`BLOCK_HASH_FAMILY`)
+is scatter-free. Each parameter's flattened coordinates are cut into consecutive blocks of D, and
+the last block may be partial. Block b of the parameter with global offset ``o`` starts at global
+index ``start = o + b * D``. Its coordinates at positions ``p = 0 .. D-1`` then go to
+
+    offset_b  = splitmix64(start + seed + OFFSET_SALT) & (D - 1)    (keyed by (seed, parameter, block))
+    bucket(i) = (offset_b + p) & (D - 1)
+    sign(i)   = the splitmix64 family's sign of the global index i = start + p
+
+so a block's sketch is ``roll(sign_b * g_b, offset_b)`` (:func:`block_sketch_at`: a dense multiply,
+one gather, a sum). Inner products stay unbiased. Two coordinates in different blocks collide with
+probability 1/D (independent offsets) and two in one block never collide, so
+``Var <S a, S b> = (1/D) sum_{i != j, different blocks} (a_i^2 b_j^2 + a_i b_i a_j b_j)
+<= (|a|^2 |b|^2 + <a, b>^2) / D <= 2 |a|^2 |b|^2 / D``, the splitmix64 family's bound
+(:func:`block_pair_variance`). :func:`numpy_sketch` is the numpy reference of both families: an
+explicit per-coordinate bucket and a bincount. The block family has no hash tables.
+
 Example::
 
     layout = ParamLayout.from_entries([("w", (3, 4)), ("b", (4,))])
@@ -30,15 +47,18 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 HASH_FAMILY = "splitmix64-countsketch-v3"  # recorded in every sketch store's metadata
+BLOCK_HASH_FAMILY = "splitmix64-block-countsketch-v1"  # the scatter-free family (``sketch.hash = "block"``)
+HASH_FAMILIES = {"splitmix64": HASH_FAMILY, "block": BLOCK_HASH_FAMILY}  # config ``sketch.hash`` -> metadata name
 BUCKET_SALT = 0x9E3779B97F4A7C15  # SPEC §3.1 step 5 (the code's signed -7046029254386353131)
 SIGN_SALT = 6971419160186945601  # SPEC §3.1 step 6 (0x60BF74CA3F4B8041)
+OFFSET_SALT = 0xD1B54A32D192ED03  # block family: salt of a block's offset hash (distinct from both above)
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
 _NP_BLOCK = 1 << 23  # numpy reference works in blocks of 8M coordinates (as the torch code)
@@ -50,6 +70,18 @@ def check_dim(dim: int) -> int:
     if d != dim or d < 2 or d & (d - 1):
         raise ValueError(f"sketch dim must be a power of two >= 2, got {dim!r}")
     return d
+
+
+def check_hash(hash_name: str, key: str = "sketch.hash") -> str:
+    """Returns ``hash_name`` if it is a hash family of :data:`HASH_FAMILIES`; else ValueError naming ``key``."""
+    if hash_name not in HASH_FAMILIES:
+        raise ValueError(f"{key}={hash_name!r}: expected one of {sorted(HASH_FAMILIES)}")
+    return str(hash_name)
+
+
+def hash_family(hash_name: str) -> str:
+    """The ``hash_family`` recorded in sketch metadata for config ``sketch.hash = hash_name``."""
+    return HASH_FAMILIES[check_hash(hash_name)]
 
 
 def _check_seed(seed: int) -> int:
@@ -112,6 +144,93 @@ def numpy_countsketch(vec: np.ndarray, dim: int, seed: int = 0, offset: int = 0)
         bucket, sign = numpy_bucket_sign(idx, dim, seed)
         out += np.bincount(bucket, (sign * blk).astype(np.float64), minlength=dim)
     return out.astype(np.float32)
+
+
+def numpy_block_offsets(starts: np.ndarray, dim: int, seed: int = 0) -> np.ndarray:
+    """Block family: the random offset of each block, given the global index of its first coordinate.
+
+    ``offset = splitmix64(start + seed + OFFSET_SALT) & (dim - 1)`` (uint64 wrapping); ``starts``
+    any uint64 array; returns int64 in [0, dim), same shape.
+    """
+    dim, seed = check_dim(dim), _check_seed(seed)
+    with np.errstate(over="ignore"):
+        x = np.asarray(starts, dtype=np.uint64) + np.uint64(seed) + np.uint64(OFFSET_SALT)
+        return (splitmix64_numpy(x) & np.uint64(dim - 1)).astype(np.int64)
+
+
+def numpy_block_bucket_sign(local: np.ndarray, offset: int, dim: int, seed: int = 0
+                            ) -> tuple[np.ndarray, np.ndarray]:
+    """Block-family reference hash of coordinates ``local`` (uint64, inside one parameter) of the
+    parameter whose first coordinate has global index ``offset``.
+
+    Block ``b = local // dim`` of the parameter starts at global index ``offset + b * dim``;
+    ``bucket = (numpy_block_offsets(offset + b * dim) + local % dim) % dim``; the sign is the
+    splitmix64 family's sign of the global index ``offset + local`` (:func:`numpy_bucket_sign`).
+    Returns (bucket int64, sign float32), shaped like ``local``.
+    """
+    dim = check_dim(dim)
+    local = np.asarray(local, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        _, sign = numpy_bucket_sign(local + np.uint64(offset), dim, seed)
+        pos = local & np.uint64(dim - 1)
+        start = local - pos + np.uint64(offset)
+    bucket = (numpy_block_offsets(start, dim, seed) + pos.astype(np.int64)) & (dim - 1)
+    return bucket, sign
+
+
+def numpy_sketch(arrays: Sequence[np.ndarray], dim: int, seed: int = 0, hash_name: str = "splitmix64"
+                 ) -> np.ndarray:
+    """Reference sketch float32[dim] of a gradient given as arrays in layout (HF) order (SPEC §3.1).
+
+    Each array is flattened row-major (float32) and hashed at global indices ``offset_k + local``
+    (``offset_k`` = summed sizes of the preceding arrays) with the family ``hash_name``
+    ("splitmix64": :func:`numpy_bucket_sign`; "block": :func:`numpy_block_bucket_sign`, blocks per
+    array), accumulated in float64 with ``np.bincount`` and rounded once. An explicit per-coordinate
+    bucket + bincount, independent of the JAX block family's roll-and-sum.
+    """
+    dim, offset = check_dim(dim), 0
+    out = np.zeros(dim, np.float64)
+    for a in arrays:
+        v = np.asarray(a).reshape(-1).astype(np.float32)
+        for s in range(0, v.size, _NP_BLOCK):
+            blk = v[s:s + _NP_BLOCK]
+            local = np.arange(s, s + blk.size, dtype=np.uint64)
+            if check_hash(hash_name) == "block":
+                bucket, sign = numpy_block_bucket_sign(local, offset, dim, seed)
+            else:
+                with np.errstate(over="ignore"):
+                    bucket, sign = numpy_bucket_sign(local + np.uint64(offset), dim, seed)
+            out += np.bincount(bucket, (sign * blk).astype(np.float64), minlength=dim)
+        offset += v.size
+    return out.astype(np.float32)
+
+
+def block_pair_variance(a: Sequence[np.ndarray], b: Sequence[np.ndarray], dim: int) -> float:
+    """Variance over hash seeds of the block family's sketched inner product ``<S a, S b>``.
+
+    ``a``, ``b``: gradients as arrays in layout order. With fully random signs and offsets, two
+    coordinates collide with probability 1/dim when they lie in different blocks and never inside
+    one block, so (the CountSketch variance with the same-block pairs removed)
+
+        Var = (1/dim) sum_{i != j, block(i) != block(j)} (a_i^2 b_j^2 + a_i b_i a_j b_j)
+            <= (|a|^2 |b|^2 + <a, b>^2) / dim <= 2 |a|^2 |b|^2 / dim,
+
+    the splitmix64 family's bound (whose sum runs over all pairs i != j). Returns the exact sum
+    (float, computed in float64 per block).
+    """
+    sq, cr = [], []  # per block: sum a^2, sum b^2, sum a b
+    for x, y in zip(a, b):
+        x, y = np.asarray(x, np.float64).reshape(-1), np.asarray(y, np.float64).reshape(-1)
+        nb = -(-x.size // dim)
+        xp, yp = np.zeros(nb * dim), np.zeros(nb * dim)
+        xp[:x.size], yp[:y.size] = x, y
+        xb, yb = xp.reshape(nb, dim), yp.reshape(nb, dim)
+        sq.append(np.stack([np.sum(xb * xb, 1), np.sum(yb * yb, 1)], 1))
+        cr.append(np.sum(xb * yb, 1))
+    s, c = np.concatenate(sq), np.concatenate(cr)
+    total = s[:, 0].sum() * s[:, 1].sum() + c.sum() ** 2
+    same = np.sum(s[:, 0] * s[:, 1]) + np.sum(c * c)  # pairs inside one block, i == j included
+    return float((total - same) / dim)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,7 +407,7 @@ def _bucket_sign(k: int, layout: ParamLayout, dim: int, seed: int, tables: Seque
 
 
 def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed: int = 0,
-                tables: Sequence[jax.Array] | None = None) -> jax.Array:
+                tables: Sequence[jax.Array] | None = None, hash_name: str = "splitmix64") -> jax.Array:
     """CountSketch of one gradient given as arrays in layout (HF) order (SPEC §3.1); jittable.
 
     Args:
@@ -297,12 +416,17 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
         layout: the :class:`ParamLayout` (static).
         dim, seed: sketch width (power of two) and hash seed (static).
         tables: optional :func:`layout_tables` for ``(layout, dim, seed)``; default hashes on the fly.
+        hash_name: the hash family (config ``sketch.hash``): "splitmix64" (SPEC §3.1) or "block"
+            (:func:`block_sketch_at` per parameter; no tables).
     Returns:
         float32[dim] = sum over parameters of ``segment_sum(sign * g.ravel(), bucket, dim)``.
     Raises:
-        ValueError: wrong number of arrays, a shape mismatch (naming the parameter), a bad dim.
+        ValueError: wrong number of arrays, a shape mismatch (naming the parameter), a bad dim,
+            tables with the block family.
     """
     dim = check_dim(dim)
+    if _check_tables(hash_name, tables) == "block":
+        return sketch_batch([g[None] for g in grads], layout, dim, seed, hash_name=hash_name)[0]
     layout.check(grads)
     acc = jnp.zeros((dim,), jnp.float32)
     for k, g in enumerate(grads):
@@ -312,17 +436,44 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
     return acc
 
 
+def _check_tables(hash_name: str, tables: Any) -> str:
+    """``hash_name`` checked; ValueError for hash tables with the block family (it has none)."""
+    if check_hash(hash_name) == "block" and tables is not None:
+        raise ValueError("sketch.hash='block' takes no hash tables: turn off sketch.in_run_tables and "
+                         "targets.use_tables")
+    return hash_name
+
+
+def _block_add(acc: jax.Array, gs: Sequence[jax.Array], offsets: Sequence[tuple[Any, Any]], dim: int,
+               seed: int) -> jax.Array:
+    """``acc`` float32 [C, dim] plus the block-family sketches of the flat [C, n_k] arrays ``gs``,
+    each a whole parameter whose first global index is ``offsets[k]`` = (hi, lo) uint32 scalars."""
+    for g, (hi, lo) in zip(gs, offsets):
+        acc = acc + block_sketch_at(g, hi, lo, 0, dim, seed)
+    return acc
+
+
+def _static_u32(offset: int) -> tuple[jax.Array, jax.Array]:
+    hi, lo = split_u64([offset])
+    return jnp.asarray(hi[0]), jnp.asarray(lo[0])
+
+
 def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed: int = 0,
-                 tables: Sequence[jax.Array] | None = None) -> jax.Array:
+                 tables: Sequence[jax.Array] | None = None, hash_name: str = "splitmix64") -> jax.Array:
     """Per-example CountSketch of a batch of gradients; arrays in layout order with a leading axis C.
 
     Returns float32[C, dim]; row c equals ``sketch_tree([g[c] for g in grads], ...)``. The hash is
     computed once per call and the examples are scattered one after another (``lax.map``), which
-    measured faster on CPU than a batched scatter (docs/benchmarks.md).
+    measured faster on CPU than a batched scatter (docs/benchmarks.md). ``hash_name="block"``: the
+    whole batch at once per parameter (:func:`block_sketch_at`, no scatter).
     """
     dim = check_dim(dim)
     layout.check(grads, batch_dims=1)
     c = grads[0].shape[0] if grads else 0
+    if _check_tables(hash_name, tables) == "block":
+        live = [k for k in range(len(layout)) if layout.sizes[k]]
+        return _block_add(jnp.zeros((c, dim), jnp.float32), [grads[k].reshape(c, -1) for k in live],
+                          [_static_u32(layout.offsets[k]) for k in live], dim, seed)
     hashes = [_bucket_sign(k, layout, dim, seed, tables) for k in range(len(layout)) if layout.sizes[k]]
     flat = [g.reshape(c, -1) for k, g in enumerate(grads) if layout.sizes[k]]
 
@@ -355,17 +506,75 @@ def segment_bucket_sign_at(offset_hi: jax.Array, offset_lo: jax.Array, n: int, d
     return index_bucket_sign(offset_hi, offset_lo, jax.lax.iota(_U32, n), dim, seed)
 
 
-def index_bucket_sign(offset_hi: jax.Array, offset_lo: jax.Array, local: jax.Array, dim: int, seed: int = 0
-                      ) -> tuple[jax.Array, jax.Array]:
+def _global_u32(offset_hi: Any, offset_lo: Any, local: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) of ``offset + local`` for a uint32 array ``local``, carrying across 2**32."""
+    local = jnp.asarray(local).astype(_U32)
+    lo = local + jnp.asarray(offset_lo).astype(_U32)
+    return jnp.asarray(offset_hi).astype(_U32) + (lo < local).astype(_U32), lo  # carry out of the low word
+
+
+def index_bucket_sign(offset_hi: jax.Array, offset_lo: jax.Array, local: jax.Array, dim: int, seed: int = 0,
+                      hash_name: str = "splitmix64") -> tuple[jax.Array, jax.Array]:
     """Hash of the global indices ``offset + local`` (JAX, jittable): ``offset = offset_hi * 2**32 +
     offset_lo`` given as (possibly traced) uint32 scalars, ``local`` any uint32 array of indices
     inside the parameter (e.g. ``token_id * d + column`` for embedding rows). The (hi, lo) sum
-    carries across 2**32; bit-exact with :func:`numpy_bucket_sign` for every index < 2**64.
-    Returns (bucket int32, sign float32), shaped like ``local``."""
+    carries across 2**32; bit-exact with :func:`numpy_bucket_sign` for every index < 2**64 (with
+    ``hash_name="block"``: with :func:`numpy_block_bucket_sign`, ``offset`` being the parameter's
+    first global index). Returns (bucket int32, sign float32), shaped like ``local``."""
+    bucket, sign = bucket_sign_u32(*_global_u32(offset_hi, offset_lo, local), dim, seed)
+    if check_hash(hash_name) == "splitmix64":
+        return bucket, sign
     local = jnp.asarray(local).astype(_U32)
-    lo = local + jnp.asarray(offset_lo).astype(_U32)
-    hi = jnp.asarray(offset_hi).astype(_U32) + (lo < local).astype(_U32)  # carry out of the low word
-    return bucket_sign_u32(hi, lo, dim, seed)
+    pos = local & _c(dim - 1)
+    return (block_offsets_u32(*_global_u32(offset_hi, offset_lo, local - pos), dim, seed) + pos.astype(jnp.int32)
+            ) & jnp.int32(dim - 1), sign
+
+
+def block_offsets_u32(hi: jax.Array, lo: jax.Array, dim: int, seed: int = 0) -> jax.Array:
+    """JAX :func:`numpy_block_offsets` of block starts given as (hi, lo) uint32 arrays -> int32 [0, dim)."""
+    dim, seed = check_dim(dim), _check_seed(seed)
+    _, o_lo = splitmix64_u32(*_add64(*_add64(hi.astype(_U32), lo.astype(_U32), seed), OFFSET_SALT))
+    return (o_lo & _c(dim - 1)).astype(jnp.int32)
+
+
+def block_sketch_at(g: jax.Array, offset_hi: Any, offset_lo: Any, first: Any, dim: int, seed: int = 0,
+                    aligned: bool | None = None) -> jax.Array:
+    """Block-family sketch of coordinates ``first .. first + n - 1`` of one parameter, per row; jittable.
+
+    Args:
+        g: float [C, n], row c = example c's values of those coordinates (cast to float32).
+        offset_hi, offset_lo: uint32 scalars (may be traced): global index of the parameter's first
+            coordinate (``ParamLayout.offsets``).
+        first: local index of ``g[:, 0]`` inside the parameter (int or traced uint32 scalar).
+        dim, seed: sketch width (power of two <= 2**31) and hash seed (static).
+        aligned: ``first`` is a multiple of ``dim`` (default: known only for an int ``first``).
+    Returns:
+        float32 [C, dim] = sum over the parameter's D-sized blocks b touched of
+        ``roll(sign_b * g_b, offset_b)`` (:func:`numpy_block_bucket_sign`), the blocks' values
+        placed in a zero-padded [C, nb, dim] array: a dense multiply, one gather (the roll) and a
+        sum, no scatter.
+    Raises:
+        ValueError: ``n`` too large for uint32 local indices, or a bad dim.
+    """
+    dim, (c, n) = check_dim(dim), g.shape
+    if dim > 1 << 31 or n + 2 * dim >= 1 << 32:
+        raise ValueError(f"block sketch: dim={dim} and n={n} must keep local indices below 2**32")
+    aligned = (isinstance(first, int) and first % dim == 0) if aligned is None else bool(aligned)
+    nb = -(-n // dim) + (0 if aligned else 1)
+    first = jnp.asarray(np.uint32(first)) if isinstance(first, int) else jnp.asarray(first).astype(_U32)
+    shift = first & _c(dim - 1)
+    x = g.astype(jnp.float32)
+    if aligned:
+        x = jnp.pad(x, ((0, 0), (0, nb * dim - n)))
+    else:
+        x = jax.lax.dynamic_update_slice(jnp.zeros((c, nb * dim), jnp.float32), x, (jnp.int32(0), shift.astype(jnp.int32)))
+    starts = first - shift + jax.lax.iota(_U32, nb) * _c(dim)  # local index of each block's first coordinate
+    _, sign = bucket_sign_u32(*_global_u32(offset_hi, offset_lo, starts[:, None] + jax.lax.iota(_U32, dim)), dim, seed)
+    offs = block_offsets_u32(*_global_u32(offset_hi, offset_lo, starts), dim, seed)
+    src = (jax.lax.iota(jnp.int32, dim)[None, :] - offs[:, None]) & jnp.int32(dim - 1)  # roll: out[j] = x[j - o]
+    x = x.reshape(c, nb, dim) * sign
+    # indices [1, nb, dim]: the batch axis is a gather slice (no index array per example)
+    return jnp.sum(jnp.take_along_axis(x, src[None], axis=2, mode="promise_in_bounds"), axis=1)
 
 
 def split_u64(values: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -441,8 +650,24 @@ class StackedLayout:
         return self.layout.shapes[self.blocks[0][j]]
 
 
+def _check_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], post: Sequence[jax.Array],
+                   slayout: StackedLayout) -> None:
+    """ValueError when the (pre, stacked blocks, post) arrays do not match ``slayout`` (naming the leaf)."""
+    lay = slayout.layout
+    if len(pre) != len(slayout.pre) or len(post) != len(slayout.post) or len(blocks) != len(slayout.leaf_names):
+        raise ValueError(f"sketch_batch_stacked: expected {len(slayout.pre)} + {len(slayout.leaf_names)} + "
+                         f"{len(slayout.post)} arrays, got {len(pre)} + {len(blocks)} + {len(post)}")
+    for k, g in zip(slayout.pre + slayout.post, list(pre) + list(post)):
+        if tuple(g.shape[1:]) != lay.shapes[k]:
+            raise ValueError(f"gradient of {lay.names[k]!r} has shape {tuple(g.shape)}, expects [batch] + {lay.shapes[k]}")
+    for j, g in enumerate(blocks):
+        if tuple(g.shape[1:]) != (slayout.num_blocks,) + slayout.block_shape(j):
+            raise ValueError(f"stacked gradient of {slayout.leaf_names[j]!r} has shape {tuple(g.shape)}, "
+                             f"expects [batch, {slayout.num_blocks}] + {slayout.block_shape(j)}")
+
+
 def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], post: Sequence[jax.Array],
-                         slayout: StackedLayout, dim: int, seed: int = 0) -> jax.Array:
+                         slayout: StackedLayout, dim: int, seed: int = 0, hash_name: str = "splitmix64") -> jax.Array:
     """Per-example CountSketch like :func:`sketch_batch`, with the block leaves stacked and sketched
     in a ``lax.scan`` over the blocks (hashing on the fly with traced per-block offsets, so the hash
     of each leaf kind is compiled once, and no hash tables are needed).
@@ -451,7 +676,7 @@ def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], 
         pre, post: the gradients of ``slayout.pre`` / ``slayout.post`` parameters, each [C, *shape].
         blocks: one array per block leaf j, [C, L, *shape_j] (e.g. the gradient with respect to
             ``decoder.StackedParams.layers`` under ``vmap``).
-        slayout: the :class:`StackedLayout`; dim, seed: as :func:`sketch_tree`.
+        slayout: the :class:`StackedLayout`; dim, seed, hash_name: as :func:`sketch_tree`.
     Returns:
         float32[C, dim], equal to ``sketch_batch`` of the same gradients in layout order: the same
         hashes, and each example's scatter-adds run in the same (layout) order.
@@ -459,23 +684,15 @@ def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], 
         ValueError: a count or shape that does not match ``slayout``.
     """
     dim = check_dim(dim)
-    lay = slayout.layout
-    if len(pre) != len(slayout.pre) or len(post) != len(slayout.post) or len(blocks) != len(slayout.leaf_names):
-        raise ValueError(f"sketch_batch_stacked: expected {len(slayout.pre)} + {len(slayout.leaf_names)} + "
-                         f"{len(slayout.post)} arrays, got {len(pre)} + {len(blocks)} + {len(post)}")
-    n_blocks = slayout.num_blocks
-    for k, g in zip(slayout.pre + slayout.post, list(pre) + list(post)):
-        if tuple(g.shape[1:]) != lay.shapes[k]:
-            raise ValueError(f"gradient of {lay.names[k]!r} has shape {tuple(g.shape)}, expects [batch] + {lay.shapes[k]}")
-    for j, g in enumerate(blocks):
-        if tuple(g.shape[1:]) != (n_blocks,) + slayout.block_shape(j):
-            raise ValueError(f"stacked gradient of {slayout.leaf_names[j]!r} has shape {tuple(g.shape)}, "
-                             f"expects [batch, {n_blocks}] + {slayout.block_shape(j)}")
+    _check_stacked(pre, blocks, post, slayout)
+    block = check_hash(hash_name) == "block"
+    lay, n_blocks = slayout.layout, slayout.num_blocks
     c = (list(pre) + list(blocks) + list(post))[0].shape[0]
 
-    def scatter(acc, gs, hashes):
-        if not gs:
-            return acc
+    def add(acc, gs, wheres):  # gs: flat [C, n] arrays of whole parameters; wheres: their (hi, lo) offsets
+        if block or not gs:
+            return _block_add(acc, gs, wheres, dim, seed)
+        hashes = [segment_bucket_sign_at(h, l_, g.shape[1], dim, seed) for g, (h, l_) in zip(gs, wheres)]
 
         def one(args):
             a, g = args
@@ -485,22 +702,19 @@ def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], 
 
         return jax.lax.map(one, (acc, list(gs)))
 
-    def static(ks, gs):
+    def static(acc, ks, gs):
         keep = [(k, g) for k, g in zip(ks, gs) if lay.sizes[k]]
-        hashes = [segment_bucket_sign(lay.offsets[k], lay.sizes[k], dim, seed) for k, _ in keep]
-        return [g.reshape(c, -1) for _, g in keep], hashes
+        return add(acc, [g.reshape(c, -1) for _, g in keep], [_static_u32(lay.offsets[k]) for k, _ in keep])
 
-    acc = scatter(jnp.zeros((c, dim), jnp.float32), *static(slayout.pre, pre))
+    acc = static(jnp.zeros((c, dim), jnp.float32), slayout.pre, pre)
     live = [j for j in range(len(blocks)) if lay.sizes[slayout.blocks[0][j]]]
     if live:
         hi, lo = split_u64(slayout.block_offsets[:, live])
         xs = ([jnp.moveaxis(blocks[j], 1, 0).reshape(n_blocks, c, -1) for j in live], jnp.asarray(hi), jnp.asarray(lo))
-        sizes = [lay.sizes[slayout.blocks[0][j]] for j in live]
 
         def body(a, x):
             gs, h, l_ = x
-            hashes = [segment_bucket_sign_at(h[m], l_[m], n, dim, seed) for m, n in enumerate(sizes)]
-            return scatter(a, gs, hashes), None
+            return add(a, gs, [(h[m], l_[m]) for m in range(len(gs))]), None
 
         acc = jax.lax.scan(body, acc, xs)[0]
-    return scatter(acc, *static(slayout.post, post))
+    return static(acc, slayout.post, post)

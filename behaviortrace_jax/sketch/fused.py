@@ -31,7 +31,11 @@ update and every sketch. Per-example gradients exist one parameter use at a time
 row tiles of at most ``tile_elements`` values for the whole batch) and are dropped after hashing.
 The hash is the one of ``countsketch`` (splitmix64 of the HF-order global index), so the sketches
 equal ``vmap(grad)``'s up to float rounding; under a scan over the layers the per-layer offsets
-are looked up with the traced layer index.
+are looked up with the traced layer index. With the block family (``FusedPlan(hash_name="block")``)
+every weight, bias and scale block is rolled in, with no scatter (``countsketch.block_sketch_at``;
+a row tile that starts inside a block is placed at its position in a zero-padded window). The
+embedding rows still scatter, because they sit at the data-dependent coordinates of the example's
+tokens; that is B x T x d values per chunk, against the parameters' P per example.
 
 The losses it applies to are :class:`DecoderLoss` objects (e.g. ``sketcher.completion_loss``, the
 GRPO step's rollout terms); any other ``loss(params, example)`` goes through ``vmap(grad)``.
@@ -47,7 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from behaviortrace_jax.models import decoder
-from behaviortrace_jax.sketch.countsketch import check_dim, index_bucket_sign, segment_bucket_sign_at, split_u64
+from behaviortrace_jax.sketch.countsketch import (block_sketch_at, check_dim, check_hash, index_bucket_sign,
+                                                  segment_bucket_sign_at, split_u64)
 
 PyTree = Any
 F32 = jnp.float32
@@ -85,6 +90,7 @@ class _Cfg:
     dtype: str = "float32"  # the use's compute dtype
     tied: bool = False  # embedding: the head uses the same weight (carrier output); head: reads it
     head: bool = False  # the logits (decoder.head_apply) rather than a linear layer (decoder.linear_apply)
+    hash_name: str = "splitmix64"  # the hash family (countsketch.HASH_FAMILIES; config sketch.hash)
 
 
 class FusedPlan:
@@ -95,13 +101,16 @@ class FusedPlan:
         offsets: global index of each parameter's first coordinate (``ParamLayout.offsets``).
         groups: the group index of each parameter; n_groups: their number.
         dim, seed: CountSketch width and hash seed; tile_elements: see the module docstring.
+        hash_name: the hash family, "splitmix64" or "block" (``countsketch.HASH_FAMILIES``).
     Raises:
-        ValueError: a decoder layer leaf missing from some layer (the layers must share leaves).
+        ValueError: a decoder layer leaf missing from some layer (the layers must share leaves), an
+            unknown hash family.
     """
 
     def __init__(self, paths, offsets, groups, n_groups: int, *, dim: int, seed: int,
-                 tile_elements: int = TILE_ELEMENTS):
+                 tile_elements: int = TILE_ELEMENTS, hash_name: str = "splitmix64"):
         self.dim, self.seed, self.n_groups = check_dim(dim), int(seed), int(n_groups)
+        self.hash_name = check_hash(hash_name)
         self.tile_elements = int(tile_elements)
         self.static = {tuple(p): (int(o), int(g)) for p, o, g in zip(paths, offsets, groups)}
         n = len(decoder.LAYERS_PATH)
@@ -119,7 +128,7 @@ class FusedPlan:
         self.tied = ("lm_head", "weight") not in self.static
 
     def cfg(self, weights: bool) -> _Cfg:
-        return _Cfg(self.dim, self.seed, self.n_groups, self.tile_elements, bool(weights))
+        return _Cfg(self.dim, self.seed, self.n_groups, self.tile_elements, bool(weights), hash_name=self.hash_name)
 
     def where(self, path: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(offset hi uint32, offset lo uint32, group int32) scalars of the parameter at ``path``; a
@@ -216,11 +225,18 @@ def _add_u32(hi: jax.Array, lo: jax.Array, inc: Any) -> tuple[jax.Array, jax.Arr
 SMALL_BLOCK = 4096  # per-example blocks up to this size are hashed in one scatter over the batch
 
 
-def _sketch_into(acc: jax.Array, g: jax.Array, hi: jax.Array, lo: jax.Array, cfg: _Cfg) -> jax.Array:
-    """``acc`` float32 [B, D] plus, in row b, the CountSketch of ``g[b]`` (float32 [B, n]) placed at
-    global indices ``offset .. offset + n - 1``; the hash is computed once for the B rows. A small
-    block is one scatter over the batch; a large one is scattered row by row in place (each row's
-    random writes stay within its D buckets)."""
+def _sketch_into(acc: jax.Array, g: jax.Array, hi: jax.Array, lo: jax.Array, cfg: _Cfg, first: Any = 0,
+                 aligned: bool | None = None) -> jax.Array:
+    """``acc`` float32 [B, D] plus, in row b, the sketch of ``g[b]`` (float32 [B, n]): coordinates
+    ``first .. first + n - 1`` (int or traced uint32) of the parameter whose first coordinate has
+    global index ``offset`` = (hi, lo). splitmix64: the hash is computed once for the B rows; a
+    small block is one scatter over the batch, a large one is scattered row by row in place (each
+    row's random writes stay within its D buckets). block: ``countsketch.block_sketch_at`` for the
+    whole batch (``aligned``: ``first`` is a multiple of D), no scatter."""
+    if cfg.hash_name == "block":
+        return acc + block_sketch_at(g, hi, lo, first, cfg.dim, cfg.seed, aligned=aligned)
+    if not (isinstance(first, int) and first == 0):
+        hi, lo = _add_u32(hi, lo, first)
     bsz, n = g.shape
     bucket, sign = segment_bucket_sign_at(hi, lo, n, cfg.dim, cfg.seed)
     if n <= SMALL_BLOCK:
@@ -252,7 +268,8 @@ def _matrix_grads(cfg: _Cfg, acc: jax.Array, sq: jax.Array, dy: jax.Array, x: ja
 
     def block(acc: jax.Array, sq: jax.Array, dy_rows: jax.Array, first: Any) -> tuple:
         g = jnp.einsum("bnr,bni->bri", dy_rows, x, preferred_element_type=F32)
-        acc = _sketch_into(acc, g.reshape(bsz, -1), *_add_u32(hi, lo, first), cfg)
+        aligned = None if isinstance(first, int) else (rows * inn) % cfg.dim == 0
+        acc = _sketch_into(acc, g.reshape(bsz, -1), hi, lo, cfg, first, aligned)
         sq = _add_sq(sq, jnp.sum(jnp.square(g), axis=(1, 2)), group)
         return acc, sq, (_weighted(coef, g) if cfg.weights else None)
 
@@ -368,7 +385,9 @@ def _embed_bwd(cfg, res, cts):
     r = dx.astype(F32)  # [B, T, d]: example i's gradient rows, at its token ids
     bsz, d = r.shape[0], r.shape[-1]
     local = ids.astype(_U32)[..., None] * jnp.asarray(d, _U32) + jax.lax.iota(_U32, d)
-    bucket, sign = index_bucket_sign(hi, lo, local, cfg.dim, cfg.seed)
+    # the rows sit at data-dependent coordinates, so both families scatter these B x T x d values
+    # (the block family's buckets: its block offset + position, countsketch.index_bucket_sign)
+    bucket, sign = index_bucket_sign(hi, lo, local, cfg.dim, cfg.seed, cfg.hash_name)
     acc = acc.at[jnp.arange(bsz)[:, None, None], bucket].add(r * sign)
     same = (ids[:, :, None] == ids[:, None, :]).astype(F32)  # a token's rows add up in one row of E
     norms2 = jnp.einsum("bts,btd,bsd->b", same, r, r)

@@ -38,23 +38,27 @@ class SketchOptions:
         dim (int): the sketch width D (``sketch.dim``; SPEC §3.1: 65,536).
         seed (int): the CountSketch hash seed (``sketch.seed``; SPEC §3.1: 0).
         run_seed (int): the run's seed (``config.seed``).
+        hash (str): the hash family (``sketch.hash``: "splitmix64", SPEC §3.1, or "block",
+            :mod:`countsketch`); the metadata records its versioned name.
     """
 
     dim: int
     seed: int
     run_seed: int
+    hash: str = "splitmix64"
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> "SketchOptions":
-        """From ``config.sketch.dim``, ``config.sketch.seed`` and ``config.seed``."""
-        return cls(dim=int(config.sketch.dim), seed=int(config.sketch.seed), run_seed=int(config.seed))
+        """From ``config.sketch.dim``, ``config.sketch.seed``, ``config.sketch.hash`` and ``config.seed``."""
+        return cls(dim=int(config.sketch.dim), seed=int(config.sketch.seed), run_seed=int(config.seed),
+                   hash=str(config.sketch.hash))
 
 
 def sketch_metadata(options: SketchOptions, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
     """Metadata every sketch array carries (sketch_store raises when a reopened store differs):
     ``kind``, the hash family, ``options``' seed / dim / run seed, the model's parameter-order and
     model fingerprints, and the dtype."""
-    return {"kind": kind, "hash_family": countsketch.HASH_FAMILY, "seed": options.seed,
+    return {"kind": kind, "hash_family": countsketch.hash_family(options.hash), "seed": options.seed,
             "dim": options.dim, "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
             "model_fingerprint": hf_io.model_fingerprint(model_cfg), "dtype": "float32",
             "run_seed": options.run_seed}

@@ -176,8 +176,9 @@ class ForcedSketcher:
             (``PerExampleSketcher(mesh=)``; needed to compile at paper scale).
         fused: the fused one-backward sketcher (``sketch.fused``; ``sketch/fused.py``) instead of
             ``vmap(grad)``; False (the default) keeps ``vmap(grad)``.
+        hash_name: the hash family (``sketch.hash``): "splitmix64" (SPEC §3.1) or "block".
     Raises:
-        ValueError: bad sizes (and as ``PerExampleSketcher``).
+        ValueError: bad sizes (and as ``PerExampleSketcher``: e.g. ``use_tables`` with "block").
 
     ``__call__(params, examples)`` returns :class:`ForcedSketches`; its two programs are ``sketcher``
     (``per_example_sketcher``) and ``mean_logprob`` (``forced_mean_logprob``: ``(params, input_ids,
@@ -189,13 +190,14 @@ class ForcedSketcher:
 
     def __init__(self, graphdef: Any, model_config: decoder.DecoderConfig, params: Any, *, dim: int,
                  seed: int = 0, chunk_size: int = 4, block_size: int = 64, length_bucket: int = 32,
-                 pad_id: int = 0, use_tables: bool = False, mesh: Any = None, fused: bool = False):
+                 pad_id: int = 0, use_tables: bool = False, mesh: Any = None, fused: bool = False,
+                 hash_name: str = "splitmix64"):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
         self.graphdef, self.vocab_size = graphdef, int(model_config.vocab_size)
         self.sketcher = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=seed,
                                            chunk_size=chunk_size, param_order=hf_param_order(model_config),
-                                           use_tables=use_tables, mesh=mesh, fused=bool(fused))
+                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_name=hash_name)
         self.dim, self.seed, self.chunk_size = self.sketcher.dim, self.sketcher.seed, self.sketcher.chunk_size
         self.block_size = -(-int(block_size) // self.chunk_size) * self.chunk_size
         self.length_bucket, self.pad_id = int(length_bucket), int(pad_id)
@@ -212,13 +214,13 @@ class ForcedSketcher:
     @classmethod
     def from_config(cls, config: Any, graphdef: Any, model_config: decoder.DecoderConfig, params: Any,
                     pad_id: int, mesh: Any = None) -> "ForcedSketcher":
-        """Built from ``config.sketch.{dim, seed, chunk_size, fused}`` and ``config.targets.{block_size,
+        """Built from ``config.sketch.{dim, seed, chunk_size, fused, hash}`` and ``config.targets.{block_size,
         length_bucket, use_tables}``."""
         t = config.targets
         return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
                    chunk_size=config.sketch.chunk_size, block_size=t.block_size,
                    length_bucket=t.length_bucket, pad_id=pad_id, use_tables=t.use_tables, mesh=mesh,
-                   fused=bool(config.sketch.fused))
+                   fused=bool(config.sketch.fused), hash_name=str(config.sketch.hash))
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

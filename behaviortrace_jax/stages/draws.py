@@ -119,6 +119,8 @@ def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: i
         "ctx_top_p": float(t.ctx_top_p), "ctx_max_new_tokens": _ctx_new_tokens(config),
         "param_dtype": str(config.model.param_dtype), "compute_dtype": str(config.model.compute_dtype),
         "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
+        # the hash family, recorded only when it is not the default (so earlier draws still match)
+        **({"sketch_hash": h} if (h := str(config.sketch.hash)) != "splitmix64" else {}),
     }
 
 

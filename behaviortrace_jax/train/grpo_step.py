@@ -22,7 +22,7 @@ from flax import nnx
 
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.models import decoder, programs, sharding
-from behaviortrace_jax.sketch import sketcher
+from behaviortrace_jax.sketch import countsketch, sketcher
 from behaviortrace_jax.train import grpo_loss, train_state
 
 
@@ -105,7 +105,8 @@ class GRPOStepSpec:
 
     Fields: ``shapes``; ``loss`` (a ``grpo_loss`` registry name) and ``loss_cfg``; ``grad_clip``
     (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
-    1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed``;
+    1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed`` /
+    ``sketch_hash`` (hash family, ``sketch.hash``);
     ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
     sketcher chunk), ``use_tables`` (hash tables as a step argument); ``one_backward`` (the
     update is the sum of the per-rollout gradients) and ``sum_dtype`` (its accumulator dtype);
@@ -125,6 +126,7 @@ class GRPOStepSpec:
     inner_iterations: int = 1
     sketch_dim: int = 65536
     sketch_seed: int = 0
+    sketch_hash: str = "splitmix64"
     in_run_rollouts: bool = True
     chunk_size: int = 4
     use_tables: bool = False
@@ -181,7 +183,8 @@ class GRPOStepSpec:
             one = one and in_run and iters == 1 and spec.one_backward
         return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
-                   inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed), in_run_rollouts=in_run,
+                   inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed),
+                   sketch_hash=countsketch.check_hash(str(sk.hash)), in_run_rollouts=in_run,
                    chunk_size=int(sk.chunk_size), use_tables=bool(sk.in_run_tables), one_backward=one,
                    sum_dtype=str(g.sum_dtype), fused=bool(sk.fused))
 
@@ -304,7 +307,7 @@ def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: G
     loss = sketcher.DecoderLoss(functools.partial(rollout_losses, graphdef, spec, weighted))
     return sketcher.PerExampleSketcher(loss, abstract_params, dim=spec.sketch_dim, seed=spec.sketch_seed,
                                        chunk_size=spec.chunk_size, param_order=order, use_tables=spec.use_tables,
-                                       mesh=mesh, fused=spec.fused)
+                                       mesh=mesh, fused=spec.fused, hash_name=spec.sketch_hash)
 
 
 def _with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
@@ -375,7 +378,8 @@ def _first_iteration_outputs(spec: GRPOStepSpec, order: sketcher.ParamOrder | No
         rs = res.sketches if coef is None else coef[:, None] * res.sketches
         out["step_sketch"] = jnp.sum(rs, axis=0) * scale
     else:
-        out["step_sketch"] = sketcher.sketch_vector(grads, order, spec.sketch_dim, spec.sketch_seed) * scale
+        out["step_sketch"] = sketcher.sketch_vector(grads, order, spec.sketch_dim, spec.sketch_seed,
+                                                    hash_name=spec.sketch_hash) * scale
     return out
 
 
