@@ -101,6 +101,7 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
     """sketch.hash is checked (the error names the key); the block family takes no hash tables; the
     draw settings name it (a finished splitmix64 draw is not skipped); the stores record its family
     and refuse to reopen under the other."""
+    from behaviortrace_jax.behavior import behaviors
     from behaviortrace_jax.io import checkpoints
     from behaviortrace_jax.sketch import stores
     from behaviortrace_jax.stages import draws
@@ -114,10 +115,10 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
         grpo_step.GRPOStepSpec.from_config(config)
     config.sketch.hash = "block"
     assert grpo_step.GRPOStepSpec.from_config(config).sketch_hash == "block"
-    entry = checkpoints.CheckpointEntry(20, "ckpt")
-    block_draw = draws.draw_settings(config, 0, 0, entry)
+    entry, beh = checkpoints.CheckpointEntry(20, "ckpt"), behaviors.first_behavior(config)
+    block_draw = draws.draw_settings(config, 0, 0, entry, beh)
     config.sketch.hash = "splitmix64"
-    default_draw = draws.draw_settings(config, 0, 0, entry)
+    default_draw = draws.draw_settings(config, 0, 0, entry, beh)
     assert block_draw.pop("sketch_hash") == "block" and block_draw == default_draw  # a finished draw is not reused
     config.sketch.hash = "block"
     cfg, gd, params = _decoder("qwen2", True)
@@ -127,13 +128,14 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
     layout = cs.ParamLayout.from_entries([("w", (4,))])
     with pytest.raises(ValueError, match="in_run_tables"):
         cs.sketch_tree([jnp.ones(4)], layout, 64, tables=cs.layout_tables(layout, 64), hash_name="block")
-    meta = stores.sketch_metadata(config, cfg, "targets_continuation")
+    meta = stores.sketch_metadata(stores.SketchOptions.from_config(config), cfg, "targets_continuation")
     assert meta["hash_family"] == cs.BLOCK_HASH_FAMILY
     sketch_store.SketchStore.open_or_create(tmp_path / "s.zarr", (2, DIM), 1, meta)
     config.sketch.hash = "splitmix64"
     with pytest.raises(ValueError, match="hash_family"):
         sketch_store.SketchStore.open_or_create(tmp_path / "s.zarr", (2, DIM), 1,
-                                                stores.sketch_metadata(config, cfg, "targets_continuation"))
+                                                stores.sketch_metadata(stores.SketchOptions.from_config(config), cfg,
+                                                                       "targets_continuation"))
 
 
 @pytest.mark.slow
