@@ -81,6 +81,24 @@ def test_which_rollout_tables():
     assert auc.lo == pytest.approx(1.0) and auc.chance == 0.5
 
 
+def test_within_step_ci_of_a_method_does_not_depend_on_the_other_methods():
+    rng = np.random.default_rng(3)
+    ids = [f"grpo_{s:06d}_{i:03d}" for s in range(12) for i in range(4)]
+    steps = np.repeat(np.arange(12), 4)
+    gt = [r for r, x in zip(ids, rng.random(48)) if x < 0.4]
+    noisy, other = rng.normal(size=48) + np.isin(ids, gt), rng.normal(size=48)
+
+    def ci(scores):
+        rows = tables.which_rollout_tables(0, ids, steps, gt, scores, nonzero_steps=range(12), early_cutoff=12,
+                                           nboot=200, rng_seed=7)
+        r = next(r for r in rows if r.table == "which_rollout_within_step" and r.method == "m")
+        return r.lo, r.hi
+
+    alone = ci({"m": noisy})
+    assert alone[0] < alone[1]  # a real interval, not a degenerate one
+    assert ci({"other": other, "m": noisy}) == alone == ci({"m": noisy, "other": other})
+
+
 def _mp_rows(seed=0, n_groups=20):
     rng = np.random.default_rng(seed)
     rows = []

@@ -16,6 +16,7 @@ Rows are :class:`formats.Row`; the verdicts on them are in ``verdicts.py``.
 """
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -172,15 +173,15 @@ def which_rollout_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids
       per-rollout ranker); n = |W|.
     * ``which_rollout_within_step``: within-step AUC (GT vs non-GT rollouts of the same step,
       pooled pairs, ties ½; SPEC §6.7 with steps as groups) on W, chance 0.5, ceiling 1.0,
-      n = pairs; lo/hi from a cluster bootstrap over steps when ``nboot`` > 0 (one
-      ``default_rng(rng_seed)`` shared across methods in order). Step-level scores get 0.5 here.
+      n = pairs; lo/hi from a cluster bootstrap over steps when ``nboot`` > 0, each method with
+      its own stream (:func:`method_rng`), so a method's CI does not depend on which other methods
+      are scored. Step-level scores get 0.5 here.
     """
     p = which_rollout_population(rollout_ids, rollout_steps, gt_ids, advantages=advantages,
                                  nonzero_steps=nonzero_steps, step_norms=step_norms, early_cutoff=early_cutoff)
     index = rollout_index(rollout_ids)
     gt = _gt_mask(gt_ids, index)
     steps = np.asarray(rollout_steps, dtype=np.int64)
-    rng = np.random.default_rng(rng_seed)
     prec, auc = [], []
     for m, s in method_scores.items():
         s = scores_in_log_order(m, s, rollout_ids, index)
@@ -189,9 +190,15 @@ def which_rollout_tables(seed, rollout_ids: Sequence[str], rollout_steps, gt_ids
         gp = metrics.group_pairs(steps[p.mask], gt[p.mask], s[p.mask])
         lo = hi = None
         if nboot > 0 and gp.n_pairs:
-            lo, hi = metrics.cluster_bootstrap(gp, rng, nboot)
+            lo, hi = metrics.cluster_bootstrap(gp, method_rng(rng_seed, m), nboot)
         auc.append(Row(str(seed), "which_rollout_within_step", m, gp.auc, lo, hi, 0.5, 1.0, gp.n_pairs))
     return prec + auc
+
+
+def method_rng(rng_seed: int, method: str) -> np.random.Generator:
+    """The bootstrap stream of one method: ``default_rng([rng_seed, crc32(method)])``, the same
+    whatever other methods a table scores, in any process."""
+    return np.random.default_rng([int(rng_seed), zlib.crc32(method.encode())])
 
 
 def top_ranked(scores, mask, k: int = 10) -> np.ndarray:
