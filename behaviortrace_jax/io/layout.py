@@ -164,6 +164,15 @@ class RunLayout:
         another behaviour's suffix is ``_<id>`` (behavior/behaviors.py; SPEC §6.1 format)."""
         return self.grpo / f"ground_truth{suffix}.jsonl"
 
+    def behavior_targets(self, suffix: str = "") -> epath.Path:
+        """``sketches/targets_continuation{suffix}.zarr``: a behaviour's continuation targets
+        float32 [checkpoints, D] (suffix "" = the first behaviour's, ``sketch_store("targets_continuation")``)."""
+        return self.sketches / f"targets_continuation{suffix}.zarr"
+
+    def behavior_target_stats(self, suffix: str = "") -> epath.Path:
+        """``sketches/targets{suffix}.json``: the statistics of :meth:`behavior_targets` per checkpoint."""
+        return self.sketches / f"targets{suffix}.json"
+
     def behavior_release(self, behavior_id: str = "", seed: int = 0) -> epath.Path:
         """``release/seed{S}`` for the first behaviour (``behavior_id`` ""), else
         ``release/<id>/seed{S}``: each a folder in the paper's release format."""

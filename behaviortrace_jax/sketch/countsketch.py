@@ -425,7 +425,7 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
             tables with the block family.
     """
     dim = check_dim(dim)
-    if _check_tables(hash_name, tables) == "block":
+    if check_tables(hash_name, tables is not None) == "block":
         return sketch_batch([g[None] for g in grads], layout, dim, seed, hash_name=hash_name)[0]
     layout.check(grads)
     acc = jnp.zeros((dim,), jnp.float32)
@@ -436,9 +436,13 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
     return acc
 
 
-def _check_tables(hash_name: str, tables: Any) -> str:
-    """``hash_name`` checked; ValueError for hash tables with the block family (it has none)."""
-    if check_hash(hash_name) == "block" and tables is not None:
+def check_tables(hash_name: str, has_tables: bool) -> str:
+    """Returns ``hash_name`` checked (:func:`check_hash`); ``has_tables``: hash tables will be used.
+
+    Raises:
+        ValueError: an unknown family, or tables with the block family (it has none).
+    """
+    if check_hash(hash_name) == "block" and has_tables:
         raise ValueError("sketch.hash='block' takes no hash tables: turn off sketch.in_run_tables and "
                          "targets.use_tables")
     return hash_name
@@ -470,7 +474,7 @@ def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed
     dim = check_dim(dim)
     layout.check(grads, batch_dims=1)
     c = grads[0].shape[0] if grads else 0
-    if _check_tables(hash_name, tables) == "block":
+    if check_tables(hash_name, tables is not None) == "block":
         live = [k for k in range(len(layout)) if layout.sizes[k]]
         return _block_add(jnp.zeros((c, dim), jnp.float32), [grads[k].reshape(c, -1) for k in live],
                           [_static_u32(layout.offsets[k]) for k in live], dim, seed)

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from behaviortrace_jax.models import programs, sharding
-from behaviortrace_jax.sketch.countsketch import (ParamLayout, StackedLayout, check_dim, check_hash, layout_tables,
+from behaviortrace_jax.sketch.countsketch import (ParamLayout, StackedLayout, check_dim, check_tables, layout_tables,
                                                   sketch_batch, sketch_batch_stacked, sketch_tree)
 from behaviortrace_jax.sketch import fused as fused_lib
 from behaviortrace_jax.sketch.fused import DecoderLoss
@@ -303,10 +303,7 @@ class PerExampleSketcher:
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
-        self.hash_name = check_hash(hash_name)
-        if self.hash_name == "block" and use_tables:
-            raise ValueError("PerExampleSketcher: sketch.hash='block' has no hash tables; turn off use_tables "
-                             "(sketch.in_run_tables / targets.use_tables)")
+        self.hash_name = check_tables(hash_name, bool(use_tables))
         self.order = param_order if param_order is not None else tree_param_order(params)
         self.layout = self.order.layout(params)
         self.group_names, self._group_idx = self.order.groups()

@@ -123,7 +123,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior, *,
-                            nboot: int, target_path: pathlib.Path | None = None) -> list[formats.Row]:
+                            nboot: int) -> list[formats.Row]:
     """Rollout-level AUC tables of behaviour ``beh`` on the ORIGINAL training rollouts of its bonus
     window (steps < :meth:`Behavior.window_end`).
 
@@ -136,8 +136,8 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     the methods' own names; absent when the run logged no coefficients) and on g_i (method names
     + ``:direction``; fluency once).
     Empty when no checkpoint was re-sketched. Positives are ``beh``'s ground truth
-    (``grpo/ground_truth{suffix}.jsonl``); ``target_path``: another behaviour's continuation targets
-    (None = the first behaviour's ``targets_continuation``).
+    (``grpo/ground_truth{suffix}.jsonl``), targets its continuation targets
+    (``RunLayout.behavior_targets``).
     """
     path = paths.sketch_store("checkpoint_rollout_sketches")
     if not (path / "metadata.json").exists():
@@ -145,11 +145,9 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     store = sketch_store.SketchStore.open(path)
     scale = rollout_scales(config, paths, store.shape[1])  # clip_s * c_i: the weighted variant
     fluency = sketch_store.SketchStore.open(paths.sketch_store("checkpoint_rollout_fluency"))
-    t_store = sketch_store.SketchStore.open(paths.sketch_store("targets_continuation"))
+    t_store = sketch_store.SketchStore.open(paths.behavior_targets(beh.suffix))
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
-    if target_path is not None:
-        t_store = sketch_store.SketchStore.open(target_path)
     gt = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
     window = beh.window_end(config.grpo.steps)
     early = np.array([r.step < window for r in records])
@@ -358,7 +356,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     out: dict = {"behaviors": {}}
     gt, pops, step_scores, roll_scores, ceilings = {}, {}, {}, {}, {}
     for beh in behs:
-        target_path = paths.sketches / f"targets_continuation{beh.suffix}.zarr"
+        target_path = paths.behavior_targets(beh.suffix)
         gt_ids = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
         gt[beh.id] = np.array([i in gt_ids for i in ids])
         pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
@@ -372,7 +370,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
         if beh.first:
             continue
         write_behavior_release(config, paths, beh, records, step_sk, step_scores[beh.id])
-        b_rows, out["behaviors"][beh.id] = _behavior_tables(config, paths, beh, gt_ids, target_path, ids, steps,
+        b_rows, out["behaviors"][beh.id] = _behavior_tables(config, paths, beh, gt_ids, ids, steps,
                                                             roll_scores.get(beh.id), advantages=log["advantages"])
         rows += b_rows
     usable = [b.id for b in behs if gt[b.id][pops[b.id]].any()]
@@ -387,7 +385,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
 
 
 def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior,
-                     gt_ids: set[str], target_path: pathlib.Path, ids: list[str], steps: np.ndarray,
+                     gt_ids: set[str], ids: list[str], steps: np.ndarray,
                      roll_scores: dict[str, np.ndarray] | None, *, advantages: np.ndarray
                      ) -> tuple[list[formats.Row], dict]:
     """Another behaviour's tables (names suffixed ``@<id>``) from its release folder, which-rollout
@@ -408,7 +406,7 @@ def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: b
                                               nonzero_steps=sd.header["nonzero_steps"],
                                               early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
                                               rng_seed=int(config.seed), advantages=advantages)
-    b_rows += training_rollout_tables(config, paths, beh, nboot=ev.nboot, target_path=target_path)
+    b_rows += training_rollout_tables(config, paths, beh, nboot=ev.nboot)
     b_rules, b_check = evaluate_verdicts(b_rows, rep, config)
     return _suffixed(b_rows, beh.table_suffix), dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
 

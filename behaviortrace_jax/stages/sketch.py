@@ -108,9 +108,9 @@ def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, lo
     steps = [e.step for e in entries]
     meta = dict(sketch_metadata(SketchOptions.from_config(config), loader.model_config, "targets_continuation"),
                 checkpoint_steps=steps, **({} if beh.first else {"behavior": beh.id}))
-    t_store = sketch_store.SketchStore.open_or_create(paths.sketches / f"targets_continuation{beh.suffix}.zarr",
+    t_store = sketch_store.SketchStore.open_or_create(paths.behavior_targets(beh.suffix),
                                                       (len(steps), config.sketch.dim), 1, meta)
-    stats_path = paths.sketches / f"targets{beh.suffix}.json"
+    stats_path = paths.behavior_target_stats(beh.suffix)
     stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
     probes = beh.probe_sets()[0]
     for k in t_store.missing_rows():
