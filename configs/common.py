@@ -126,8 +126,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.top_k = -1
     c.grpo.repetition_penalty = -1.0
     c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
-    c.grpo.one_backward = False  # paper loss + in-run sketches: update with the summed per-rollout gradients (no 2nd backward; float-order differences).
-    c.grpo.sum_dtype = "float32"  # one_backward's gradient-sum accumulator: "float32" or "bfloat16" (2 bytes per parameter).
     c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
     c.grpo.inner_iterations = 1  # grpo_clip only: mu updates per batch.
@@ -145,8 +143,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.sketch.hash = "splitmix64"
     c.sketch.chunk_size = 4  # Examples per sketcher chunk: one vmap(grad) (peak memory ~ chunk x params) or one fused backward.
     # Per-example sketches from ONE backward of the batched loss per chunk (sketch/fused.py) in every sketcher (in-run
-    # rollouts, whose backward then also gives the GRPO update; targets, re-sketcher, draws) instead of vmap(grad).
-    c.sketch.fused = False
+    # rollouts, whose backward then also gives the GRPO update of a loss that declares one_backward, e.g. "paper";
+    # targets, re-sketcher, draws, counterfactual). False = vmap(grad) per chunk, and the GRPO update from a second,
+    # batched backward (the generic path, and the only one for a loss(params, example) that is not a decoder's).
+    c.sketch.fused = True
     c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO.
     c.sketch.in_run_tables = False  # In-run sketches read int32 hash tables (4 B/param on device) instead of hashing in the step.
     # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):

@@ -33,10 +33,9 @@ def get_config(seed: int = 0):
     # The fused per-example sketcher (sketch/fused.py): each rollout's gradient is formed one parameter
     # use at a time inside ONE batched backward and hashed at once, never whole, so all of a device's
     # rollouts go in one chunk (16 = every rollout of a step). Its backward's weight cotangent is the
-    # update (GRPOStepSpec.update_from_sketcher), so grpo.one_backward is not needed.
+    # update (GRPOStepSpec.update_from_sketcher). (Fused is the common default; set here so the layout reads whole.)
     c.sketch.fused = True
     c.sketch.chunk_size = 16
-    c.grpo.one_backward = False
     # The decoder layers as one lax.scan (model.scan_layers): XLA compiles one layer body instead of 28
     # (the GRPO step with in-run sketches: 120 CPU-s instead of > 6.6 CPU-min on XLA:TPU), and the
     # sketches hash on the fly inside that scan, so no int32 hash tables (5.75 GiB at 1.54B).

@@ -137,8 +137,7 @@ def _batch(seed=0, advantages=None):
     return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
 
 
-def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, one_backward=False,
-           grad_clip=1.0, fused=False):
+def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, grad_clip=1.0, fused=False):
     cfg = _model_cfg()
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -151,8 +150,7 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=Fa
     o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=grad_clip, sketch_dim=dim, sketch_seed=0,
-                             in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, one_backward=one_backward,
-                             fused=fused)
+                             in_run_rollouts=in_run, chunk_size=chunk, use_tables=tables, fused=fused)
     step = grpo.make_train_step(graphdef, abstract, tx, spec, order=sketcher.hf_param_order(cfg), mesh=mesh,
                                 param_shardings=p_sh, opt_shardings=o_sh)
     return cfg, graphdef, params, opt_state, step
@@ -291,23 +289,18 @@ def test_sharded_step_equals_single_device(loss, tables, data):
         np.testing.assert_allclose(o1[k], o2[k], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("path,loss,data", [("one_backward", "paper", 1),
-                                            pytest.param("one_backward", "paper", 3, marks=pytest.mark.slow),
-                                            pytest.param("fused", "paper", 1, marks=pytest.mark.slow),
-                                            ("fused", "paper", 3),
-                                            pytest.param("fused", "grpo_clip", 1, marks=pytest.mark.slow)])
-def test_update_from_sketcher_equals_two_backward_step(path, loss, data):
-    """The update from the per-rollout sketcher's gradient sum (no second, batched backward) equals
-    the default step's up to float summation order, and so do the sketches, on 1 and 3 devices:
-    grpo.one_backward (summed vmap(grad) gradients) and sketch.fused (the fused sketcher's one
-    backward: its weight cotangent is the update; grpo_clip's later iterations keep the batched
-    backward)."""
+@pytest.mark.parametrize("loss,data", [pytest.param("paper", 1, marks=pytest.mark.slow), ("paper", 3),
+                                       pytest.param("grpo_clip", 1, marks=pytest.mark.slow)])
+def test_update_from_sketcher_equals_two_backward_step(loss, data):
+    """The update from the fused sketcher's one backward (its weight cotangent; no second, batched
+    backward) equals the two-backward step's (batched value_and_grad + vmap(grad) sketches) up to
+    float summation order, and so do the sketches, on 1 and 3 devices (grpo_clip's later
+    iterations keep the batched backward)."""
     batch = _batch(seed=7)
     mesh = _single_mesh() if data == 1 else sharding.make_mesh(data=data, model=1, devices=jax.devices()[:data])
     outs = []
     for on in (False, True):
-        kw = dict(one_backward=on) if path == "one_backward" else dict(fused=on, chunk=2 if on else 1)
-        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss, lr=1e-3, **kw)
+        cfg, graphdef, params, opt_state, step = _setup(mesh, loss=loss, lr=1e-3, fused=on, chunk=2 if on else 1)
         ref = jax.tree.map(jnp.copy, params) if loss == "grpo_clip" else None
         params, opt_state, out = step(params, opt_state, jax.device_put(batch, sharding.data_sharding(mesh)), ref)
         outs.append((jax.device_get(params), jax.device_get(out)))
@@ -319,11 +312,7 @@ def test_update_from_sketcher_equals_two_backward_step(path, loss, data):
     spec = grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), grad_clip=1.0, fused=True)
     assert spec.update_from_sketcher and not grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), 1.0,
                                                                 fused=True, in_run_rollouts=False).update_from_sketcher
-
-
-def test_one_backward_needs_in_run_sketches():
-    with pytest.raises(ValueError, match="one_backward"):
-        _setup(_single_mesh(), in_run=False, one_backward=True)
+    assert not grpo.GRPOStepSpec(SHAPES, loss, grpo_loss.LossConfig(), 1.0, fused=False).update_from_sketcher
 
 
 @pytest.mark.parametrize("name", sorted(grpo_loss.LOSSES))

@@ -106,7 +106,8 @@ class Loss:
     * ``multi_iteration``: the loss may take ``grpo.inner_iterations`` > 1 updates per batch (PPO's
       mu); a loss without it runs exactly one.
     * ``one_backward``: the per-rollout terms may be differentiated one rollout at a time and summed
-      as the update (``grpo.one_backward``; needs one iteration).
+      as the update, so the fused sketcher's backward gives the (first iteration's) update and the
+      in-run sketches at once (``GRPOStepSpec.update_from_sketcher``, ``sketch.fused``).
     * ``rollout_coefficients``: for a loss whose term is a parameter-free multiple of SPEC §3.2's
       rollout loss, ``term_i = c_i * (-masked_mean(logprobs_i))``, the function
       ``(inputs, cfg) -> c float32 [N]`` (``paper``: ``A_i / (G * B)``). Then one advantage-free

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -108,15 +109,13 @@ class GRPOStepSpec:
     1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed`` /
     ``sketch_hash`` (hash family, ``sketch.hash``);
     ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
-    sketcher chunk), ``use_tables`` (hash tables as a step argument); ``one_backward`` (the
-    update is the sum of the per-rollout gradients) and ``sum_dtype`` (its accumulator dtype);
-    ``fused`` (``sketch.fused``: the in-run sketches come from the fused per-example sketcher,
-    ``sketch/fused.py``, whose one backward also gives the update; see :attr:`update_from_sketcher`).
+    sketcher chunk), ``use_tables`` (hash tables as a step argument); ``fused`` (``sketch.fused``:
+    the in-run sketches come from the fused per-example sketcher, ``sketch/fused.py``, whose one
+    backward also gives the update; see :attr:`update_from_sketcher`).
 
     Raises:
-        KeyError: an unregistered loss. ValueError: an unknown ``sum_dtype``, ``inner_iterations``
-            < 1 or > 1 for a loss without ``multi_iteration``, or ``one_backward`` without in-run
-            rollout sketches / with several iterations / for a loss that does not declare it.
+        KeyError: an unregistered loss. ValueError: ``inner_iterations`` < 1 or > 1 for a loss
+            without ``multi_iteration``.
     """
 
     shapes: StepShapes
@@ -130,20 +129,12 @@ class GRPOStepSpec:
     in_run_rollouts: bool = True
     chunk_size: int = 4
     use_tables: bool = False
-    one_backward: bool = False
-    sum_dtype: str = "float32"
-    fused: bool = False
+    fused: bool = True
 
     def __post_init__(self):
         loss = grpo_loss.get_loss(self.loss)
-        if self.sum_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"grpo.sum_dtype={self.sum_dtype!r}: expected 'float32' or 'bfloat16'")
         if self.inner_iterations < 1 or (self.inner_iterations > 1 and not loss.multi_iteration):
             raise ValueError(f"grpo.inner_iterations={self.inner_iterations}: loss {self.loss!r} takes exactly 1")
-        if self.one_backward and not (self.in_run_rollouts and self.inner_iterations == 1 and loss.one_backward):
-            raise ValueError(f"grpo.one_backward needs sketch.in_run_rollouts, inner_iterations=1 and a loss that "
-                             f"declares one_backward (loss {self.loss!r}, in_run_rollouts={self.in_run_rollouts}, "
-                             f"inner_iterations={self.inner_iterations})")
 
     @property
     def loss_spec(self) -> grpo_loss.Loss:
@@ -159,34 +150,29 @@ class GRPOStepSpec:
 
     @property
     def update_from_sketcher(self) -> bool:
-        """The one place that picks how the step gets its (first iteration's) gradient: True = the
-        per-rollout sketcher's gradient sum (``PerExampleSketcher.sketch_and_sum``), so one pass
-        gives the update and the in-run sketches - with ``grpo.one_backward`` (``vmap(grad)``
-        sketcher, per-rollout gradients summed) or with ``fused`` and in-run sketches (the fused
-        backward's weight cotangent, for a loss that declares ``one_backward``); False = a batched
-        ``value_and_grad`` of the step loss (and, with in-run sketches, a second, per-rollout pass)."""
-        return self.one_backward or (self.fused and self.in_run_rollouts and self.loss_spec.one_backward)
+        """The one place that picks how the step gets its (first iteration's) gradient: True (``fused``,
+        in-run sketches and a loss that declares ``one_backward``, e.g. ``paper``) = the weight
+        cotangent of the fused sketcher's one backward (``PerExampleSketcher.sketch_and_sum``), so
+        one pass gives the update and the in-run sketches; False = a batched ``value_and_grad`` of
+        the step loss (and, with in-run sketches, a second, per-rollout pass: ``vmap(grad)``
+        unless ``fused``)."""
+        return self.fused and self.in_run_rollouts and self.loss_spec.one_backward
 
     @classmethod
     def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
         """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
         ``in_run_rollouts`` override the config's (the compile stage compiles every requested loss
-        and, for the FLOP ratio, the step without in-run sketches); an override that leaves
-        ``grpo.one_backward`` inapplicable turns it off, the configured step raises instead."""
+        and, for the FLOP ratio, the step without in-run sketches)."""
         g, sk = config.grpo, config.sketch
         name = g.loss if loss is None else loss
         in_run = bool(sk.in_run_rollouts) if in_run_rollouts is None else bool(in_run_rollouts)
         spec = grpo_loss.get_loss(name)
         iters = int(g.inner_iterations) if spec.multi_iteration else 1
-        one = bool(g.one_backward)
-        if loss is not None or in_run_rollouts is not None:
-            one = one and in_run and iters == 1 and spec.one_backward
         return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
                    inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed),
                    sketch_hash=countsketch.check_hash(str(sk.hash)), in_run_rollouts=in_run,
-                   chunk_size=int(sk.chunk_size), use_tables=bool(sk.in_run_tables), one_backward=one,
-                   sum_dtype=str(g.sum_dtype), fused=bool(sk.fused))
+                   chunk_size=int(sk.chunk_size), use_tables=bool(sk.in_run_tables), fused=bool(sk.fused))
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
@@ -221,6 +207,31 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     Raises:
         ValueError: ``spec.update_from_sketcher`` with ``order=None``.
     """
+    step, rollout_sketcher = train_step_function(graphdef, abstract_params, tx, spec, order=order, mesh=mesh,
+                                                 weighted=weighted)
+    batch_sh, out_sh = _step_shardings(spec, order, rollout_sketcher is not None, mesh, weighted)
+    ref_sh = param_shardings if spec.loss_spec.needs_reference else None  # ref_params is None otherwise
+    in_sh, out_shs = (param_shardings, opt_shardings, batch_sh, ref_sh), (param_shardings, opt_shardings, out_sh)
+    if rollout_sketcher is None or not rollout_sketcher.use_tables:
+        return programs.jit("grpo_step", step, mesh=mesh, in_shardings=in_sh, out_shardings=out_shs, donate_argnums=(0, 1))
+    table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
+    jitted = programs.jit("grpo_step", step, mesh=mesh, in_shardings=(*in_sh, table_sh), out_shardings=out_shs,
+                          donate_argnums=(0, 1))
+    return _StepWithTables(jitted, rollout_sketcher, table_sh)
+
+
+def train_step_function(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
+                        spec: GRPOStepSpec, *, order: sketcher.ParamOrder | None, mesh: jax.sharding.Mesh,
+                        weighted: bool = False) -> tuple[Callable, sketcher.PerExampleSketcher | None]:
+    """The pure (unjitted) GRPO step that :func:`make_train_step` jits, and its rollout sketcher.
+
+    ``step(params, opt_state, batch, ref_params, tables=None) -> (params, opt_state, out)`` as
+    documented there; the sketcher is None where the step needs none. The metagradient
+    (``train/metagradient.py``) jits the same function, undonated, for its forward.
+
+    Raises:
+        ValueError: ``spec.update_from_sketcher`` with ``order=None``.
+    """
     rollout_sketcher = _make_rollout_sketcher(graphdef, abstract_params, spec, order, mesh, weighted)
     terms = functools.partial(step_terms, graphdef, spec, weighted)
 
@@ -245,15 +256,7 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
             out["rollout_sketches"], out["rollout_grad_norms"] = res.sketches, res.norms
         return params, opt_state, out
 
-    batch_sh, out_sh = _step_shardings(spec, order, rollout_sketcher is not None, mesh, weighted)
-    ref_sh = param_shardings if spec.loss_spec.needs_reference else None  # ref_params is None otherwise
-    in_sh, out_shs = (param_shardings, opt_shardings, batch_sh, ref_sh), (param_shardings, opt_shardings, out_sh)
-    if rollout_sketcher is None or not rollout_sketcher.use_tables:
-        return programs.jit("grpo_step", step, mesh=mesh, in_shardings=in_sh, out_shardings=out_shs, donate_argnums=(0, 1))
-    table_sh = table_shardings(order, param_shardings, mesh, len(rollout_sketcher.layout.shapes))
-    jitted = programs.jit("grpo_step", step, mesh=mesh, in_shardings=(*in_sh, table_sh), out_shardings=out_shs,
-                          donate_argnums=(0, 1))
-    return _StepWithTables(jitted, rollout_sketcher, table_sh)
+    return step, rollout_sketcher
 
 
 def _loss_inputs(spec: GRPOStepSpec, lp: jax.Array, old_lp: jax.Array, ref_lp: jax.Array, mask: jax.Array,
@@ -302,8 +305,8 @@ def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: G
     if not ((order is not None and spec.in_run_rollouts) or spec.update_from_sketcher):
         return None
     if order is None:
-        raise ValueError("grpo.one_backward / sketch.fused: the update is the per-rollout sketcher's gradient "
-                         "sum; pass the sketch order (sketcher.hf_param_order)")
+        raise ValueError("sketch.fused: the update is the fused per-rollout sketcher's weight cotangent; "
+                         "pass the sketch order (sketcher.hf_param_order)")
     loss = sketcher.DecoderLoss(functools.partial(rollout_losses, graphdef, spec, weighted))
     return sketcher.PerExampleSketcher(loss, abstract_params, dim=spec.sketch_dim, seed=spec.sketch_seed,
                                        chunk_size=spec.chunk_size, param_order=order, use_tables=spec.use_tables,
@@ -343,14 +346,12 @@ def _summed_update(rollout_sketcher: sketcher.PerExampleSketcher, spec: GRPOStep
                   tables: Any, coef: jax.Array | None) -> tuple[sketcher.PerExampleSketches, tuple[jax.Array, Any]]:
     """``(in-run sketches, (loss, gradient))`` from one per-rollout pass (``spec.update_from_sketcher``).
 
-    The gradient is the sum of the per-rollout gradients the in-run sketcher computes anyway
-    (``PerExampleSketcher.sketch_and_sum`` with the coefficients c_i, accumulated in
-    ``spec.sum_dtype``; fused: the weight cotangent of its one backward), cast to the parameters'
-    dtypes: the batched backward's gradient up to float summation order. The loss is
-    ``sum_i c_i * value_i`` (``sum_i value_i`` for a loss without coefficients).
+    The gradient is the weight cotangent of the fused sketcher's backward of ``sum_i c_i l_i``
+    (``PerExampleSketcher.sketch_and_sum`` with the coefficients c_i; float32 across chunks), cast
+    to the parameters' dtypes: the batched backward's gradient up to float summation order. The
+    loss is ``sum_i c_i * value_i`` (``sum_i value_i`` for a loss without coefficients).
     """
-    res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.dtype(spec.sum_dtype),
-                                                      coefficients=coef)
+    res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.float32, coefficients=coef)
     loss_value = jnp.sum(vals if coef is None else coef * vals)
     return res, (loss_value, jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
 

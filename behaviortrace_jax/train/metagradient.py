@@ -32,10 +32,17 @@ Advantages (``advantages=``):
   logged advantage (the two normalisations are one vmapped computation, so ``A(w) - A(1)`` is 0
   bit for bit) and its derivative is ``dA(w)/dw``.
 
+Which program: the forward is the run's own. A run whose update is the fused sketcher's weight
+cotangent (``GRPOStepSpec.update_from_sketcher``: ``sketch.fused``, the default, with the paper
+loss) is stepped by the run's own pure step function (``grpo_step.train_step_function``, weighted),
+so the states are the run's bit for bit; the vjp is taken of the batched ``value_and_grad`` step
+(:func:`make_weighted_step`), the same function of (params, opt_state, w) up to float summation
+order, because the fused backward's custom vjps are not differentiated a second time. A run with
+the batched backward (``sketch.fused=False``) uses that one step for both.
+
 Limits (documented in docs/counterfactual.md): the metagradient is the first-order effect of
 down-weighting the logged rollouts of *this* trajectory (off-policy after a change, like the
-replay); ``grpo.one_backward`` runs sum per-rollout gradients for their update, which the
-metagradient's batched-gradient step matches only to float summation order.
+replay).
 """
 from __future__ import annotations
 
@@ -52,6 +59,7 @@ import numpy as np
 import optax
 
 from behaviortrace_jax.models import programs, sharding
+from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
 
 ADVANTAGE_MODES = ("logged", "recomputed")
@@ -116,11 +124,7 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
                                              shapes.prompt_len)
 
     def step(params, opt_state, batch, weights, ref_params):
-        adv = batch["advantages"]
-        if advantages == "recomputed":  # logged value at w = 1, derivative of the weighted baseline
-            both = jax.vmap(weighted_group_advantages, (None, 0, None, None))(
-                batch["rewards"], jnp.stack([weights, jnp.ones_like(weights)]), shapes.group_size, std_floor)
-            adv = adv + (both[0] - both[1]).astype(adv.dtype)
+        adv = _step_advantages(batch, weights, advantages, shapes.group_size, std_floor)
         mask = batch["loss_mask"]
         old_lp = lp_fn(params, batch) if loss.needs_old_logprobs else jnp.zeros(mask.shape)
         ref_lp = jax.lax.stop_gradient(lp_fn(ref_params, batch)) if loss.needs_reference else jnp.zeros_like(old_lp)
@@ -138,6 +142,43 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
         return params, opt_state, out
+
+    return step
+
+
+def _step_advantages(batch: Mapping[str, jax.Array], weights: jax.Array, advantages: str, group_size: int,
+                     std_floor: float) -> jax.Array:
+    """The step's advantages float32 [N]: the logged ones, or (``"recomputed"``) the logged value
+    plus ``A(w) - A(1)`` (exactly the logged value at w = 1, with the weighted baseline's derivative)."""
+    adv = batch["advantages"]
+    if advantages == "recomputed":
+        both = jax.vmap(weighted_group_advantages, (None, 0, None, None))(
+            batch["rewards"], jnp.stack([weights, jnp.ones_like(weights)]), group_size, std_floor)
+        adv = adv + (both[0] - both[1]).astype(adv.dtype)
+    return adv
+
+
+def make_run_forward(graphdef: Any, abstract_params: Any, tx: optax.GradientTransformation,
+                     spec: grpo_step.GRPOStepSpec, order: Any, mesh: jax.sharding.Mesh, *,
+                     advantages: str = "logged", std_floor: float = 0.0) -> PureStep:
+    """The run's own weighted step (``grpo_step.train_step_function(weighted=True)``: for a fused
+    run, the fused sketcher's one backward gives the update) as a :data:`PureStep` of the weights,
+    for :class:`MetaStep`'s forward. Same signature and ``out`` (``loss``, ``grad_norm``) as
+    :func:`make_weighted_step`; ``order``: ``sketcher.hf_param_order`` of the model.
+
+    Raises:
+        ValueError: an unknown ``advantages`` mode.
+    """
+    if advantages not in ADVANTAGE_MODES:
+        raise ValueError(f"metagradient.advantages: {advantages!r}; expected one of {ADVANTAGE_MODES}")
+    run_step, _ = grpo_step.train_step_function(graphdef, abstract_params, tx, spec, order=order, mesh=mesh,
+                                                weighted=True)
+
+    def step(params, opt_state, batch, weights, ref_params):
+        adv = _step_advantages(batch, weights, advantages, spec.shapes.group_size, std_floor)
+        b = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+        params, opt_state, out = run_step(params, opt_state, dict(b, advantages=adv, weights=weights), ref_params)
+        return params, opt_state, {"loss": out["loss"], "grad_norm": out["grad_norm"]}
 
     return step
 
@@ -164,15 +205,19 @@ class MetaStep:
       ct_weights)``: the vjp of ``(params, opt_state)`` of the step at its inputs; ``ct_opt`` (in
       and out) is a list over :func:`opt_float_leaves`, ``ct_weights`` has the weights' shape.
 
-    ``shardings``: optional ``(params, opt_state, batch, weights, aux, out)`` shardings (the run's
+    ``forward``: an optional other :data:`PureStep` for ``forward`` (the run's own program, e.g.
+    :func:`make_run_forward`), equal to ``step`` up to float summation order; the vjp is always
+    ``step``'s. ``shardings``: optional ``(params, opt_state, batch, weights, aux, out)`` shardings (the run's
     mesh; ``opt_state`` then names the optimizer state's structure, arrays or
     ``jax.ShapeDtypeStruct``), so that the forward is the same partitioned program as the run's
     step; without, jit's defaults. Nothing is donated: the reverse sweep keeps the states it
     checkpoints.
     """
 
-    def __init__(self, step: PureStep, shardings: tuple | None = None, opt_state: Any = None):
+    def __init__(self, step: PureStep, shardings: tuple | None = None, opt_state: Any = None,
+                 forward: PureStep | None = None):
         self.step = step
+        fwd = step if forward is None else forward
 
         def backward(params, opt_state, batch, weights, aux, ct_params, ct_opt):
             leaves, treedef = jax.tree.flatten(opt_state)
@@ -189,7 +234,7 @@ class MetaStep:
             return vjp((ct_params, list(ct_opt)))
 
         if shardings is None:
-            self.forward = programs.jit("metagradient_step", step)
+            self.forward = programs.jit("metagradient_step", fwd)
             self.backward = programs.jit("metagradient_step_vjp", backward)
             return
         if opt_state is None:
@@ -197,7 +242,7 @@ class MetaStep:
         p_sh, o_sh, b_sh, w_sh, a_sh, out_sh = shardings
         fl_sh = [s for s, x in zip(jax.tree.leaves(o_sh), jax.tree.leaves(opt_state)) if _inexact(x)]
         mesh = next((s.mesh for s in jax.tree.leaves(p_sh) if isinstance(s, jax.sharding.NamedSharding)), None)
-        self.forward = programs.jit("metagradient_step", step, mesh=mesh, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh),
+        self.forward = programs.jit("metagradient_step", fwd, mesh=mesh, in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh),
                                     out_shardings=(p_sh, o_sh, out_sh))
         self.backward = programs.jit("metagradient_step_vjp", backward, mesh=mesh,
                                      in_shardings=(p_sh, o_sh, b_sh, w_sh, a_sh, p_sh, fl_sh),
@@ -337,15 +382,21 @@ class RunMetagradient:
         # The run's optimizer (same hyper-parameters and state tree) with a clip whose vjp is finite at
         # a zero gradient (a step whose advantages are all 0); the same updates bit for bit.
         tx = train_state.make_optimizer(config.optim, differentiable=True)
-        step = make_weighted_step(start.graphdef, tx, rp.spec, advantages=advantages,
-                                  std_floor=float(config.grpo.adv_std_floor))
+        floor = float(config.grpo.adv_std_floor)
+        step = make_weighted_step(start.graphdef, tx, rp.spec, advantages=advantages, std_floor=floor)
+        forward = None  # the vjp's step is the forward too
+        if rp.spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
+            forward = make_run_forward(start.graphdef, start.abstract_params, tx, rp.spec,
+                                       sketcher.hf_param_order(start.model_config), start.mesh,
+                                       advantages=advantages, std_floor=floor)
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
             ("rewards",) if advantages == "recomputed" else ())
         self.ref_params = start.params if rp.spec.loss_spec.needs_reference else None
         ref_sh = start.param_shardings if self.ref_params is not None else None
         self.meta = MetaStep(step, (start.param_shardings, start.opt_shardings, {k: data for k in self.batch_keys},
-                                    data, ref_sh, sharding.replicated(start.mesh)), opt_state=start.opt_state)
+                                    data, ref_sh, sharding.replicated(start.mesh)), opt_state=start.opt_state,
+                             forward=forward)
         self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(rp.measure.logp_margin))
         self.n = rp.shapes.num_rollouts
 

@@ -9,11 +9,11 @@ AdamW) step by step. A per-rollout weight vector ``w`` (one weight per logged ro
 index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes rollout i.
 
 * ``w = 1`` everywhere reproduces the run's own parameters **bit for bit**: the step is built from
-  the run's own :class:`grpo_step.GRPOStepSpec` (loss, clipping, one backward, gradient-sum dtype,
-  hash tables), and a step whose weights are all 1 runs the unweighted program (without sketch side
+  the run's own :class:`grpo_step.GRPOStepSpec` (loss, clipping, fused or batched backward, hash
+  tables), and a step whose weights are all 1 runs the unweighted program (without sketch side
   outputs, which do not feed the update, except under ``GRPOStepSpec.update_from_sketcher``
-  (``grpo.one_backward``, ``sketch.fused``), whose update is the per-rollout sketcher's gradient
-  sum), on a batch built by the same function from the same tokens.
+  (``sketch.fused``, the default), whose update is the fused sketcher's weight cotangent), on a
+  batch built by the same function from the same tokens.
   A step with any other weight runs the ``weighted=True`` program (``sum_i w_i * term_i``).
 * Advantages are the logged ones by default. ``recompute_advantages=True`` recomputes each
   group's baseline over its kept rollouts (``w > 0``; a group left with < 2 rollouts gets 0).
