@@ -235,7 +235,8 @@ def _rollout_batch(b=6, t=12, vocab=80):
             "loss_mask": jnp.asarray((np.arange(t) >= 5)[None].repeat(b, 0), jnp.float32)}
 
 
-@pytest.mark.parametrize("family,fused", [("qwen2", False), ("qwen2", True), pytest.param("llama", False, marks=pytest.mark.slow),
+@pytest.mark.parametrize("family,fused", [pytest.param("qwen2", False, marks=pytest.mark.slow), ("qwen2", True),
+                                          pytest.param("llama", False, marks=pytest.mark.slow),
                                           pytest.param("qwen3", False, marks=pytest.mark.slow)])
 def test_scan_layers_sketches_equal_unrolled(family, fused):
     """model.scan_layers: the decoder scans over its layers and the sketcher differentiates with
