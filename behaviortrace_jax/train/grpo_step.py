@@ -351,7 +351,7 @@ def _summed_update(rollout_sketcher: sketcher.PerExampleSketcher, spec: GRPOStep
     to the parameters' dtypes: the batched backward's gradient up to float summation order. The
     loss is ``sum_i c_i * value_i`` (``sum_i value_i`` for a loss without coefficients).
     """
-    res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, acc_dtype=jnp.float32, coefficients=coef)
+    res, gsum, vals = rollout_sketcher.sketch_and_sum(params, rb, tables, coefficients=coef)
     loss_value = jnp.sum(vals if coef is None else coef * vals)
     return res, (loss_value, jax.tree.map(lambda g, p: g.astype(p.dtype), gsum, params))
 

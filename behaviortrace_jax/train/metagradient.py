@@ -115,8 +115,7 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
     Raises:
         ValueError: an unknown ``advantages`` mode.
     """
-    if advantages not in ADVANTAGE_MODES:
-        raise ValueError(f"metagradient.advantages: {advantages!r}; expected one of {ADVANTAGE_MODES}")
+    _check_advantages(advantages)
     loss, shapes = spec.loss_spec, spec.shapes
 
     def lp_fn(p, batch):
@@ -146,6 +145,12 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
     return step
 
 
+def _check_advantages(advantages: str) -> None:
+    """Raises ValueError naming ``metagradient.advantages`` for a mode not in :data:`ADVANTAGE_MODES`."""
+    if advantages not in ADVANTAGE_MODES:
+        raise ValueError(f"metagradient.advantages: {advantages!r}; expected one of {ADVANTAGE_MODES}")
+
+
 def _step_advantages(batch: Mapping[str, jax.Array], weights: jax.Array, advantages: str, group_size: int,
                      std_floor: float) -> jax.Array:
     """The step's advantages float32 [N]: the logged ones, or (``"recomputed"``) the logged value
@@ -169,8 +174,7 @@ def make_run_forward(graphdef: Any, abstract_params: Any, tx: optax.GradientTran
     Raises:
         ValueError: an unknown ``advantages`` mode.
     """
-    if advantages not in ADVANTAGE_MODES:
-        raise ValueError(f"metagradient.advantages: {advantages!r}; expected one of {ADVANTAGE_MODES}")
+    _check_advantages(advantages)
     run_step, _ = grpo_step.train_step_function(graphdef, abstract_params, tx, spec, order=order, mesh=mesh,
                                                 weighted=True)
 
