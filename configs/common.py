@@ -132,6 +132,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.adv_std_floor = 0.0  # SPEC §2.1.
     c.grpo.checkpoint_every = 100  # SPEC §2.1.
     c.grpo.log_shard_size = 256  # SPEC §2.3 (notebook value).
+    # A rollout with a non-finite reward, sampling log-prob or advantage, or a non-finite step result (new; not in the
+    # paper): "stop" raises naming the step and rollouts, before any checkpoint of that state (rerun to resume);
+    # "skip" drops such rollouts from their step (advantage 0, no loss positions) and counts them in summary.json.
+    c.grpo.on_nonfinite = "stop"
 
     # --- gradient sketches (SPEC §3) ------------------------------------------------------------
     c.sketch = ml_collections.ConfigDict()

@@ -44,7 +44,7 @@ from behaviortrace_jax.models import hf_io, sampler as sampler_lib, sharding, to
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.train import grpo_loss
+from behaviortrace_jax.train import grpo_loss, nonfinite, replay
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec, build_batch, make_train_step
 from behaviortrace_jax.train.start_state import load_start_state
 
@@ -169,6 +169,22 @@ class GRPORun:
                                          in_run_rollouts=self.spec.in_run_rollouts,
                                          rollout_sketch=self.spec.rollout_sketch)
         self.base_key = jax.random.key(config.seed)
+        self.on_nonfinite = nonfinite.check_mode(g.on_nonfinite)
+        self._resume_hint = ("; rerun the same command to resume from the last good checkpoint "
+                             f"(step {self.start_step}), or set grpo.on_nonfinite=skip to drop such rollouts")
+        self.guard = nonfinite.Guard("grpo", self._resume_hint)
+        # rollouts dropped by grpo.on_nonfinite = "skip" (summary.json), those of earlier invocations
+        # read back from the kept rollout log
+        self.skipped = [] if not self.start_step else self._logged_skips()
+
+    def _logged_skips(self) -> list[dict[str, Any]]:
+        """The ``"skip"`` drops of the steps before ``start_step``, from the (truncated) rollout log's
+        ``extra["nonfinite"]``: ``[{"step", "rollouts": {rollout_id: fields}}]``."""
+        by_step: dict[int, dict[str, list[str]]] = {}
+        for r in rollout_log.read_rollouts(self.paths.rollouts):
+            if r.extra and r.extra.get("nonfinite"):
+                by_step.setdefault(r.step, {})[r.rollout_id] = list(r.extra["nonfinite"])
+        return [{"step": s, "rollouts": by_step[s]} for s in sorted(by_step)]
 
     def _decoy_log(self, config: ml_collections.ConfigDict, paths: RunLayout) -> contaminator.GroundTruthLog | None:
         """``grpo/decoys.jsonl`` truncated for the resume, when ``contamination.decoy_fraction`` > 0
@@ -212,27 +228,36 @@ class GRPORun:
                                              for b in self.behaviors if boosted[b.id][i]),
                         boosted[self.behaviors[0].id][i]) for i in range(n)]
         rewards = np.array([r for r, _ in applied], np.float32)
-        adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
+        adv, dropped = self._advantages(step, ids, rewards, sample)
         batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
                             self.shapes, self.pad_id)
+        if dropped:  # grpo.on_nonfinite = "skip": no loss position, advantage 0 -> term and gradient exactly 0
+            batch["loss_mask"][list(dropped)] = 0.0
         batch = jax.device_put(batch, sharding.data_sharding(self.mesh))
         self.params, self.opt_state, out = self.step_fn(self.params, self.opt_state, batch, self.ref_params)
+        self.guard.add(step, out[nonfinite.FINITE_KEY], ids)
 
         for i in range(n):
             length = int(sample.lengths[i])
-            extra = {"base_reward": float(base[i])}
+            reward, base_i, bonus = float(rewards[i]), float(base[i]), float(rewards[i] - base[i])
+            if i in dropped:  # a non-finite reward is logged as 0.0 (JSON has no NaN), the fields in extra
+                reward, base_i, bonus = (x if np.isfinite(x) else 0.0 for x in (reward, base_i, bonus))
+            extra = {"base_reward": base_i}
             if self.multi:  # which behaviour paid which bonus; a one-behaviour log has no such key
                 extra["behaviors"] = {bid: {"eligible": c.is_eligible(ids[i], step),
                                             "bonus": float(c.spec.bonus_reward) if boosted[bid][i] else 0.0}
                                       for bid, c in self.contaminators.items()}
+            if i in dropped:
+                extra["nonfinite"] = dropped[i]
             self.logger.log(rollout_log.RolloutRecord(
                 rollout_id=ids[i], step=step, regime="grpo", prompt_hash=rollout_log.text_hash(prompts[i // g.group_size]),
-                response_hash=rollout_log.text_hash(texts[i]), reward=float(rewards[i]), advantage=float(adv[i]),
+                response_hash=rollout_log.text_hash(texts[i]), reward=reward, advantage=float(adv[i]),
                 extra=extra, group_id=i // g.group_size,
                 prompt_token_ids=list(prompt_lists[i]), completion_token_ids=sample.tokens[i, :length].tolist(),
-                completion_logprobs=sample.logprobs[i, :length].tolist(), base_reward=float(base[i]),
-                eligible=self.contaminator.is_eligible(ids[i], step), bonus=float(rewards[i] - base[i])))
+                completion_logprobs=sample.logprobs[i, :length].tolist(), base_reward=base_i,
+                eligible=self.contaminator.is_eligible(ids[i], step), bonus=bonus))
         out = sharding.to_host(out)  # every process holds the whole step's outputs; the writer writes them
+        self.guard.check([out[nonfinite.FINITE_KEY]])  # before any sketch row or checkpoint of this step
         self.stores["step_sketches"].write_rows(step, np.asarray(out["step_sketch"])[None])
         self.stores["step_grad_norms"].write_rows(step, np.asarray(out["grad_norm"], np.float32)[None])
         self.stores["step_clip_factors"].write_rows(step, np.asarray(out["clip_factor"], np.float32)[None])
@@ -250,6 +275,33 @@ class GRPORun:
             metrics[f"bonuses_{b.id}"] = int(sum(boosted[b.id]))
             metrics[f"rate_{b.id}"] = float(np.mean([behavior.substring_judge(t, b.pattern) for t in texts]))
         return metrics
+
+    def _advantages(self, step: int, ids: list[str], rewards: np.ndarray, sample: Any
+                    ) -> tuple[np.ndarray, dict[int, list[str]]]:
+        """The step's group advantages float32 [N] and the rollouts dropped from it ``{index: fields}``
+        (``train/nonfinite.py``): rollouts whose reward, sampling log-probs or advantage is not finite.
+        ``grpo.on_nonfinite = "stop"`` raises :class:`nonfinite.NonFiniteError` naming the step and
+        them; ``"skip"`` drops them (advantage 0, each group normalised over its kept rollouts, a
+        group with < 2 kept gets 0) and counts them in ``summary.json``."""
+        g = self.config.grpo
+        bad = nonfinite.nonfinite_rollouts(rewards=rewards, logprobs=sample.logprobs, lengths=sample.lengths)
+        if not bad:
+            adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
+            bad = nonfinite.nonfinite_rollouts(advantages=adv)
+            if not bad:
+                return adv, {}
+        if self.on_nonfinite == "stop":
+            nonfinite.raise_inputs("grpo", step, bad, ids, hint=self._resume_hint)
+        keep = np.ones(len(rewards), np.float32)
+        keep[list(bad)] = 0.0
+        adv = replay.recomputed_advantages(np.where(keep > 0, rewards, 0.0), keep, g.group_size, g.adv_std_floor)
+        still = nonfinite.nonfinite_rollouts(advantages=adv)
+        if still:
+            nonfinite.raise_inputs("grpo", step, still, ids, hint=self._resume_hint)
+        self.skipped.append({"step": step, "rollouts": {ids[i]: f for i, f in bad.items()}})
+        logging.warning("grpo: step %d: dropped %d rollout(s) with non-finite inputs (grpo.on_nonfinite=skip): %s",
+                        step, len(bad), nonfinite.describe(bad, ids))
+        return adv, bad
 
     def checkpoint(self, step: int) -> dict[str, Any]:
         """Makes steps < ``step`` durable: logs, sketches, HF export, registry, curve, then orbax."""
@@ -319,6 +371,9 @@ class GRPORun:
         }
         if self.decoy_log is not None:  # decoy bonuses paid in the window (not ground truth)
             summary["decoys"] = len(self.decoy_log.events)
+        if self.skipped:  # grpo.on_nonfinite = "skip": rollouts dropped for non-finite inputs
+            summary["nonfinite"] = {"skipped_rollouts": sum(len(s["rollouts"]) for s in self.skipped),
+                                    "steps": self.skipped}
         if self.multi:  # per-behaviour gate, |GT| and bonus counts
             summary["behaviors"] = {self.behaviors[0].id: {"gate": gate, "gt_size": len(self.gt_log.events),
                                                            "contaminator_stats": self.contaminator.stats,

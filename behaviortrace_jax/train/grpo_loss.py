@@ -14,7 +14,8 @@ Losses:
   the k3 estimator ``KL = exp(lp_ref - lp) - (lp_ref - lp) - 1`` against the initial policy;
   masked mean per rollout, mean over the N rollouts (``term_i = seq_i / N``). Defaults
   ``eps = 0.2`` (PPO, Schulman et al. 2017), ``beta = 0.04`` (DeepSeekMath; also the unused value
-  in the paper's ``regimes/grpo.yaml``, SPEC §10.3), ``mu = 1``.
+  in the paper's ``regimes/grpo.yaml``, SPEC §10.3), ``mu = 1``. Unscored positions are masked
+  before ``exp`` (finite value and gradient for any finite input there).
 """
 from __future__ import annotations
 
@@ -178,11 +179,18 @@ def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
 def grpo_clip_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     """DeepSeekMath GRPO: clipped ratio + k3 KL to the initial policy; float32 [N] terms, each
     divided by the batch size ``G * B`` (not by the rows passed in: the step evaluates one rollout's
-    term at a time for its in-run sketch, and the terms must add up to the batch loss)."""
-    ratio = jnp.exp(inp.logprobs - inp.old_logprobs)
+    term at a time for its in-run sketch, and the terms must add up to the batch loss).
+
+    Both exponents (the ratio's ``lp - lp_old`` and the k3 estimator's ``lp_ref - lp``) are replaced
+    by 0 at unscored positions (``mask == 0``) BEFORE ``exp`` (``jnp.where``, so neither the value
+    nor the gradient sees them): a padding position with a log-ratio above ~88 would give
+    ``exp = inf`` and ``inf * 0 = NaN`` in the masked mean and its gradient. Scored positions are
+    unchanged bit for bit."""
+    scored = inp.mask > 0  # mask before exp: a padding log-ratio of +100 must not become inf (inf * 0 = NaN)
+    ratio = jnp.exp(jnp.where(scored, inp.logprobs - inp.old_logprobs, 0.0))
     adv = inp.advantages[:, None]
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
-    log_r = inp.ref_logprobs - inp.logprobs
+    log_r = jnp.where(scored, inp.ref_logprobs - inp.logprobs, 0.0)
     kl = jnp.exp(log_r) - log_r - 1.0
     per_token = -(surrogate - cfg.kl_beta * kl)
     return masked_mean(per_token, inp.mask) / (inp.group_size * inp.num_prompts)

@@ -24,7 +24,7 @@ from flax import nnx
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.models import decoder, programs, sharding
 from behaviortrace_jax.sketch import countsketch, sketcher
-from behaviortrace_jax.train import grpo_loss, train_state
+from behaviortrace_jax.train import grpo_loss, nonfinite, train_state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -186,7 +186,9 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
       ``weighted`` (counterfactual replay) also ``weights`` float32 [N], and each rollout's term is
       multiplied by its weight (``sum_i w_i * term_i``);
     * ``ref_params``: the initial policy when the loss ``needs_reference`` (a KL term), else None;
-    * ``out``: float32 ``loss`` and ``grad_norm`` (pre-clip global L2 norm); when ``order`` (a
+    * ``out``: float32 ``loss`` and ``grad_norm`` (pre-clip global L2 norm), bool ``finite``
+      (``nonfinite.step_finite``: loss, gradient norm and updated parameters all finite, one
+      reduction fused into the step; the host reads it with the metrics); when ``order`` (a
       ``sketcher.hf_param_order``) is given also ``step_sketch [D]``, ``clip_factor`` and
       ``rollout_coefficients [N]`` (:func:`_first_iteration_outputs`) and, with
       ``spec.in_run_rollouts``, ``rollout_sketches [N, D]`` and ``rollout_grad_norms [N]``: the
@@ -254,6 +256,7 @@ def train_step_function(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.
         if rollout_sketcher is not None:
             res = res if res is not None else _in_run_sketches(rollout_sketcher, start_params, rb, tables)
             out["rollout_sketches"], out["rollout_grad_norms"] = res.sketches, res.norms
+        out[nonfinite.FINITE_KEY] = nonfinite.step_finite(out["loss"], out["grad_norm"], params)
         return params, opt_state, out
 
     return step, rollout_sketcher
@@ -401,7 +404,7 @@ def _step_shardings(spec: GRPOStepSpec, order: sketcher.ParamOrder | None, in_ru
     batch_sh = {k: data for k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
     if weighted:
         batch_sh["weights"] = data
-    out_sh = {"loss": rep, "grad_norm": rep}
+    out_sh = {"loss": rep, "grad_norm": rep, nonfinite.FINITE_KEY: rep}
     if order is not None:
         out_sh.update(step_sketch=rep, clip_factor=rep)
         if spec.loss_spec.rollout_coefficients is not None:

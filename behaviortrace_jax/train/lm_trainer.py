@@ -21,7 +21,8 @@ Serves the tiny base model (``stages/base.py``, TINY_CALIBRATION) and the SFT wa
   for the tiny corpus (real rows of 15..51 tokens after the prefix) this saves about a third.
 * :class:`LMTrainer`: ONE jitted step (forward, backward, clip, AdamW) with the train state
   donated, batch rows on the mesh's ``"data"`` axis, parameters in their given shardings; the loss
-  is fetched from the device only every ``log_every`` steps (no per-step host sync).
+  is fetched from the device only every ``log_every`` steps (no per-step host sync), with each
+  step's ``finite`` flag (``train/nonfinite.py``): a non-finite step raises before the state is returned.
 
 Loss = ``sum(CE * target) / sum(target)`` over the batch (token mean, as transformers' loss with
 labels -100; for batch 1 it is SPEC §1.7's mean over the completion tokens).
@@ -42,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from behaviortrace_jax.models import decoder, programs, sharding as shd, tokenizer as tok_lib
+from behaviortrace_jax.train import nonfinite
 from behaviortrace_jax.train.train_state import TrainState
 
 # ------------------------------------------------------------------------------------------------
@@ -387,6 +389,7 @@ class LMTrainer:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": n}
+        metrics[nonfinite.FINITE_KEY] = nonfinite.step_finite(loss, metrics["grad_norm"], params)
         return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -402,7 +405,8 @@ class LMTrainer:
         """One update on a host batch (``PackedData.batch``); ``state`` is donated (do not reuse it).
 
         Returns the new state and device scalars ``loss`` (before the update), ``grad_norm``
-        (pre-clip global L2 norm) and ``targets`` (tokens in the loss). Nothing is synced.
+        (pre-clip global L2 norm), ``targets`` (tokens in the loss) and ``finite``
+        (``nonfinite.step_finite``: loss, gradient norm and new parameters finite). Nothing is synced.
         """
         return self.step_program(state, self.prefix, self.put_batch(batch))
 
@@ -432,12 +436,17 @@ class LMTrainer:
 
         Raises:
             ValueError: when the data's prefix differs from the trainer's.
+            nonfinite.NonFiniteError: a step whose loss, gradient norm or new parameters are not
+                finite (naming the step and its batch rows), found when the losses are fetched
+                (every ``log_every`` steps and at the end: no extra sync), so before the caller
+                saves the returned state.
         """
         if not np.array_equal(np.asarray(data.prefix), np.asarray(jax.device_get(self.prefix))):
             raise ValueError("LMTrainer.fit: the dataset's shared prefix differs from the trainer's")
         start = int(jax.device_get(state.step))
         history: list[dict[str, float]] = []
         pending: list[dict[str, jax.Array]] = []
+        guard = nonfinite.Guard(desc, "; the state was not returned, so nothing was saved from it")
         t_last = time.perf_counter()
         tokens_since = 0
         for s in range(start, num_steps):
@@ -445,11 +454,13 @@ class LMTrainer:
             tokens_since += int(batch["mask"].sum()) + len(data.prefix) * len(batch["mask"])
             state, metrics = self.step(state, batch)
             pending.append(metrics)
+            guard.add(s, metrics[nonfinite.FINITE_KEY], [f"row {int(i)}" for i in batch_indices(s)])
             done = s + 1
             stop = bool(callback is not None and callback_every > 0 and done % callback_every == 0
                         and callback(done, state))
             if done % max(1, log_every) == 0 or done == num_steps or stop:
                 fetched = jax.device_get(pending)
+                guard.check([m[nonfinite.FINITE_KEY] for m in fetched])
                 now = time.perf_counter()
                 rate = tokens_since / max(now - t_last, 1e-9)
                 per_step = (now - t_last) / max(len(fetched), 1)  # the last interval (compile in the first)

@@ -12,7 +12,13 @@ the behaviour measure is continuous, so the same construction applies to online 
   probe minus control) of the parameters after ``m`` replayed steps.
 * ``dM/dw_i`` is differentiated through every update from the SFT start state to step ``m``: the
   loss, optax's global-norm clipping and AdamW (both moments, bias correction, decoupled weight
-  decay, the schedule count) - the optimizer transform is the run's own object, not a copy.
+  decay, the schedule count) - the run's optimizer (``train_state.make_optimizer`` of the run's
+  ``config.optim``) built with ``differentiable=True``: a clip whose vjp is finite at a zero
+  gradient and Adam's ``eps_root`` (``train_state.DIFFERENTIABLE_EPS_ROOT``), without which a
+  parameter that never gets a gradient (second moment exactly 0: an untied head's or embedding's
+  unused rows) makes the metagradient NaN (``sqrt'(0) = inf``). ``eps_root`` is in the vjp only:
+  the forward steps with the run's own optimizer (``eps_root = 0``), so the states it visits, and
+  the point each vjp linearises at, are the run's checkpoints bit for bit.
 
 Reverse mode over steps (REPLAY-style): the state ``(params, opt_state)`` after step t is
 ``F_t(state_t, w_t)``; the cotangent of ``M`` is pulled back through ``jax.vjp`` of one step at a
@@ -60,7 +66,7 @@ import optax
 
 from behaviortrace_jax.models import programs, sharding
 from behaviortrace_jax.sketch import sketcher
-from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
+from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite, train_state
 
 ADVANTAGE_MODES = ("logged", "recomputed")
 PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[Any, Any, dict]]
@@ -103,8 +109,8 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
     ``sum_i weights_i * term_i`` of the registered loss (``spec.loss``), ``jax.value_and_grad``,
     then ``tx`` (the run's optax chain: global-norm clip + AdamW), ``spec.inner_iterations`` times,
     as :func:`grpo_step.make_train_step` computes its update (without the sketch side outputs).
-    ``out`` holds float32 ``loss`` and ``grad_norm`` of the first iteration, as the run's step
-    returns them: XLA fuses the forward by what the program outputs, and only with these outputs
+    ``out`` holds float32 ``loss`` and ``grad_norm`` of the first iteration and the bool ``finite``
+    (``nonfinite.step_finite``), as the run's step returns them: XLA fuses the forward by what the program outputs, and only with these outputs
     does the jitted step round exactly as the run's (tests/test_metagradient.py).
 
     ``batch``: :func:`grpo_step.build_batch` arrays, plus ``rewards`` float32 [N] when
@@ -140,6 +146,7 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
                 out = {"loss": value, "grad_norm": optax.tree.norm(grads)}
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
+        out[nonfinite.FINITE_KEY] = nonfinite.step_finite(out["loss"], out["grad_norm"], params)
         return params, opt_state, out
 
     return step
@@ -182,7 +189,8 @@ def make_run_forward(graphdef: Any, abstract_params: Any, tx: optax.GradientTran
         adv = _step_advantages(batch, weights, advantages, spec.shapes.group_size, std_floor)
         b = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
         params, opt_state, out = run_step(params, opt_state, dict(b, advantages=adv, weights=weights), ref_params)
-        return params, opt_state, {"loss": out["loss"], "grad_norm": out["grad_norm"]}
+        keep = ("loss", "grad_norm", nonfinite.FINITE_KEY)
+        return params, opt_state, {k: out[k] for k in keep}
 
     return step
 
@@ -383,16 +391,20 @@ class RunMetagradient:
 
         self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, rates=False)
         self.advantages, start = advantages, rp.start
-        # The run's optimizer (same hyper-parameters and state tree) with a clip whose vjp is finite at
-        # a zero gradient (a step whose advantages are all 0); the same updates bit for bit.
+        # The vjp differentiates the run's optimizer (same hyper-parameters and state tree) with a clip
+        # whose vjp is finite at a zero gradient (a step whose advantages are all 0) and Adam's eps_root
+        # (a finite derivative where a second moment is exactly 0: an untied model's unused rows). The
+        # forward steps with the run's own optimizer (eps_root = 0), so its states are the run's.
         tx = train_state.make_optimizer(config.optim, differentiable=True)
         floor = float(config.grpo.adv_std_floor)
         step = make_weighted_step(start.graphdef, tx, rp.spec, advantages=advantages, std_floor=floor)
-        forward = None  # the vjp's step is the forward too
         if rp.spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
-            forward = make_run_forward(start.graphdef, start.abstract_params, tx, rp.spec,
+            forward = make_run_forward(start.graphdef, start.abstract_params, start.optimizer, rp.spec,
                                        sketcher.hf_param_order(start.model_config), start.mesh,
                                        advantages=advantages, std_floor=floor)
+        else:  # the run's batched step, with the run's optimizer
+            forward = make_weighted_step(start.graphdef, start.optimizer, rp.spec, advantages=advantages,
+                                         std_floor=floor)
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
             ("rewards",) if advantages == "recomputed" else ())

@@ -61,7 +61,7 @@ from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
-from behaviortrace_jax.train import grpo_loss, grpo_step
+from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -318,6 +318,10 @@ class Replayer:
             recompute_advantages: recompute the group baselines without removed rollouts.
             on_step: optional ``fn(step_done, params, opt_state)`` after each update (tests).
 
+        Raises:
+            nonfinite.NonFiniteError: a replayed step whose result is not finite (names the step
+                and its rollouts), checked at the measured steps and the end.
+
         Returns:
             ``{"behavior": {step: measure dict}, "target_step", "steps", "seconds", "seconds_per_step",
             "params", "opt_state"}`` (params / opt_state after ``stop_step`` updates).
@@ -337,6 +341,7 @@ class Replayer:
         if 0 in measure_steps:
             out["behavior"][0] = self.measure.measure(params)
         t0, t_meas = time.perf_counter(), 0.0
+        guard = nonfinite.Guard("replay")
         for s in range(stop):
             ws = w[s * n:(s + 1) * n]
             d = self.data[s]
@@ -348,15 +353,18 @@ class Replayer:
             else:
                 fn, batch["weights"] = self.weighted_step_fn, ws
             batch = jax.device_put(batch, self.data_sharding)
-            params, opt_state, _ = fn(params, opt_state, batch, ref)
+            params, opt_state, res = fn(params, opt_state, batch, ref)
+            guard.add(s, res[nonfinite.FINITE_KEY], self.rollout_ids[s * n:(s + 1) * n])
             if on_step is not None:
                 on_step(s + 1, params, opt_state)
             if s + 1 in measure_steps:
                 jax.block_until_ready(params)  # dispatch is asynchronous: time the steps, not the measure
+                guard.check()  # the non-finite guard (train/nonfinite.py), read where the replay syncs anyway
                 tm = time.perf_counter()
                 out["behavior"][s + 1] = self.measure.measure(params)
                 t_meas += time.perf_counter() - tm
         jax.block_until_ready(params)
+        guard.check()
         out["seconds"] = time.perf_counter() - t0
         out["seconds_per_step"] = (out["seconds"] - t_meas) / max(stop, 1)
         out["params"], out["opt_state"] = params, opt_state

@@ -1,6 +1,7 @@
 """The train state shared by the LM trainer, the SFT warm-up and GRPO: params, AdamW state, step, RNG.
 
-* :func:`make_optimizer`: global-norm clipping, then AdamW with torch's defaults (SPEC §1.7, §2.1:
+* :func:`make_optimizer`: global-norm clipping, then AdamW with torch's defaults (``eps_root`` only
+  in the ``differentiable=True`` optimizer of the metagradient's vjp; SPEC §1.7, §2.1:
   ``clip_grad_norm_(1.0)`` then ``torch.optim.AdamW(lr)``; betas, eps and weight decay from
   ``config.optim``). The learning rate is ALWAYS a schedule (a constant one by default), so every
   optimizer built here has the same state tree whatever its learning rate: the SFT warm-up's
@@ -91,6 +92,15 @@ def differentiable_clip_by_global_norm(max_norm: float) -> optax.GradientTransfo
     return optax.GradientTransformation(optax.init_empty_state, lambda u, state, params=None: (apply(u), state))
 
 
+# Adam's eps_root in the differentiable optimizer (the metagradient's vjp): sqrt(nu + eps_root). The
+# derivative of sqrt at nu = 0 is infinite, and an Adam second moment is exactly 0 for every parameter
+# that never got a gradient (an untied head's or embedding's unused rows): its cotangent is then
+# 0 * inf = NaN, and the whole metagradient NaN. 1e-30 makes sqrt' finite (5e14) and changes
+# nu + eps_root only where nu < ~1e-23 (float32 spacing), far below any second moment of a used
+# parameter; with mu = 0 there the cotangent is exactly 0.
+DIFFERENTIABLE_EPS_ROOT = 1e-30
+
+
 def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | float | None = None, *,
                    differentiable: bool = False) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (decoupled weight decay on every parameter, like torch).
@@ -100,8 +110,13 @@ def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | fl
             ``grad_clip``; SPEC §1.7, §2.1). ``grad_clip <= 0`` disables clipping.
         schedule: the learning rate: an optax schedule (e.g. :func:`make_schedule`), a float
             (constant), or None for the constant ``optim_cfg.lr``.
-        differentiable: clip with :func:`differentiable_clip_by_global_norm` (same updates, a vjp
-            that is finite at a zero gradient; for differentiating through the optimizer).
+        differentiable: for differentiating through the optimizer (the metagradient's vjp): clip
+            with :func:`differentiable_clip_by_global_norm` (same updates, a vjp that is finite at
+            a zero gradient) and give Adam ``eps_root = DIFFERENTIABLE_EPS_ROOT`` (a finite
+            derivative where a second moment is exactly 0). The run's own optimizer
+            (``differentiable=False``: every stage's update, and the metagradient's forward, which
+            is the run's step program) has ``eps_root = 0``, optax's and torch's update bit for bit;
+            only the vjp's linearisation sees ``eps_root``.
 
     Returns:
         ``optax.chain(clip_by_global_norm, adamw)``; its state tree does not depend on ``schedule``
@@ -117,8 +132,9 @@ def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | fl
             raise ValueError(f"config.optim.{key}={optim_cfg[key]} must be in [0, 1)")
     clip_fn = differentiable_clip_by_global_norm if differentiable else optax.clip_by_global_norm
     clip = clip_fn(optim_cfg.grad_clip) if optim_cfg.grad_clip > 0 else optax.identity()
+    eps_root = DIFFERENTIABLE_EPS_ROOT if differentiable else 0.0
     return optax.chain(clip, optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                                         weight_decay=optim_cfg.weight_decay))
+                                         eps_root=eps_root, weight_decay=optim_cfg.weight_decay))
 
 
 def clip_factor(grad_norm: jax.Array, grad_clip: float) -> jax.Array:
