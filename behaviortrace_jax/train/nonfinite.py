@@ -95,6 +95,13 @@ def nonfinite_rollouts(*, rewards: np.ndarray | None = None, advantages: np.ndar
     return dict(sorted(bad.items()))
 
 
+def dropped_rows(records: Sequence[Any]) -> list[int]:
+    """Positions in ``records`` (``io.rollout_log.RolloutRecord``s of one step) of the rollouts that
+    ``"skip"`` dropped from their step (``extra["nonfinite"]``): a replay zeroes their loss mask as
+    the run did, so it reproduces the run's update for every loss."""
+    return [i for i, r in enumerate(records) if (r.extra or {}).get("nonfinite")]
+
+
 def describe(bad: dict[int, list[str]], ids: Sequence[str] | None = None) -> str:
     """``"grpo_000003_005 (reward), ... (+k more)"``: the first :data:`SHOWN` entries of
     :func:`nonfinite_rollouts`, named by ``ids[i]`` (else the index)."""
