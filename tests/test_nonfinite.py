@@ -293,7 +293,8 @@ def test_nan_reward_stops_at_its_step_resumes_and_is_skipped_under_skip(smoke_sf
     w = copy_start(start, tmp_path / "run")
     real = planted.base_reward
     monkeypatch.setattr(planted, "base_reward", NaNRewardAt(real, 3 * n + 5))
-    with pytest.raises(nonfinite.NonFiniteError, match=r"grpo: step 3: 1 rollout.*grpo_000003_005 \(reward\)"):
+    with pytest.raises(nonfinite.NonFiniteError, match=r"grpo: step 3: 1 rollout.*grpo_000003_005 \(reward\)"
+                       r".*resume from the last good checkpoint \(step 2\)"):
         pipeline.run(config, str(w))
     assert checkpoints.latest_step(w / "grpo" / "state") == 2
     assert not (w / "grpo" / "checkpoints" / "step_00000004").exists()

@@ -170,12 +170,17 @@ class GRPORun:
                                          rollout_sketch=self.spec.rollout_sketch)
         self.base_key = jax.random.key(config.seed)
         self.on_nonfinite = nonfinite.check_mode(g.on_nonfinite)
-        self._resume_hint = ("; rerun the same command to resume from the last good checkpoint "
-                             f"(step {self.start_step}), or set grpo.on_nonfinite=skip to drop such rollouts")
-        self.guard = nonfinite.Guard("grpo", self._resume_hint)
+        self.guard = nonfinite.Guard("grpo")
         # rollouts dropped by grpo.on_nonfinite = "skip" (summary.json), those of earlier invocations
         # read back from the kept rollout log
         self.skipped = [] if not self.start_step else self._logged_skips()
+
+    @property
+    def _resume_hint(self) -> str:
+        """What the non-finite error tells the user: the checkpoint a rerun resumes from."""
+        last = checkpoints.latest_step(self.paths.state) or 0
+        return (f"; rerun the same command to resume from the last good checkpoint (step {last}), or set "
+                "grpo.on_nonfinite=skip to drop rollouts with non-finite inputs")
 
     def _logged_skips(self) -> list[dict[str, Any]]:
         """The ``"skip"`` drops of the steps before ``start_step``, from the (truncated) rollout log's
@@ -257,6 +262,7 @@ class GRPORun:
                 completion_logprobs=sample.logprobs[i, :length].tolist(), base_reward=base_i,
                 eligible=self.contaminator.is_eligible(ids[i], step), bonus=bonus))
         out = sharding.to_host(out)  # every process holds the whole step's outputs; the writer writes them
+        self.guard.hint = self._resume_hint if not bool(np.all(out[nonfinite.FINITE_KEY])) else ""
         self.guard.check([out[nonfinite.FINITE_KEY]])  # before any sketch row or checkpoint of this step
         self.stores["step_sketches"].write_rows(step, np.asarray(out["step_sketch"])[None])
         self.stores["step_grad_norms"].write_rows(step, np.asarray(out["grad_norm"], np.float32)[None])

@@ -11,7 +11,11 @@ The guard has two halves:
   & all(isfinite(new params))``, computed inside the jitted step (fused into it: the loss and the
   gradient norm are already outputs, the parameter reduction reads the update's output once) and
   returned with the step's metrics. The host reads it where it already reads the metrics
-  (:class:`Guard`), so the guard adds no device-to-host sync.
+  (:class:`Guard`), so the guard adds no device-to-host sync. Measured on the 2-core CPU
+  (``bench/bench_nonfinite_flag.py``, alternating rounds): smoke shapes 89.5 vs 87.3 ms median
+  (min 84.2 vs 84.5), the tiny default's model 196.0 vs 197.6 ms (min 187.3 vs 186.7), with vs
+  without the flag: within the noise. The smoke run's checkpoints, rollout log and sketches are
+  bit for bit those of the code without it.
 
 ``grpo.on_nonfinite`` (:data:`MODES`) decides what a non-finite value does in the ``grpo`` stage:
 
