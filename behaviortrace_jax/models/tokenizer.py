@@ -3,6 +3,7 @@ prompt ids truncated to 128 (SPEC §2.2 a) and the EOS / pad ids for generation 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -133,14 +134,23 @@ def mask_eos_ids(tokenizer: Any, mode: str) -> tuple[int, ...]:
 
 def check_token_ids(ids: Any, vocab_size: int, where: str) -> None:
     """Raises ValueError when a token id of ``ids`` (any int array-like) lies outside
-    ``[0, vocab_size)``, naming the first such id, its index and ``where`` it came from.
+    ``[0, vocab_size)``, naming the first such id, its index, ``where`` it came from and the vocab size.
 
-    Out-of-range ids must be stopped on the host: on device the embedding clamps them on read (and
-    drops their gradient), and the log-prob of an id >= V is NaN while its sketch stays finite.
+    The one check of token ids at the package's public entries (batch builders, sketchers, losses,
+    the sampler, the SFT packer): host-side, where the ids arrive. Out-of-range ids must be stopped
+    there: on device the embedding clamps them on read (and drops their gradient), a negative id
+    wraps to the last rows, and the log-prob of an id >= V is NaN while its sketch stays finite.
+    A ``jax.Array`` (a tracer inside a jitted function, or an array already on the devices) is not
+    read back: the jitted path stays as it is, and such ids were checked where they were built.
     """
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(ids, jax.Array):
+        return
     a = np.asarray(ids)
     if a.size == 0:
         return
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{where}: token ids must be integers, got dtype {a.dtype}")
     bad = np.flatnonzero((a.reshape(-1) < 0) | (a.reshape(-1) >= vocab_size))
     if bad.size:
         idx = np.unravel_index(int(bad[0]), a.shape)

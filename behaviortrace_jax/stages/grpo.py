@@ -214,7 +214,7 @@ class GRPORun:
         rewards = np.array([r for r, _ in applied], np.float32)
         adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
         batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
-                            self.shapes, self.pad_id)
+                            self.shapes, self.pad_id, vocab_size=self.model_cfg.vocab_size)
         batch = jax.device_put(batch, sharding.data_sharding(self.mesh))
         self.params, self.opt_state, out = self.step_fn(self.params, self.opt_state, batch, self.ref_params)
 

@@ -362,6 +362,7 @@ class LMTrainer:
         self.graphdef, self.config, self.optimizer, self.mesh = graphdef, config, optimizer, mesh
         self.trace_count = 0
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else None
+        tok_lib.check_token_ids(prefix, config.vocab_size, "LMTrainer: prefix")
         self._host_prefix, self._prefix = np.asarray(prefix, np.int32), None
         out_sh = None if mesh is None else (state_shardings, self._replicated)
         self.step_program = programs.jit("lm_step", self._step_impl, mesh=mesh, donate_argnums=0, out_shardings=out_sh)
@@ -391,7 +392,10 @@ class LMTrainer:
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Moves a host batch to the devices: rows over ``"data"`` (replicated when B does not
-        divide the data axis, e.g. SPEC §1.7's batch 1)."""
+        divide the data axis, e.g. SPEC §1.7's batch 1). Host ``tokens`` outside
+        ``[0, vocab_size)`` raise a ValueError naming the id (``tokenizer.check_token_ids``)."""
+        if "tokens" in batch:
+            tok_lib.check_token_ids(batch["tokens"], self.config.vocab_size, "LMTrainer: batch tokens")
         if self.mesh is None:
             return jax.device_put(batch)
         b = next(iter(batch.values())).shape[0]
