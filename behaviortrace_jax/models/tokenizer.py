@@ -49,6 +49,42 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def check_prompt_boundary(prompt_ids: Any, ids: Any, where: str) -> None:
+    """Raises ValueError unless ``ids`` (the tokenisation of prompt + completion text) starts with
+    ``prompt_ids`` (the prompt's own tokenisation), naming ``where``, the first token that differs
+    and both ids there.
+
+    A text pair tokenised as one string can merge across the boundary (BPE joins the prompt's last
+    characters with the completion's first: e.g. a completion that starts with whitespace after the
+    prompt's final newline); the completion's loss or sketch weights would then start at the wrong
+    token. Training on sampled rollouts never re-tokenises (their ids are the sampled ids); this
+    guards the places where a completion arrives as text (the SFT and base corpora, the forced
+    targets' texts).
+    """
+    n, got = len(prompt_ids), list(ids[:len(prompt_ids)])
+    want = [int(i) for i in prompt_ids]
+    if got != want:
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
+        have = got[k] if k < len(got) else "nothing"
+        raise ValueError(
+            f"{where}: tokenising prompt + completion merges across the boundary: token {k} is {have} where the "
+            f"prompt alone ({n} tokens) has {want[k]}; the completion would be scored from a shifted token. "
+            "Start the completion so that it does not merge with the prompt's end (e.g. no leading whitespace)")
+
+
+def encode_with_prompt(tokenizer: Any, prompt: str, completion: str, where: str) -> tuple[list[int], int]:
+    """(the ids of ``prompt + completion``, the number of prompt tokens), tokenised as one string
+    (as SPEC §5.4 and §1.7 do) and checked by :func:`check_prompt_boundary`.
+
+    Raises:
+        ValueError: naming ``where`` when the two merge across the boundary.
+    """
+    prompt_ids = encode(tokenizer, prompt)
+    ids = encode(tokenizer, prompt + completion)
+    check_prompt_boundary(prompt_ids, ids, where)
+    return ids, len(prompt_ids)
+
+
 def encode_chat(tokenizer: Any, system: str, user: str, max_tokens: int | None = None) -> list[int]:
     """Token ids of :func:`chat_prompt`, truncated to ``max_tokens`` (SPEC §2.2 a: truncate 128).
 
