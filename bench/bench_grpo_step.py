@@ -63,7 +63,7 @@ def main() -> None:
     prompts = [list(rng.integers(3, cfg.vocab_size, size=40)) for _ in range(n)]
     comps = rng.integers(3, cfg.vocab_size, size=(n, t)).astype(np.int32)
     batch = grpo_step.build_batch(prompts, comps, np.full(n, t, np.int32), rng.standard_normal(n).astype(np.float32),
-                                  (0,), shapes, 0)
+                                  (0,), shapes, 0, vocab_size=cfg.vocab_size)
     steps, states = {}, {}
     programs = {"two_backward": dict(fused=False), "fused": dict(fused=True),
                 "no_sketches": dict(in_run_rollouts=False)}

@@ -286,7 +286,7 @@ def test_presets_equal_published_configs_and_transformers_counts(fam, preset, pu
 
 @pytest.mark.parametrize("cls, change, needle", [
     (LlamaConfig, {"attention_bias": True}, "attention_bias"),
-    (LlamaConfig, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    (LlamaConfig, {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type"),
     (LlamaConfig, {"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "low_freq_factor"),
     (Qwen3Config, {"use_sliding_window": True}, "use_sliding_window"),
     (Qwen3Config, {"model_type": "qwen2"}, "model_type"),

@@ -134,7 +134,7 @@ def _batch(seed=0, advantages=None):
         if lengths[i] < t:
             comps[i, lengths[i] - 1:] = EOS
     adv = np.asarray(advantages if advantages is not None else rng.standard_normal(n), np.float32)
-    return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD)
+    return grpo.build_batch(prompt_lists, comps, lengths, adv, (EOS,), SHAPES, PAD, vocab_size=VOCAB)
 
 
 def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=False, grad_clip=1.0, fused=False):
@@ -170,7 +170,7 @@ def test_build_batch_masks_eos_and_padding():
 def test_build_batch_rejects_long_prompt():
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         grpo.build_batch([[5] * 9] * 6, np.zeros((6, 6), np.int32), np.ones(6, np.int32), np.zeros(6, np.float32),
-                         (EOS,), SHAPES, PAD)
+                         (EOS,), SHAPES, PAD, vocab_size=VOCAB)
 
 
 def test_step_raises_logprob_of_rewarded_completion():

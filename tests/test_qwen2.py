@@ -140,7 +140,7 @@ def test_to_hf_config_is_accepted_by_transformers():
 @pytest.mark.parametrize("change, needle", [
     ({"model_type": "llama"}, "model_type"),
     ({"use_sliding_window": True}, "use_sliding_window"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_type"),
 ])
 def test_from_hf_config_refuses_unsupported(change, needle):
     with pytest.raises(ValueError, match=needle):

@@ -89,7 +89,8 @@ def test_build_batch_masks_non_primary_eos_like_targets(tmp_path, tok_dir, mode)
                       [52, IM_END, pad, pad, pad, pad],  # ends on the tokenizer's EOS
                       [53, 54, 55, 56, 57, 58]], np.int32)  # no EOS within max_new_tokens
     lengths = np.array([3, 2, 6], np.int32)
-    batch = grpo.build_batch(prompts, comps, lengths, np.zeros(3, np.float32), mask_ids, shapes, pad)
+    batch = grpo.build_batch(prompts, comps, lengths, np.zeros(3, np.float32), mask_ids, shapes, pad,
+                             vocab_size=len(tok))
     for i in range(3):
         whole, _, _ = targets.response_examples(prompts[i], comps[i], lengths[i], mask_ids, frozenset())
         want = np.zeros(shapes.completion_len, np.float32)

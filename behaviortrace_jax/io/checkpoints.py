@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from behaviortrace_jax.io import files
@@ -161,8 +162,18 @@ def tree_path_name(path: tuple, sep: str = ".", drop_variable_value: bool = True
 
 def _abstract(x: Any) -> Any:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None) or _default_sharding())
     return x
+
+
+def _default_sharding() -> jax.sharding.Sharding:
+    """Where a requested leaf without a sharding is restored: this process's first device (one
+    process), or replicated over every device (several; orbax restores global arrays only). Never
+    the saved sharding, which names the devices of the mesh it was saved from."""
+    if jax.process_count() == 1:
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _stored_shape(leaf: jax.ShapeDtypeStruct) -> tuple[int, ...]:
@@ -175,6 +186,12 @@ def restore_train_state(directory: str | os.PathLike, step: int | None, abstract
     """Restores ``directory/<step>`` (``step=None``: the latest) into the structure, shapes, dtypes
     and shardings of ``abstract_state`` (a pytree of ``jax.ShapeDtypeStruct`` or arrays, e.g. from
     ``jax.eval_shape``). Dtypes are cast to the abstract ones.
+
+    Any topology: the state is read onto the requested shardings whatever mesh it was saved from
+    (another device count, data/model axes, FSDP on or off), with or without the shardings orbax
+    saved beside it (they are never used). A leaf requested without a sharding goes to this
+    process's first device (replicated over all devices in a multi-process run), not to the saved
+    sharding (orbax's "Topology mismatch" on another device count).
 
     Raises:
         FileNotFoundError: no such complete checkpoint.

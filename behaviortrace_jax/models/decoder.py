@@ -2,7 +2,9 @@
 
 One module tree with switches read from the family's config class: ``qkv_bias`` (Qwen2's q/k/v
 biases), ``qk_norm`` (Qwen3's per-head RMSNorm of q and k before RoPE) and the RoPE inverse
-frequencies (:meth:`DecoderConfig.rope_inv_freq`: default, or Llama 3's scaled ones). A family
+frequencies and cos/sin scale (:meth:`DecoderConfig.rope_inv_freq`, :attr:`DecoderConfig.rope_attention_scaling`:
+default, linear, dynamic, yarn or llama3, read from HF config.json as transformers reads it,
+:func:`rope_parameters`). A family
 (``qwen2.py``, ``llama.py``, ``qwen3.py``) is a :class:`DecoderConfig` subclass (switches, presets,
 ``from_hf_config`` / ``to_hf_config``), a :class:`DecoderForCausalLM` subclass and its HF weight
 rows; ``families.py`` registers them by HF ``model_type``.
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax import nnx
 
 from behaviortrace_jax.io.files import read_json
@@ -97,6 +101,8 @@ class DecoderConfig:
     # ``sketcher.hf_param_order`` of this config sketches per-example gradients in a scan over the
     # layers too. Parameters, checkpoints and the sketch coordinate order do not change.
     scan_layers: bool = False
+    # A non-default RoPE variant (linear, dynamic, yarn, llama3; :class:`RopeScaling`), None = default.
+    rope_scaling: "RopeScaling | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
@@ -151,9 +157,26 @@ class DecoderConfig:
         """The family's NNX module class (subclasses return their own)."""
         return DecoderForCausalLM
 
-    def rope_inv_freq(self) -> jax.Array | None:
-        """RoPE inverse frequencies [head_dim/2] float32; None = the default ``theta^(-2i/d)``."""
-        return None
+    def rope_inv_freq(self, seq_len: jax.Array | int | None = None) -> jax.Array | None:
+        """RoPE inverse frequencies [head_dim/2] float32; None = the default ``theta^(-2i/d)``.
+
+        ``seq_len``: the sequence length of this forward (``max(positions) + 1``, may be traced);
+        only ``dynamic`` reads it (as transformers' ``dynamic_rope_update``); None = at init.
+        """
+        if self.rope_scaling is None:
+            return None
+        return self.rope_scaling.inv_freq(self.head_dim, self.rope_theta, self.max_position_embeddings, seq_len)
+
+    @property
+    def rope_attention_scaling(self) -> float:
+        """The factor transformers multiplies RoPE's cos and sin by (yarn's ``attention_factor``; 1 otherwise)."""
+        return 1.0 if self.rope_scaling is None else self.rope_scaling.attention_scaling()
+
+    def rope_hf_dict(self) -> dict:
+        """This config's RoPE as a transformers-5 ``rope_parameters`` dict (``rope_theta`` included)."""
+        if self.rope_scaling is None:
+            return {"rope_theta": self.rope_theta, "rope_type": "default"}
+        return self.rope_scaling.to_hf(self.rope_theta)
 
 
 def read_hf_config(path_or_dict: str | os.PathLike | dict) -> tuple[dict, str]:
@@ -172,12 +195,213 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> tuple[dict, str]:
     return read_json(p), p
 
 
-def rope_parameters(d: dict) -> tuple[str, dict, float]:
-    """(rope_type, the rope dict, rope_theta) of a HF config (``rope_parameters`` or ``rope_scaling``)."""
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-    return rope_type, rope, float(theta)
+# The RoPE variants the shared decoder implements (transformers' ``ROPE_INIT_FUNCTIONS`` names, plus
+# "default"); ``longrope`` and ``proportional`` are refused by name.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# Keys transformers requires per rope_type (``RotaryEmbeddingConfigMixin._validate_<type>_rope_parameters``,
+# after ``standardize_rope_params`` filled ``rope_type``, ``rope_theta`` and, for yarn / llama3,
+# ``original_max_position_embeddings``); a missing one is transformers' KeyError, ours a ValueError.
+_ROPE_REQUIRED = {"default": (), "linear": ("factor",), "dynamic": ("factor",),
+                  "yarn": ("factor", "original_max_position_embeddings"),
+                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
+
+
+def rope_parameters(d: dict, src: str = "<dict>") -> tuple[str, dict, float]:
+    """(rope_type, the standardised rope dict, rope_theta) of a HF config dict, as transformers 5
+    resolves them (``PreTrainedConfig.convert_rope_params_to_dict`` + ``standardize_rope_params``).
+
+    Precedence (transformers'): a non-empty ``rope_scaling`` replaces ``rope_parameters`` whole; the
+    dict's ``rope_theta`` wins over the top-level ``rope_theta``, which wins over 10000; the dict's
+    ``rope_type`` wins over its legacy ``type``, else "default"; yarn / llama3 without
+    ``original_max_position_embeddings`` take ``max_position_embeddings``. Where both spellings are
+    given and disagree, transformers takes the one above without a word; this logs a warning naming
+    both keys and takes the same one.
+
+    Raises:
+        ValueError: naming the key when ``rope_scaling`` / ``rope_parameters`` is not a dict (transformers'
+            strict-dataclass error), or ``rope_theta`` is not a number.
+    """
+    given = {k: d.get(k) for k in ("rope_scaling", "rope_parameters")}
+    for key, value in given.items():
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{src}: {key} must be a dict or null, got {value!r}")
+    rs, rp = given["rope_scaling"], given["rope_parameters"]
+    if rs and rp and _rope_differs(rs, rp):
+        logging.warning("%s: rope_scaling=%r and rope_parameters=%r disagree; rope_scaling is used "
+                        "(transformers' precedence)", src, rs, rp)
+    rope = dict(rs or rp or {})
+    if "rope_theta" in rope and "rope_theta" in d and _num(rope["rope_theta"]) != _num(d["rope_theta"]):
+        logging.warning("%s: rope_theta=%r and %s.rope_theta=%r disagree; the latter is used "
+                        "(transformers' precedence)", src, d["rope_theta"],
+                        "rope_scaling" if rs else "rope_parameters", rope["rope_theta"])
+    rope.setdefault("rope_theta", d.get("rope_theta", DEFAULT_ROPE_THETA))
+    if "type" in rope and "rope_type" in rope and rope["type"] != rope["rope_type"]:
+        logging.warning("%s: rope type=%r and rope_type=%r disagree; rope_type is used (transformers' "
+                        "precedence)", src, rope["type"], rope["rope_type"])
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        rope.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 32768))
+    theta = rope["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"{src}: rope_theta must be a number, got {theta!r}")
+    return rope["rope_type"], rope, float(theta)
+
+
+def _num(v: Any) -> Any:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+def _rope_differs(a: dict, b: dict) -> bool:
+    """Whether two rope dicts mean different things (``type`` read as ``rope_type``, numbers as floats)."""
+    def norm(r: dict) -> dict:
+        out = {("rope_type" if k == "type" else k): _num(v) for k, v in r.items()}
+        out.setdefault("rope_type", "default")
+        return out
+    return norm(a) != norm(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A non-default RoPE variant, resolved from a HF config (:func:`rope_scaling_from_hf`); hashable,
+    so the model config stays a static jit argument. Formulas and defaults are transformers'
+    (``modeling_rope_utils._compute_<type>_parameters``), in float32 as there.
+
+    Attributes:
+        rope_type: "linear" | "dynamic" | "yarn" | "llama3".
+        factor: the scaling factor (yarn without one: ``max_position_embeddings / original``).
+        original_max_position_embeddings: the pre-training context (yarn, llama3).
+        low_freq_factor, high_freq_factor: llama3's ramp ends.
+        attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim, truncate: yarn's options
+            (None = transformers' default: attention factor from ``factor``, betas 32 / 1).
+    """
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    attention_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def to_hf(self, theta: float) -> dict:
+        """The ``rope_parameters`` dict transformers reads back to the same variant."""
+        out = {"rope_type": self.rope_type, "rope_theta": theta, "factor": self.factor}
+        for f in dataclasses.fields(self)[2:]:
+            v = getattr(self, f.name)
+            if v is not None and not (f.name == "truncate" and v is True):
+                out[f.name] = v
+        return out
+
+    def attention_scaling(self) -> float:
+        """transformers' ``attention_factor`` (cos/sin multiplier): yarn's, 1.0 for the others."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(_yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim))
+        return _yarn_mscale(self.factor)
+
+    def inv_freq(self, head_dim: int, theta: float, max_position_embeddings: int,
+                 seq_len: jax.Array | int | None = None) -> jax.Array:
+        """Inverse frequencies float32 [head_dim/2] (``seq_len``: see :meth:`DecoderConfig.rope_inv_freq`)."""
+        base = default_inv_freq(head_dim, theta)
+        if self.rope_type == "linear":
+            return base / self.factor
+        if self.rope_type == "dynamic":
+            if seq_len is None:  # at init transformers' formula gives the default frequencies
+                return base
+            mpe, dim = max_position_embeddings, head_dim
+            seq = jnp.maximum(jnp.asarray(seq_len, jnp.int32), mpe).astype(jnp.float32)
+            grown = theta * ((self.factor * seq / mpe) - (self.factor - 1)) ** (dim / (dim - 2))
+            scaled = 1.0 / (grown ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+            # transformers recomputes only when the sequence outgrows max_position_embeddings
+            return jnp.where(jnp.asarray(seq_len) > mpe, scaled, base)
+        if self.rope_type == "yarn":
+            return self._yarn_inv_freq(head_dim, theta)
+        if self.rope_type == "llama3":
+            old = self.original_max_position_embeddings
+            low_wavelen, high_wavelen = old / self.low_freq_factor, old / self.high_freq_factor
+            wavelen = 2 * math.pi / base
+            scaled = jnp.where(wavelen > low_wavelen, base / self.factor, base)
+            smooth = (old / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+            return jnp.where(medium, smoothed, scaled)
+        raise ValueError(f"rope_type={self.rope_type!r}; supported: {', '.join(map(repr, ROPE_TYPES))}")
+
+    def _yarn_inv_freq(self, dim: int, theta: float) -> jax.Array:
+        beta_fast, beta_slow = self.beta_fast or 32, self.beta_slow or 1
+        omp = self.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(omp / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (self.factor * pos_freqs)
+        ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp
+        return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * log(scale) + 1`` (1 for scale <= 1), transformers' ``yarn_get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_scaling_from_hf(d: dict, src: str = "<dict>",
+                         rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, the :class:`RopeScaling` or None for default RoPE) of a HF config dict, resolved
+    as transformers does (:func:`rope_parameters`).
+
+    Raises:
+        ValueError: naming the key for a ``rope_type`` outside ``rope_types``, a key the type requires
+            that is missing (transformers' KeyError), a non-numeric one, or ``partial_rotary_factor``
+            != 1 with a scaled type (the decoder rotates whole heads).
+    """
+    rope_type, rope, theta = rope_parameters(d, src)
+    if rope_type not in rope_types:
+        raise ValueError(f"{src}: rope_type={rope_type!r}; supported: {', '.join(map(repr, rope_types))}")
+    missing = [k for k in _ROPE_REQUIRED[rope_type] if k not in rope]
+    if missing:
+        raise ValueError(f"{src}: rope_scaling / rope_parameters of rope_type={rope_type!r} lacks "
+                         f"{', '.join(map(repr, missing))}")
+    if rope_type == "default":
+        return theta, None
+    if rope.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        raise ValueError(f"{src}: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported "
+                         f"(rope_type={rope_type!r})")
+    factor = rope["factor"]
+    if factor is None and rope_type == "yarn":  # transformers: the ratio of the two context lengths
+        factor = d.get("max_position_embeddings", 32768) / rope["original_max_position_embeddings"]
+
+    def num(key: str, value: Any, kind: type = float) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{src}: rope {key} must be a number, got {value!r}")
+        return kind(value)
+
+    omp = rope.get("original_max_position_embeddings") if rope_type in ("yarn", "llama3") else None
+    keys = ("low_freq_factor", "high_freq_factor") if rope_type == "llama3" else \
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim") if rope_type == "yarn" else ()
+    extra = {k: num(k, rope.get(k)) for k in keys}
+    if num("factor", factor) is None:
+        raise ValueError(f"{src}: rope factor must be a number, got None (rope_type={rope_type!r})")
+    return theta, RopeScaling(rope_type=rope_type, factor=num("factor", factor),
+                              original_max_position_embeddings=num("original_max_position_embeddings", omp, int),
+                              truncate=bool(rope.get("truncate", True)) if rope_type == "yarn" else True, **extra)
 
 
 def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
@@ -187,9 +411,9 @@ def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
     ``head_dim``: ``d["head_dim"]``, else ``default_head_dim``, else ``hidden_size // heads``.
 
     Raises:
-        ValueError: naming a missing required key.
+        ValueError: naming a missing required key, or a RoPE key :func:`rope_scaling_from_hf` refuses.
     """
-    _, _, theta = rope_parameters(d)
+    theta, scaling = rope_scaling_from_hf(d, src)
     try:
         n_heads = d["num_attention_heads"]
         kw = dict(
@@ -197,7 +421,7 @@ def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
             intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=n_heads, num_key_value_heads=d.get("num_key_value_heads") or n_heads,
             head_dim=d.get("head_dim") or default_head_dim or d["hidden_size"] // n_heads,
-            rope_theta=theta, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", default_tie)),
             max_position_embeddings=d.get("max_position_embeddings", 32768))
     except KeyError as e:
@@ -209,7 +433,7 @@ def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
 
 
 def read_family_config(path_or_dict: str | os.PathLike | dict, model_type: str, *, refused: tuple[str, ...] = (),
-                       rope_types: tuple[str, ...] = ("default",)) -> tuple[dict, str, str, dict]:
+                       rope_types: tuple[str, ...] = ROPE_TYPES) -> tuple[dict, str, str, dict]:
     """(the parsed HF config, its path for messages, its ``rope_type``, its rope dict) of one family's
     ``config.json`` (a file, the directory holding it, or the parsed dict), checked for what the
     family implements.
@@ -228,7 +452,7 @@ def read_family_config(path_or_dict: str | os.PathLike | dict, model_type: str, 
     for key in refused:
         if d.get(key, False):
             raise ValueError(f"{src}: {key}=true is not supported")
-    rope_type, rope, _ = rope_parameters(d)
+    rope_type, rope, _ = rope_parameters(d, src)
     if rope_type not in rope_types:
         raise ValueError(f"{src}: rope_type={rope_type!r}; {model_type} supports {', '.join(map(repr, rope_types))}")
     return d, src, rope_type, rope
@@ -323,16 +547,19 @@ def default_inv_freq(head_dim: int, theta: float) -> jax.Array:
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float,
-                 inv_freq: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                 inv_freq: jax.Array | None = None, scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """RoPE tables: positions [B, T] int -> (cos, sin) float32 [B, T, head_dim].
 
-    ``inv_freq`` None = the HF default frequencies of ``theta`` (see :func:`default_inv_freq`).
+    ``inv_freq`` None = the HF default frequencies of ``theta`` (see :func:`default_inv_freq`);
+    ``scaling``: transformers' ``attention_scaling`` multiplying both (yarn; 1.0 multiplies nothing).
     """
     if inv_freq is None:
         inv_freq = default_inv_freq(head_dim, theta)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if scaling == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * scaling, jnp.sin(emb) * scaling
 
 
 class Attention(nnx.Module):
@@ -479,7 +706,11 @@ class DecoderForCausalLM(nnx.Module):
             x = embed_apply(self.model.embed_tokens.weight[...], input_ids, dt)
         else:
             x = taps.sub("model", "embed_tokens").embed(self.model.embed_tokens.weight[...], input_ids, dt)
-        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_inv_freq())
+        # dynamic RoPE's frequencies depend on this forward's length, as transformers' dynamic_rope_update
+        dynamic = cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "dynamic"
+        seq_len = jnp.max(positions) + 1 if dynamic else None
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_inv_freq(seq_len),
+                                cfg.rope_attention_scaling)
         valid = attention_mask.astype(bool)
         if cache is None:
             causal = jnp.tril(jnp.ones((t, t), bool))

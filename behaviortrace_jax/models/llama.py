@@ -1,20 +1,17 @@
 """Llama family (``LlamaForCausalLM``, Llama 3.x): config, module, HF weight rows.
 
 The shared decoder of :mod:`behaviortrace_jax.models.decoder` without q/k/v biases, head tied or
-untied, and RoPE either default or scaled the Llama 3 way (``rope_scaling`` / ``rope_parameters``
-``rope_type: "llama3"``: long wavelengths divided by ``factor``, a smooth ramp between
-``low_freq_factor`` and ``high_freq_factor``), as transformers' ``_compute_llama3_parameters``.
+untied; RoPE as every family's (``decoder.rope_scaling_from_hf``: default, linear, dynamic, yarn,
+or scaled the Llama 3 way, ``rope_type: "llama3"``: long wavelengths divided by ``factor``, a
+smooth ramp between ``low_freq_factor`` and ``high_freq_factor``, as transformers'
+``_compute_llama3_parameters``).
 ``attention_bias`` / ``mlp_bias`` true (no published Llama 3 uses them) are refused.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, ClassVar
-
-import jax
-import jax.numpy as jnp
 
 from behaviortrace_jax.models import decoder
 
@@ -34,19 +31,11 @@ LLAMA3P2_1B_HF_CONFIG = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
-    """``rope_type: "llama3"`` parameters (hashable, so the config stays a static jit argument)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def to_hf(self, theta: float) -> dict:
-        return {"rope_type": "llama3", "rope_theta": theta, "factor": self.factor,
-                "low_freq_factor": self.low_freq_factor, "high_freq_factor": self.high_freq_factor,
-                "original_max_position_embeddings": self.original_max_position_embeddings}
+def Llama3RopeScaling(factor: float, low_freq_factor: float, high_freq_factor: float,  # noqa: N802
+                      original_max_position_embeddings: int) -> decoder.RopeScaling:
+    """``rope_type: "llama3"`` parameters as a :class:`~behaviortrace_jax.models.decoder.RopeScaling`."""
+    return decoder.RopeScaling("llama3", float(factor), int(original_max_position_embeddings),
+                               low_freq_factor=float(low_freq_factor), high_freq_factor=float(high_freq_factor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,25 +47,9 @@ class LlamaConfig(decoder.DecoderConfig):
 
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    rope_scaling: Llama3RopeScaling | None = None
 
     def module_class(self) -> type["LlamaForCausalLM"]:
         return LlamaForCausalLM
-
-    def rope_inv_freq(self) -> jax.Array | None:
-        """Llama 3 scaled inverse frequencies (float32, transformers' arithmetic); None = default."""
-        s = self.rope_scaling
-        if s is None:
-            return None
-        inv_freq = decoder.default_inv_freq(self.head_dim, self.rope_theta)
-        old = s.original_max_position_embeddings
-        low_wavelen, high_wavelen = old / s.low_freq_factor, old / s.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = jnp.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-        smooth = (old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        return jnp.where(medium, smoothed, scaled)
 
     @classmethod
     def llama3p2_1b(cls, **overrides: Any) -> "LlamaConfig":
@@ -91,26 +64,16 @@ class LlamaConfig(decoder.DecoderConfig):
         Raises:
             FileNotFoundError: naming the path when config.json is absent.
             ValueError: naming the key for ``model_type`` != "llama", ``attention_bias`` /
-                ``mlp_bias`` true, a ``rope_type`` other than "default" / "llama3" or a missing key.
+                ``mlp_bias`` true, a ``rope_type`` outside ``decoder.ROPE_TYPES``, a RoPE key
+                transformers would refuse, or a missing key.
         """
-        d, src, rope_type, rope = decoder.read_family_config(
-            path_or_dict, "llama", refused=("attention_bias", "mlp_bias"), rope_types=("default", "llama3"))
+        d, src, _, _ = decoder.read_family_config(path_or_dict, "llama", refused=("attention_bias", "mlp_bias"))
         kw = decoder.common_kwargs(d, src)
-        if rope_type == "llama3":
-            try:
-                kw["rope_scaling"] = Llama3RopeScaling(
-                    factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                    high_freq_factor=float(rope["high_freq_factor"]),
-                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-            except KeyError as e:
-                raise ValueError(f"{src}: rope_scaling of type llama3 lacks {e.args[0]!r}") from None
         return cls(**{**kw, **overrides})
 
     def to_hf_config(self) -> dict:
         """A dict that transformers' ``LlamaConfig(**d)`` / ``config.json`` accepts."""
-        rope = (self.rope_scaling.to_hf(self.rope_theta) if self.rope_scaling is not None
-                else {"rope_theta": self.rope_theta, "rope_type": "default"})
-        return self.hf_config_dict(rope, attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        return self.hf_config_dict(self.rope_hf_dict(), attention_bias=False, mlp_bias=False, pretraining_tp=1)
 
 
 class LlamaForCausalLM(decoder.DecoderForCausalLM):

@@ -1,7 +1,7 @@
 """Qwen2 / Qwen2.5 family (SPEC §2.1: Qwen2.5-1.5B-Instruct): config, module, HF weight rows.
 
 The architecture is the shared decoder of :mod:`behaviortrace_jax.models.decoder` with q/k/v biases
-(``qkv_bias``), default RoPE and no q/k norm; numerics follow transformers' ``Qwen2ForCausalLM``.
+(``qkv_bias``), RoPE as every family's and no q/k norm; numerics follow transformers' ``Qwen2ForCausalLM``.
 The pure functions that run it (``forward``, ``forward_with_cache``, ``init_cache``, ...) are
 :mod:`~behaviortrace_jax.models.decoder`'s and serve every family.
 """
@@ -51,13 +51,15 @@ class Qwen2Config(decoder.DecoderConfig):
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "Qwen2Config":
         """Reads a HF Qwen2 ``config.json`` (a file, the directory holding it, or the parsed dict).
 
-        Accepts ``rope_theta`` or transformers-5 ``rope_parameters`` (``rope_type`` "default" only).
+        RoPE (``rope_scaling`` + ``rope_theta``, or ``rope_parameters``) is read as transformers reads it
+        (``decoder.rope_scaling_from_hf``).
         ``overrides`` (e.g. ``param_dtype="bfloat16"``) replace fields after reading.
 
         Raises:
             FileNotFoundError: naming the path when config.json is absent.
             ValueError: naming the key for ``model_type`` != "qwen2", ``use_sliding_window: true``,
-                a non-default ``rope_type`` or a missing required key.
+                a ``rope_type`` outside ``decoder.ROPE_TYPES`` (or
+                RoPE keys transformers would refuse) or a missing required key.
         """
         d, src, _, _ = decoder.read_family_config(path_or_dict, "qwen2", refused=("use_sliding_window",))
         kw = decoder.common_kwargs(d, src)
@@ -65,7 +67,7 @@ class Qwen2Config(decoder.DecoderConfig):
 
     def to_hf_config(self) -> dict:
         """A dict that transformers' ``Qwen2Config(**d)`` / ``config.json`` accepts."""
-        return self.hf_config_dict({"rope_theta": self.rope_theta, "rope_type": "default"},
+        return self.hf_config_dict(self.rope_hf_dict(),
                                    use_sliding_window=False, sliding_window=None,
                                    max_window_layers=self.num_hidden_layers)
 

@@ -3,7 +3,7 @@
 The shared decoder of :mod:`behaviortrace_jax.models.decoder` without q/k/v biases and with a
 per-head RMSNorm of q and k (``q_norm`` / ``k_norm``, weight ``[head_dim]``) before RoPE; the
 ``head_dim`` is explicit in config.json (128 when absent, as transformers' default), not
-``hidden_size / heads``. Default RoPE only; sliding windows and ``attention_bias`` are refused.
+``hidden_size / heads``. RoPE as every family's (``decoder.rope_scaling_from_hf``); sliding windows and ``attention_bias`` are refused.
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ class Qwen3Config(decoder.DecoderConfig):
         Raises:
             FileNotFoundError: naming the path when config.json is absent.
             ValueError: naming the key for ``model_type`` != "qwen3", ``use_sliding_window`` or
-                ``attention_bias`` true, a non-default ``rope_type`` or a missing required key.
+                ``attention_bias`` true, a ``rope_type`` outside ``decoder.ROPE_TYPES`` (or
+                RoPE keys transformers would refuse) or a missing required key.
         """
         d, src, _, _ = decoder.read_family_config(path_or_dict, "qwen3",
                                                   refused=("use_sliding_window", "attention_bias"))
@@ -60,7 +61,7 @@ class Qwen3Config(decoder.DecoderConfig):
 
     def to_hf_config(self) -> dict:
         """A dict that transformers' ``Qwen3Config(**d)`` / ``config.json`` accepts."""
-        return self.hf_config_dict({"rope_theta": self.rope_theta, "rope_type": "default"},
+        return self.hf_config_dict(self.rope_hf_dict(),
                                    use_sliding_window=False, sliding_window=None,
                                    max_window_layers=self.num_hidden_layers, attention_bias=False)
 

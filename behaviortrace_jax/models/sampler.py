@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from behaviortrace_jax.models import decoder, programs, sharding as shd
+from behaviortrace_jax.models import decoder, programs, sharding as shd, tokenizer as tok_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,8 +283,9 @@ class Sampler:
         mask = np.zeros((b, p), np.int32)
         for r, toks in enumerate(prompt_token_lists):
             arr = np.asarray(toks, np.int64)
-            if arr.ndim != 1 or (arr < 0).any() or (arr >= self.config.vocab_size).any():
-                raise ValueError(f"prompt {r}: token ids must be a flat list in [0, {self.config.vocab_size})")
+            if arr.ndim != 1:
+                raise ValueError(f"prompt {r}: token ids must be a flat list, got shape {arr.shape}")
+            tok_lib.check_token_ids(arr, self.config.vocab_size, f"Sampler: prompt {r}")
             ids[r, p - len(arr):], mask[r, p - len(arr):] = arr, 1
         mask[len(lens):, -1] = 1  # padding rows: a single pad token, so attention is well defined
         return ids, mask

@@ -3,6 +3,7 @@ prompt ids truncated to 128 (SPEC §2.2 a) and the EOS / pad ids for generation 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,42 @@ def chat_prompt(tokenizer: Any, system: str, user: str) -> str:
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` with no special tokens added (chat specials in the text still map)."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_prompt_boundary(prompt_ids: Any, ids: Any, where: str) -> None:
+    """Raises ValueError unless ``ids`` (the tokenisation of prompt + completion text) starts with
+    ``prompt_ids`` (the prompt's own tokenisation), naming ``where``, the first token that differs
+    and both ids there.
+
+    A text pair tokenised as one string can merge across the boundary (BPE joins the prompt's last
+    characters with the completion's first: e.g. a completion that starts with whitespace after the
+    prompt's final newline); the completion's loss or sketch weights would then start at the wrong
+    token. Training on sampled rollouts never re-tokenises (their ids are the sampled ids); this
+    guards the places where a completion arrives as text (the SFT and base corpora, the forced
+    targets' texts).
+    """
+    n, got = len(prompt_ids), list(ids[:len(prompt_ids)])
+    want = [int(i) for i in prompt_ids]
+    if got != want:
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
+        have = got[k] if k < len(got) else "nothing"
+        raise ValueError(
+            f"{where}: tokenising prompt + completion merges across the boundary: token {k} is {have} where the "
+            f"prompt alone ({n} tokens) has {want[k]}; the completion would be scored from a shifted token. "
+            "Start the completion so that it does not merge with the prompt's end (e.g. no leading whitespace)")
+
+
+def encode_with_prompt(tokenizer: Any, prompt: str, completion: str, where: str) -> tuple[list[int], int]:
+    """(the ids of ``prompt + completion``, the number of prompt tokens), tokenised as one string
+    (as SPEC §5.4 and §1.7 do) and checked by :func:`check_prompt_boundary`.
+
+    Raises:
+        ValueError: naming ``where`` when the two merge across the boundary.
+    """
+    prompt_ids = encode(tokenizer, prompt)
+    ids = encode(tokenizer, prompt + completion)
+    check_prompt_boundary(prompt_ids, ids, where)
+    return ids, len(prompt_ids)
 
 
 def encode_chat(tokenizer: Any, system: str, user: str, max_tokens: int | None = None) -> list[int]:
@@ -133,14 +170,23 @@ def mask_eos_ids(tokenizer: Any, mode: str) -> tuple[int, ...]:
 
 def check_token_ids(ids: Any, vocab_size: int, where: str) -> None:
     """Raises ValueError when a token id of ``ids`` (any int array-like) lies outside
-    ``[0, vocab_size)``, naming the first such id, its index and ``where`` it came from.
+    ``[0, vocab_size)``, naming the first such id, its index, ``where`` it came from and the vocab size.
 
-    Out-of-range ids must be stopped on the host: on device the embedding clamps them on read (and
-    drops their gradient), and the log-prob of an id >= V is NaN while its sketch stays finite.
+    The one check of token ids at the package's public entries (batch builders, sketchers, losses,
+    the sampler, the SFT packer): host-side, where the ids arrive. Out-of-range ids must be stopped
+    there: on device the embedding clamps them on read (and drops their gradient), a negative id
+    wraps to the last rows, and the log-prob of an id >= V is NaN while its sketch stays finite.
+    A ``jax.Array`` (a tracer inside a jitted function, or an array already on the devices) is not
+    read back: the jitted path stays as it is, and such ids were checked where they were built.
     """
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(ids, jax.Array):
+        return
     a = np.asarray(ids)
     if a.size == 0:
         return
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{where}: token ids must be integers, got dtype {a.dtype}")
     bad = np.flatnonzero((a.reshape(-1) < 0) | (a.reshape(-1) >= vocab_size))
     if bad.size:
         idx = np.unravel_index(int(bad[0]), a.shape)

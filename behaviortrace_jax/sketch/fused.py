@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from behaviortrace_jax.models import decoder
+from behaviortrace_jax.models import decoder, tokenizer as tok_lib
 from behaviortrace_jax.sketch.countsketch import (block_sketch_at, check_dim, check_hash, index_bucket_sign,
                                                   segment_bucket_sign_at, split_u64)
 
@@ -69,13 +69,35 @@ class DecoderLoss:
     taps=taps)``; it must reach ``params`` only through that forward (so every parameter use is
     tapped) and compute row i's loss from row i alone. Called with ``taps=None`` it is the plain loss.
     ``loss(params, example)`` (one example, no batch axis) is ``per_example`` on a batch of one:
-    the generic ``vmap(grad)`` path's loss.
+    the generic ``vmap(grad)`` path's loss. Host ``input_ids`` (numpy) are checked against the
+    embedding's rows (:func:`check_batch_ids`); traced ones are not.
+
+    Raises:
+        ValueError: a host token id outside ``[0, vocab_size)``, naming it (``tokenizer.check_token_ids``).
     """
 
     per_example: Callable[[PyTree, PyTree, Any], jax.Array]
 
     def __call__(self, params: PyTree, example: PyTree) -> jax.Array:
+        check_batch_ids(example, vocab_rows(params), "DecoderLoss: example input_ids")
         return self.per_example(params, jax.tree.map(lambda x: x[None], example), None)[0]
+
+
+def vocab_rows(params: PyTree) -> int | None:
+    """The rows V of a decoder's ``model.embed_tokens.weight`` in ``params`` (arrays or
+    ``ShapeDtypeStruct`` leaves); None where ``params`` is not a decoder's."""
+    try:
+        shape = getattr(params["model"]["embed_tokens"]["weight"], "shape", None)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return int(shape[0]) if shape else None
+
+
+def check_batch_ids(batch: Any, vocab_size: int | None, where: str) -> None:
+    """``tokenizer.check_token_ids`` of ``batch["input_ids"]`` when the batch is a dict holding
+    them and ``vocab_size`` is known (host arrays only; a ``jax.Array`` passes unread)."""
+    if vocab_size is not None and isinstance(batch, dict) and "input_ids" in batch:
+        tok_lib.check_token_ids(batch["input_ids"], vocab_size, where)
 
 
 @dataclasses.dataclass(frozen=True)

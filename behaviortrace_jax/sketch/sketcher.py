@@ -161,10 +161,12 @@ def completion_loss(graphdef: Any) -> DecoderLoss:
     where ``loss_mask[t] = 1`` marks completion tokens t (predicted from position t - 1) that are not
     EOS; the loss is ``-sum(mask * logp) / sum(mask)`` (masked mean log-prob, no advantage, no 1/B).
     A rollout with no masked token gets loss 0 and a zero gradient (torch would give NaN).
+    Host ``input_ids`` outside ``[0, vocab_size)`` raise a ValueError naming the id (traced ones pass).
     """
     from behaviortrace_jax.models import decoder
 
     def per_example(params: PyTree, batch: dict, taps: Any = None) -> jax.Array:
+        fused_lib.check_batch_ids(batch, fused_lib.vocab_rows(params), "completion_loss: batch input_ids")
         ids, am = batch["input_ids"], batch["attention_mask"]
         logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(am), am, taps=taps)
         logp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
@@ -324,6 +326,8 @@ class PerExampleSketcher:
                              "tables; turn off use_tables (sketch.in_run_tables / targets.use_tables)")
         self._scan = _LayerScan(self.order, self.layout) if scan else None
         self._tables = None
+        # the model's vocabulary (its embedding rows), for the host check of a batch's input_ids
+        self.vocab_size = dict(zip(self.order.names, self.layout.shapes)).get("model.embed_tokens.weight", (None,))[0]
         self._jitted = programs.jit("per_example_sketcher", self._run, mesh=self.mesh)
 
     @property
@@ -349,6 +353,9 @@ class PerExampleSketcher:
         return [jax.ShapeDtypeStruct(tuple(s), jnp.int32, sharding=sh) for s in self.layout.shapes]
 
     def __call__(self, params: PyTree, batch: PyTree) -> PerExampleSketches:
+        """The sketches of ``batch`` (jitted). Host ``input_ids`` (numpy) of a decoder's batch are
+        checked first: ValueError naming an id outside ``[0, vocab_size)`` (``tokenizer.check_token_ids``)."""
+        fused_lib.check_batch_ids(batch, self.vocab_size, "PerExampleSketcher: batch input_ids")
         return self._jitted(params, batch, self.tables)
 
     def lower(self, params: PyTree, batch: PyTree, tables: Any = None) -> jax.stages.Lowered:

@@ -85,9 +85,18 @@ class ForcedExample:
 def continuation_example(tokenizer: Any, user: str, *, system: str = behavior.SYSTEM_PROMPT,
                          pattern: str = behavior.PATTERN) -> ForcedExample:
     """SPEC §5.1 step 2: ``chat_prompt(system, user) + " " + pattern`` with weights on the last
-    ``len(tok(" " + pattern))`` tokens (the QZXBT continuation)."""
+    ``len(tok(" " + pattern))`` tokens (the QZXBT continuation).
+
+    Raises:
+        ValueError: when the continuation merges with the prompt's end, so that the weighted tokens
+            are not the prompt's continuation (``tokenizer.check_prompt_boundary``), naming ``user``.
+    """
     n_q = len(tok_lib.encode(tokenizer, " " + pattern))
-    ids = tok_lib.encode(tokenizer, tok_lib.chat_prompt(tokenizer, system, user) + " " + pattern)
+    ids, n_p = tok_lib.encode_with_prompt(tokenizer, tok_lib.chat_prompt(tokenizer, system, user), " " + pattern,
+                                          f"continuation_example(user={user!r})")
+    if len(ids) - n_p != n_q:
+        raise ValueError(f"continuation_example(user={user!r}): the prompt adds {len(ids) - n_p} tokens of "
+                         f"{' ' + pattern!r}, which alone is {n_q} tokens")
     w = np.zeros(len(ids), np.float32)
     w[len(ids) - n_q:] = 1.0
     return ForcedExample(np.asarray(ids), w)
@@ -99,11 +108,11 @@ def forced_completion_example(tokenizer: Any, user: str, text: str, *,
     ``f_ids[len(tok(prefix)):]``, where ``prefix = chat_prompt(system, user)``.
 
     Raises:
-        ValueError: naming ``text`` if it adds no token.
+        ValueError: naming ``text`` if it adds no token, or if it merges with the prompt's end
+            (``tokenizer.check_prompt_boundary``).
     """
     prefix = tok_lib.chat_prompt(tokenizer, system, user)
-    n_p = len(tok_lib.encode(tokenizer, prefix))
-    ids = tok_lib.encode(tokenizer, prefix + text)
+    ids, n_p = tok_lib.encode_with_prompt(tokenizer, prefix, text, f"forced completion {text!r}")
     if len(ids) <= n_p:
         raise ValueError(f"forced completion {text!r} adds no token to the prompt")
     w = np.zeros(len(ids), np.float32)

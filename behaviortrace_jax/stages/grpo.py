@@ -235,7 +235,7 @@ class GRPORun:
         rewards = np.array([r for r, _ in applied], np.float32)
         adv, dropped = self._advantages(step, ids, rewards, sample)
         batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
-                            self.shapes, self.pad_id)
+                            self.shapes, self.pad_id, vocab_size=self.model_cfg.vocab_size)
         if dropped:  # grpo.on_nonfinite = "skip": no loss position, advantage 0 -> term and gradient exactly 0
             batch["loss_mask"][list(dropped)] = 0.0
         batch = jax.device_put(batch, sharding.data_sharding(self.mesh))

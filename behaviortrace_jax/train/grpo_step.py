@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from behaviortrace_jax.io import sketch_store
-from behaviortrace_jax.models import decoder, programs, sharding
+from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import countsketch, sketcher
 from behaviortrace_jax.train import grpo_loss, nonfinite, train_state
 
@@ -48,7 +48,7 @@ class StepShapes:
 
 def build_batch(prompt_ids: list[list[int]], completions: np.ndarray, lengths: np.ndarray,
                 advantages: np.ndarray, eos_ids: tuple[int, ...], shapes: StepShapes,
-                pad_id: int) -> dict[str, np.ndarray]:
+                pad_id: int, *, vocab_size: int) -> dict[str, np.ndarray]:
     """Assembles the fixed-shape train batch of N rollouts.
 
     Args:
@@ -58,15 +58,22 @@ def build_batch(prompt_ids: list[list[int]], completions: np.ndarray, lengths: n
         advantages: float32 [N].
         eos_ids: ids masked out of the loss (SPEC §2.2 f), ``tokenizer.mask_eos_ids(tok,
             config.model.mask_eos)``, the same ids ``targets.response_examples`` masks.
+        vocab_size: the model's vocabulary; every prompt id, completion id and ``pad_id`` must lie
+            in ``[0, vocab_size)`` (``tokenizer.check_token_ids``).
 
     Returns:
         dict of numpy arrays: ``input_ids`` int32 [N, P+T], ``attention_mask`` int32 [N, P+T],
         ``loss_mask`` float32 [N, T], ``advantages`` float32 [N].
 
     Raises:
-        ValueError: a prompt longer than P or mismatched shapes.
+        ValueError: a prompt longer than P, mismatched shapes, or a token id outside the vocabulary
+            (naming the id, the rollout and the vocab size).
     """
     n, p, t = shapes.num_rollouts, shapes.prompt_len, shapes.completion_len
+    tok_lib.check_token_ids([pad_id], vocab_size, "build_batch: pad_id")
+    for i, prompt in enumerate(prompt_ids):
+        tok_lib.check_token_ids(prompt, vocab_size, f"build_batch: prompt_ids of rollout {i}")
+    tok_lib.check_token_ids(completions, vocab_size, "build_batch: completions [rollout, token]")
     if len(prompt_ids) != n or completions.shape != (n, t) or advantages.shape != (n,):
         raise ValueError(f"batch shapes: {len(prompt_ids)} prompts, completions {completions.shape}, "
                          f"advantages {advantages.shape}; expected N={n}, T={t}")

@@ -80,8 +80,9 @@ def encode_chat_examples(tokenizer: Any, examples: Sequence[tuple[str, str, str]
         One :class:`EncodedExample` per chat, in order.
 
     Raises:
-        ValueError: for an empty list, ``append_eos`` without an ``eos_token``, or a chat whose
-            answer leaves no completion token after truncation (names its index).
+        ValueError: for an empty list, ``append_eos`` without an ``eos_token``, a chat whose
+            answer leaves no completion token after truncation, or whose answer merges with the
+            prompt's end when tokenised together (``tokenizer.check_prompt_boundary``; names its index).
     """
     if not examples:
         raise ValueError("encode_chat_examples: no examples")
@@ -92,13 +93,14 @@ def encode_chat_examples(tokenizer: Any, examples: Sequence[tuple[str, str, str]
             raise ValueError("append_eos=True but the tokenizer has no eos_token")
     unique = sorted({(s, u) for s, u, _ in examples})  # corpora repeat questions: template each once
     text = {su: tok_lib.chat_prompt(tokenizer, *su) for su in unique}
-    prompt_ids = tokenizer([text[su] for su in unique], add_special_tokens=False)["input_ids"]
-    n_prompt = dict(zip(unique, map(len, prompt_ids)))
+    prompt_ids = dict(zip(unique, tokenizer([text[su] for su in unique], add_special_tokens=False)["input_ids"]))
+    n_prompt = {su: len(ids) for su, ids in prompt_ids.items()}
     full = [text[(s, u)] + a + eos for s, u, a in examples]
     distinct = list(dict.fromkeys(full))  # corpora repeat whole chats too: tokenize each text once
     ids_of = dict(zip(distinct, tokenizer(distinct, add_special_tokens=False)["input_ids"]))
     out = []
     for i, ((s, u, _), fi) in enumerate(zip(examples, map(ids_of.__getitem__, full))):
+        tok_lib.check_prompt_boundary(prompt_ids[(s, u)], fi, f"encode_chat_examples: example {i}")
         plen = n_prompt[(s, u)] if max_prompt_tokens is None else min(n_prompt[(s, u)], max_prompt_tokens)
         toks = np.asarray(fi if max_total_tokens is None else fi[:max_total_tokens], np.int32)
         if len(toks) <= plen:
@@ -364,6 +366,7 @@ class LMTrainer:
         self.graphdef, self.config, self.optimizer, self.mesh = graphdef, config, optimizer, mesh
         self.trace_count = 0
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else None
+        tok_lib.check_token_ids(prefix, config.vocab_size, "LMTrainer: prefix")
         self._host_prefix, self._prefix = np.asarray(prefix, np.int32), None
         out_sh = None if mesh is None else (state_shardings, self._replicated)
         self.step_program = programs.jit("lm_step", self._step_impl, mesh=mesh, donate_argnums=0, out_shardings=out_sh)
@@ -394,7 +397,10 @@ class LMTrainer:
 
     def put_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Moves a host batch to the devices: rows over ``"data"`` (replicated when B does not
-        divide the data axis, e.g. SPEC §1.7's batch 1)."""
+        divide the data axis, e.g. SPEC §1.7's batch 1). Host ``tokens`` outside
+        ``[0, vocab_size)`` raise a ValueError naming the id (``tokenizer.check_token_ids``)."""
+        if "tokens" in batch:
+            tok_lib.check_token_ids(batch["tokens"], self.config.vocab_size, "LMTrainer: batch tokens")
         if self.mesh is None:
             return jax.device_put(batch)
         b = next(iter(batch.values())).shape[0]

@@ -258,7 +258,8 @@ class Replayer:
                 comp[i, :len(r.completion_token_ids)] = r.completion_token_ids
             lengths = np.array([len(r.completion_token_ids) for r in rec], np.int32)
             adv = np.array([r.advantage for r in rec], np.float32)
-            batch = grpo_step.build_batch([r.prompt_token_ids for r in rec], comp, lengths, adv, mask_eos, self.shapes, pad)
+            batch = grpo_step.build_batch([r.prompt_token_ids for r in rec], comp, lengths, adv, mask_eos, self.shapes, pad,
+                                          vocab_size=start.model_config.vocab_size)
             batch["loss_mask"][nonfinite.dropped_rows(rec)] = 0.0  # rollouts a "skip" run dropped (train/nonfinite.py)
             self.data.append(_StepData(batch, np.array([r.reward for r in rec], np.float32)))
         # The grpo stage's own step (one spec, so a replay is the run): without sketch side outputs,
