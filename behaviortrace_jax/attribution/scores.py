@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 
 from behaviortrace_jax.attribution import estimators
-from behaviortrace_jax.io import rollout_log, sketch_store
+from behaviortrace_jax.io import cache, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
 
@@ -128,7 +128,7 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
     when the caller already holds them.
     """
     records = list(rollout_log.read_rollouts(paths.rollouts)) if records is None else records
-    log = dict(training_log_inputs(records, rollout_ids), metagradient=metagradient_scores(paths, rollout_ids))
+    log = dict(training_log_inputs(records, rollout_ids), metagradient=metagradient_scores(paths, rollout_ids, metagradient_mode(config)))
     target_path = paths.sketch_store("targets_continuation")
     if per_rollout:
         return rollout_method_scores(config, target_path, read_rollout_sketches(config, paths), rollout_ids,
@@ -150,21 +150,46 @@ def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathli
                                              **inputs, **estimator_options(config, target_path))
 
 
-def metagradient_scores(paths: RunLayout, rollout_ids: list[str]) -> np.ndarray | None:
+def metagradient_mode(config: ml_collections.ConfigDict) -> str:
+    """The advantages mode the ``metagradient`` estimator scores: the counterfactual replays'
+    (``counterfactual.recompute_advantages``: "recomputed", else "logged")."""
+    return "recomputed" if config.counterfactual.recompute_advantages else "logged"
+
+
+def metagradient_scores(paths: RunLayout, rollout_ids: list[str], mode: str | None = None) -> np.ndarray | None:
     """The ``metagradient`` stage's ``dM/dw_i`` (float64 [N], log order) for the estimator of that
-    name, or None when the stage has not run (the estimator is then skipped).
+    name, or None when the stage has not run (the estimator is then skipped). The file is keyed
+    (``io/cache.py``, written by ``stages/metagradient.py``): its key must hold the digest of the
+    run's rollout log (``rollout_log.digest``) and, when ``mode`` is given, that advantages mode.
 
     Raises:
-        ValueError: naming the file when its rollout ids are not ``rollout_ids``.
+        ValueError: naming the file and the field: no ``cache`` key (a file not written by the
+            stage), a key of another rollout log or mode, rollout ids that are not
+            ``rollout_ids``, ``scores`` not a list of ``len(rollout_ids)`` finite-or-NaN numbers.
     """
     path = paths.metagradient_scores
     if not path.exists():
         return None
     rec = read_json(path)
-    if rec["rollout_ids"] != list(rollout_ids):
-        raise ValueError(f"{path}: {len(rec['rollout_ids'])} rollout ids that are not the run's "
+    key = rec.get(cache.CACHE_FIELD) if isinstance(rec, dict) else None
+    if not isinstance(key, dict):
+        raise ValueError(f"{path}: no {cache.CACHE_FIELD!r} key (not written by the `metagradient` stage, or by an "
+                         "older version); rerun the `metagradient` stage")
+    log = rollout_log.digest(paths.rollouts)
+    if key.get("rollout_log") != log:
+        raise ValueError(f"{path}: field 'cache.rollout_log' is the digest of another rollout log than "
+                         f"{paths.rollouts}; rerun the `metagradient` stage")
+    if mode is not None and key.get("advantages") != mode:
+        raise ValueError(f"{path}: field 'cache.advantages' = {key.get('advantages')!r}, but the config's mode is "
+                         f"{mode!r} (counterfactual.recompute_advantages); rerun the `metagradient` stage")
+    if rec.get("rollout_ids") != list(rollout_ids):
+        raise ValueError(f"{path}: {len(rec.get('rollout_ids') or [])} rollout ids that are not the run's "
                          f"{len(rollout_ids)}; rerun the `metagradient` stage")
-    return np.asarray(rec["scores"], np.float64)
+    scores = rec.get("scores")
+    if (not isinstance(scores, list) or len(scores) != len(rollout_ids)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
+        raise ValueError(f"{path}: field 'scores' is not a list of {len(rollout_ids)} numbers")
+    return np.asarray(scores, np.float64)
 
 
 def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Path) -> dict:

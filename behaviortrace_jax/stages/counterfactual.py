@@ -56,6 +56,7 @@ from etils import epath
 from behaviortrace_jax.attribution import formats, metrics as M
 from behaviortrace_jax.attribution.scores import step_method_scores
 from behaviortrace_jax.io import rollout_log
+from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache (io/cache.py)
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages.registry import register_stage
@@ -210,16 +211,6 @@ def cache_key(identity: dict, removed: np.ndarray, measure_steps: list[int], mea
     indices, the measured steps, the step the tables read and the advantages choice (JSON types)."""
     return dict(identity, removed=[int(i) for i in removed], measure_steps=[int(s) for s in measure_steps],
                 measure_step=int(measure_step), recompute_advantages=bool(recompute))
-
-
-def stale_fields(cached: dict | None, key: dict) -> list[str] | None:
-    """None when there is no cached replay (``cached`` None); else the fields of ``key`` that the
-    cached file's ``"cache"`` record lacks or holds another value of ([] = valid). A file without
-    a cache record (written before keys existed) is stale in every field."""
-    if cached is None:
-        return None
-    have = cached.get("cache") or {}
-    return [k for k, v in key.items() if have.get(k) != v]
 
 
 def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray],

@@ -63,6 +63,10 @@ from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_loss, grpo_step, train_state
 
 ADVANTAGE_MODES = ("logged", "recomputed")
+# Version of what a metagradient computes: bump it when a change to this module (the step, its vjp,
+# the reverse sweep, the advantages) changes dM/dw, so that cached ``metagradient/<mode>.json``
+# files are recomputed (the stage's cache key, stages/metagradient.py).
+METAGRADIENT_VERSION = 1
 PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[Any, Any, dict]]
 
 
