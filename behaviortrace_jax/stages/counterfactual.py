@@ -255,6 +255,9 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
             continue
         measured = np.array([results[k]["value"] for k in subsets])
         for name, s in scores.items():
+            if not M.lds_evaluable(s, window):  # no score in the window: NaN, not a tie's 0 (metrics.lds_evaluable)
+                rows.append(formats.Row(seed, table, name, float("nan"), None, None, 0.0, 1.0, len(subsets)))
+                continue
             pred = np.array([predicted_effect(s, window, removed[k]) for k in subsets])
             rho, lo, hi = lds(pred, measured, nboot=nboot, seed=int(seed.split("_")[0]) if seed[:1].isdigit() else 0)
             rows.append(formats.Row(seed, table, name, rho, lo, hi, 0.0, 1.0, len(subsets)))
@@ -287,7 +290,8 @@ def report_section(rows: list[formats.Row], figure: str | None, step: int | None
                   "`metagradient` is not a sketch method (dM/dw differentiated through the replayed run).", "",
                   "| seed | method | drop fraction | LDS (Spearman) | 95% CI | M |", "|---|---|---|---|---|---|"]
         lines += [f"| {r.seed} | {r.method} | {0.5 if r.table == 'lds' else r.table[len(LDS_DROP):]} | "
-                  f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
+                  + (f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] |" if np.isfinite(r.value) else
+                     "not evaluable (no score in the window) | |") + f" {r.n} |" for r in lds_rows]
     if figure:
         lines += ["", f"![counterfactual]({figure})"]
     lines += [f"![counterfactual]({f})" for f in more_figures]

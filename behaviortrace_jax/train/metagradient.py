@@ -257,6 +257,36 @@ class MetaStep:
                                      out_shardings=(p_sh, fl_sh, w_sh))
 
 
+def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_config: Any,
+                    spec: grpo_step.GRPOStepSpec, mesh: jax.sharding.Mesh, shardings: tuple, opt_state: Any, *,
+                    advantages: str) -> MetaStep:
+    """The :class:`MetaStep` the ``metagradient`` stage runs, built once for both its users
+    (:class:`RunMetagradient` and the compile stage's ``metagradient_step`` rows, so the compiled
+    program is the one that runs): the vjp of :func:`make_weighted_step` with the run's optimizer
+    made differentiable (``config.optim``), forward :func:`make_run_forward` where the run's update
+    is the fused sketcher's (``spec.update_from_sketcher``), else that same step.
+
+    Args:
+        config: the run's config (``optim``, ``grpo.adv_std_floor``). graphdef / abstract_params /
+            model_config: the policy's. spec: the run's step. mesh: the run's.
+        shardings / opt_state: as :class:`MetaStep`'s (``opt_state``: arrays or ShapeDtypeStructs).
+        advantages: "logged" or "recomputed".
+    Raises:
+        ValueError: an unknown ``advantages`` mode.
+    """
+    _check_advantages(advantages)
+    # The run's optimizer (same hyper-parameters and state tree) with a clip whose vjp is finite at
+    # a zero gradient (a step whose advantages are all 0); the same updates bit for bit.
+    tx = train_state.make_optimizer(config.optim, differentiable=True)
+    floor = float(config.grpo.adv_std_floor)
+    step = make_weighted_step(graphdef, tx, spec, advantages=advantages, std_floor=floor)
+    forward = None  # the vjp's step is the forward too
+    if spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
+        forward = make_run_forward(graphdef, abstract_params, tx, spec, sketcher.hf_param_order(model_config), mesh,
+                                   advantages=advantages, std_floor=floor)
+    return MetaStep(step, shardings, opt_state=opt_state, forward=forward)
+
+
 # ------------------------------------------------------------------------------------------------
 # Reverse mode over the steps, with recomputation from checkpoints
 # ------------------------------------------------------------------------------------------------
@@ -387,24 +417,16 @@ class RunMetagradient:
 
         self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, rates=False)
         self.advantages, start = advantages, rp.start
-        # The run's optimizer (same hyper-parameters and state tree) with a clip whose vjp is finite at
-        # a zero gradient (a step whose advantages are all 0); the same updates bit for bit.
-        tx = train_state.make_optimizer(config.optim, differentiable=True)
-        floor = float(config.grpo.adv_std_floor)
-        step = make_weighted_step(start.graphdef, tx, rp.spec, advantages=advantages, std_floor=floor)
-        forward = None  # the vjp's step is the forward too
-        if rp.spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
-            forward = make_run_forward(start.graphdef, start.abstract_params, tx, rp.spec,
-                                       sketcher.hf_param_order(start.model_config), start.mesh,
-                                       advantages=advantages, std_floor=floor)
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
             ("rewards",) if advantages == "recomputed" else ())
         self.ref_params = start.params if rp.spec.loss_spec.needs_reference else None
         ref_sh = start.param_shardings if self.ref_params is not None else None
-        self.meta = MetaStep(step, (start.param_shardings, start.opt_shardings, {k: data for k in self.batch_keys},
-                                    data, ref_sh, sharding.replicated(start.mesh)), opt_state=start.opt_state,
-                             forward=forward)
+        self.meta = build_meta_step(config, start.graphdef, start.abstract_params, start.model_config, rp.spec,
+                                    start.mesh, (start.param_shardings, start.opt_shardings,
+                                                 {k: data for k in self.batch_keys}, data, ref_sh,
+                                                 sharding.replicated(start.mesh)), start.opt_state,
+                                    advantages=advantages)
         self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(rp.measure.logp_margin))
         self.n = rp.shapes.num_rollouts
 
