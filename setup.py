@@ -29,6 +29,8 @@ EXTRAS = {
         # The PyTorch reference for parity tests. Pinned: 2.13.0 installs as a CPU build here;
         # an unpinned torch pulls a multi-GB CUDA build.
         "torch==2.13.0",
+        # Property-based bad-input tests (tests/test_bad_input.py).
+        "hypothesis>=6.100,<7",
     ],
     # The `compile` stage's TPU targets (tpu:v5e:2x4, ...) and TPU VMs: libtpu (~700 MB, so not in
     # the default install or CI). pip install -e '.[tpu]'

@@ -152,7 +152,7 @@ def get_config() -> ml_collections.ConfigDict:
     # batched backward (the generic path, and the only one for a loss(params, example) that is not a decoder's).
     c.sketch.fused = True
     c.sketch.in_run_rollouts = True  # Also sketch each rollout's own loss term inside GRPO.
-    c.sketch.in_run_tables = False  # In-run sketches read int32 hash tables (4 B/param on device) instead of hashing in the step.
+    c.sketch.in_run_tables = False  # In-run sketches read int32 hash tables (4 B/param on device); vmap(grad) only: refused with sketch.fused.
     # Checkpoints at which every training rollout is re-sketched (SPEC §3.2 rollout level):
     # "" none, "all", "nearest" (to draws.target_step), or "100,1000". [C', R, D] floats on disk.
     c.sketch.rollout_checkpoints = "nearest"
@@ -179,7 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.targets.ctx_max_new_tokens = -1  # -1 -> draws.max_new_tokens (SPEC §5.3: 64 tokens).
     c.targets.block_size = 64  # Forced sequences per sketcher call (fixed shape; one compile per length bucket).
     c.targets.length_bucket = 32  # Forced sequences are right-padded to a multiple of this many tokens.
-    c.targets.use_tables = False  # Precomputed CountSketch hash tables (4 bytes/param on device; faster sketches).
+    c.targets.use_tables = False  # Precomputed CountSketch hash tables (4 B/param on device); vmap(grad) only: refused with sketch.fused.
 
     # --- seeds and draws (SPEC §10.2; the `sweep` stage) -------------------------------------------
     c.sweep = ml_collections.ConfigDict()

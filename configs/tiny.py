@@ -48,7 +48,6 @@ def get_config(variant: str = ""):
     c.draws.max_new_tokens = 32
     c.draws.n_repeats = 3
     c.draws.token_level_max = 64
-    c.targets.use_tables = True  # 4 MB of hash tables at this size; ~2.7x faster target sketches.
 
     c.evaluation.early_cutoff = 40
     c.evaluation.local_buffer_window = 20  # max(1, steps // 10).

@@ -5,7 +5,7 @@ its sketch stores (``scores``), precision/recall/bootstrap metrics (``metrics``)
 step, which-rollout and rollout-level tables (``tables``), the decision rules and checklist
 (``verdicts``), specificity across behaviours (``specificity``), the report and figures
 (``report``) and the release format the ``reproduce`` and ``evaluate`` stages share (``release``).
-Imports: only the jax-free ``io.files``, ``io.layout``, ``io.machine``, ``io.rollout_log`` and
+Imports: only the jax-free ``io.cache``, ``io.files``, ``io.layout``, ``io.machine``, ``io.rollout_log`` and
 ``io.sketch_store``. ``tests/test_layers.py`` checks that importing this
 package never loads jax.
 """

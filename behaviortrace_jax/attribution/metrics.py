@@ -179,6 +179,18 @@ def lds_correlation(predicted, actual) -> float:
     return 0.0 if np.isnan(rho) else float(rho)
 
 
+def lds_evaluable(scores, candidates) -> bool:
+    """Whether an estimator can be judged by an LDS over subsets of ``candidates`` (int indices into
+    ``scores``, float [N]): True when it gives at least one candidate a finite score. An estimator
+    that scores none of them (e.g. ``local-buffer``, -inf outside its last steps, on the
+    contamination window) predicts the same effect, 0, for every subset: its Spearman ρ would be
+    :func:`lds_correlation`'s 0.0 for ties, which reads as "no better than chance" where it was not
+    measured at all. Such a row is written as not evaluable (value NaN, no CI), as SPEC §6.7 writes
+    an AUC without pairs."""
+    s = np.asarray(scores, np.float64)[np.asarray(candidates, np.int64)]
+    return bool(np.isfinite(s).any())
+
+
 def retrain_gap_closure(base: float, intervened: float, full: float) -> float:
     """(base − intervened)/(base − full) (SPEC §6.12). Raises if base == full."""
     if base - full == 0:

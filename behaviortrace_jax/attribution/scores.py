@@ -21,24 +21,52 @@ import ml_collections
 import numpy as np
 
 from behaviortrace_jax.attribution import estimators
-from behaviortrace_jax.io import rollout_log, sketch_store
+from behaviortrace_jax.io import cache, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
 
 
-def read_complete(path: pathlib.Path) -> sketch_store.SketchStore:
-    """Opens an existing sketch store and checks that every row was written.
+# What makes two sketch arrays comparable (sketch/stores.py ``sketch_metadata``): the same hash, the
+# same D, the same parameter order (a dot product of sketches of two hashes is noise).
+SKETCH_IDENTITY = ("hash_family", "seed", "dim", "param_fingerprint")
+
+
+def read_complete(path: pathlib.Path, config: ml_collections.ConfigDict | None = None) -> sketch_store.SketchStore:
+    """Opens an existing sketch store and checks that every row was written and, with ``config``,
+    that a sketch store's metadata is the config's CountSketch (``dim`` = ``sketch.dim``, ``seed`` =
+    ``sketch.seed``, ``run_seed`` = ``seed``, where the store records them).
 
     Raises:
-        FileNotFoundError / ValueError: naming the store when it is absent or incomplete.
+        FileNotFoundError / ValueError: naming the store when it is absent or incomplete, or the
+            metadata key that differs from the config (and both values).
     """
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path}: sketch store not found; run the `grpo` and `sketch` stages first")
     store = sketch_store.SketchStore.open(path)
+    if config is not None:
+        want = {"dim": int(config.sketch.dim), "seed": int(config.sketch.seed), "run_seed": int(config.seed)}
+        for key, value in want.items():
+            if key in store.metadata and store.metadata[key] != value:
+                raise ValueError(f"{path}/metadata.json: metadata key {key!r} is {store.metadata[key]!r}, but the "
+                                 f"config's is {value!r} (config.{'seed' if key == 'run_seed' else 'sketch.' + key})")
     missing = store.missing_rows()
     if missing.size:
         raise ValueError(f"{path}: {missing.size} rows were never written (first: {missing[:5].tolist()})")
     return store
+
+
+def check_same_sketch(a: sketch_store.SketchStore, b: sketch_store.SketchStore) -> None:
+    """Checks that two sketch stores scored against each other (sketches and a target) were made
+    with one CountSketch: equal :data:`SKETCH_IDENTITY` keys where both record them.
+
+    Raises:
+        ValueError: naming both stores' metadata files, the key and both values.
+    """
+    for key in SKETCH_IDENTITY:
+        if key in a.metadata and key in b.metadata and a.metadata[key] != b.metadata[key]:
+            raise ValueError(f"{a.path}/metadata.json and {b.path}/metadata.json: metadata key {key!r} differs "
+                             f"({a.metadata[key]!r} vs {b.metadata[key]!r}); sketches of two CountSketches cannot "
+                             "be compared, rerun the stage that wrote the wrong one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +83,7 @@ class RolloutSketches:
     weighted: np.ndarray
     direction: np.ndarray | None
     kind: str
+    store: sketch_store.SketchStore | None = None  # the rollout_sketches store (its metadata)
 
 
 def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -> RolloutSketches:
@@ -65,7 +94,7 @@ def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -
             ``rollout_sketch`` metadata (written before rollout sketches were advantage-free; the
             grpo stage must be rerun).
     """
-    store = read_complete(paths.sketch_store("rollout_sketches"))
+    store = read_complete(paths.sketch_store("rollout_sketches"), config)
     kind = store.metadata.get("rollout_sketch")
     if kind not in sketch_store.ROLLOUT_SKETCH_KINDS:
         raise ValueError(f"{store.path}: metadata 'rollout_sketch' is {kind!r}, expected one of "
@@ -77,7 +106,7 @@ def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -
         raise FileNotFoundError(f"{paths.sketch_store('rollout_coefficients')}: not found, but {store.path} holds "
                                 "direction sketches; rerun the `grpo` stage")
     weighted = (sk * scale[:, None]).astype(np.float32)
-    return RolloutSketches(weighted, sk if kind == sketch_store.ROLLOUT_DIRECTION else None, kind)
+    return RolloutSketches(weighted, sk if kind == sketch_store.ROLLOUT_DIRECTION else None, kind, store)
 
 
 def rollout_scales(config: ml_collections.ConfigDict, paths: RunLayout, n_rows: int, *,
@@ -128,54 +157,85 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
     when the caller already holds them.
     """
     records = list(rollout_log.read_rollouts(paths.rollouts)) if records is None else records
-    log = dict(training_log_inputs(records, rollout_ids), metagradient=metagradient_scores(paths, rollout_ids))
+    log = dict(training_log_inputs(records, rollout_ids), metagradient=metagradient_scores(paths, rollout_ids, metagradient_mode(config)))
     target_path = paths.sketch_store("targets_continuation")
     if per_rollout:
-        return rollout_method_scores(config, target_path, read_rollout_sketches(config, paths), rollout_ids,
-                                     rollout_steps, **log)
-    sketches = (step_sketches if step_sketches is not None
-                else read_complete(paths.sketch_store("step_sketches")).read())
-    return target_store_scores(config, target_path, sketches, rollout_ids, rollout_steps, **log)
+        rs = read_rollout_sketches(config, paths)
+        return rollout_method_scores(config, target_path, rs, rollout_ids, rollout_steps, like=rs.store, **log)
+    store = None if step_sketches is not None else read_complete(paths.sketch_store("step_sketches"), config)
+    sketches = step_sketches if store is None else store.read()
+    return target_store_scores(config, target_path, sketches, rollout_ids, rollout_steps, like=store, **log)
 
 
 def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: RolloutSketches,
                           rollout_ids: list[str], rollout_steps: np.ndarray, *, advantages=None,
-                          rewards=None, **inputs) -> dict[str, np.ndarray]:
+                          rewards=None, like: sketch_store.SketchStore | None = None, **inputs) -> dict[str, np.ndarray]:
     """The "which rollout" scores (``estimators.score_rollout_sketches``): every step-level estimator
     on the weighted rollout sketches (registered names; the reward-only controls and ``norm/|A|``
     included), then every sketch-reading one on the direction sketches (names +
-    ``estimators.DIRECTION``) when present, with the targets of ``target_path``."""
+    ``estimators.DIRECTION``) when present, with the targets of ``target_path`` (checked against
+    the sketches' store ``like``, :func:`check_same_sketch`, when given)."""
     return estimators.score_rollout_sketches(sketches.weighted, sketches.direction, rollout_ids, rollout_steps,
                                              advantages=advantages, rewards=rewards,
-                                             **inputs, **estimator_options(config, target_path))
+                                             **inputs, **estimator_options(config, target_path, like))
 
 
-def metagradient_scores(paths: RunLayout, rollout_ids: list[str]) -> np.ndarray | None:
+def metagradient_mode(config: ml_collections.ConfigDict) -> str:
+    """The advantages mode the ``metagradient`` estimator scores: the counterfactual replays'
+    (``counterfactual.recompute_advantages``: "recomputed", else "logged")."""
+    return "recomputed" if config.counterfactual.recompute_advantages else "logged"
+
+
+def metagradient_scores(paths: RunLayout, rollout_ids: list[str], mode: str | None = None) -> np.ndarray | None:
     """The ``metagradient`` stage's ``dM/dw_i`` (float64 [N], log order) for the estimator of that
-    name, or None when the stage has not run (the estimator is then skipped).
+    name, or None when the stage has not run (the estimator is then skipped). The file is keyed
+    (``io/cache.py``, written by ``stages/metagradient.py``): its key must hold the digest of the
+    run's rollout log (``rollout_log.digest``) and, when ``mode`` is given, that advantages mode.
 
     Raises:
-        ValueError: naming the file when its rollout ids are not ``rollout_ids``.
+        ValueError: naming the file and the field: no ``cache`` key (a file not written by the
+            stage), a key of another rollout log or mode, rollout ids that are not
+            ``rollout_ids``, ``scores`` not a list of ``len(rollout_ids)`` finite-or-NaN numbers.
     """
     path = paths.metagradient_scores
     if not path.exists():
         return None
     rec = read_json(path)
-    if rec["rollout_ids"] != list(rollout_ids):
-        raise ValueError(f"{path}: {len(rec['rollout_ids'])} rollout ids that are not the run's "
+    key = rec.get(cache.CACHE_FIELD) if isinstance(rec, dict) else None
+    if not isinstance(key, dict):
+        raise ValueError(f"{path}: no {cache.CACHE_FIELD!r} key (not written by the `metagradient` stage, or by an "
+                         "older version); rerun the `metagradient` stage")
+    log = rollout_log.digest(paths.rollouts)
+    if key.get("rollout_log") != log:
+        raise ValueError(f"{path}: field 'cache.rollout_log' is the digest of another rollout log than "
+                         f"{paths.rollouts}; rerun the `metagradient` stage")
+    if mode is not None and key.get("advantages") != mode:
+        raise ValueError(f"{path}: field 'cache.advantages' = {key.get('advantages')!r}, but the config's mode is "
+                         f"{mode!r} (counterfactual.recompute_advantages); rerun the `metagradient` stage")
+    if rec.get("rollout_ids") != list(rollout_ids):
+        raise ValueError(f"{path}: {len(rec.get('rollout_ids') or [])} rollout ids that are not the run's "
                          f"{len(rollout_ids)}; rerun the `metagradient` stage")
-    return np.asarray(rec["scores"], np.float64)
+    scores = rec.get("scores")
+    if (not isinstance(scores, list) or len(scores) != len(rollout_ids)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
+        raise ValueError(f"{path}: field 'scores' is not a list of {len(rollout_ids)} numbers")
+    return np.asarray(scores, np.float64)
 
 
-def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Path) -> dict:
+def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Path,
+                      like: sketch_store.SketchStore | None = None) -> dict:
     """The estimators' targets and options: ``target`` (the last checkpoint's continuation target),
     ``targets_by_checkpoint`` (TracInCP), ``lr``, ``damping``, ``seed``, ``window``, ``current_step``.
+    ``like``: the store of the sketches scored against the targets (:func:`check_same_sketch`).
 
     Raises:
-        FileNotFoundError / ValueError: the target store is absent or incomplete (names it).
+        FileNotFoundError / ValueError: the target store is absent or incomplete, or not of the
+            config's / ``like``'s CountSketch (names it and the key).
     """
     ev = config.evaluation
-    t_store = read_complete(target_path)
+    t_store = read_complete(target_path, config)
+    if like is not None:
+        check_same_sketch(like, t_store)
     targets = t_store.read()
     by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
     return dict(target=targets[-1], targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping,
@@ -184,7 +244,8 @@ def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Pa
 
 def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
                         rollout_ids: list[str], rollout_steps: np.ndarray, *, per_rollout: bool = False,
-                        advantages=None, rewards=None, **inputs) -> dict[str, np.ndarray]:
+                        advantages=None, rewards=None, like: sketch_store.SketchStore | None = None,
+                        **inputs) -> dict[str, np.ndarray]:
     """:func:`step_method_scores` with the targets of ``target_path`` (another behaviour's
     ``targets_continuation_<id>.zarr``) and sketches the caller has read: float32
     [steps, D] step sketches, or [N, D] per-rollout sketches with ``per_rollout``.
@@ -197,4 +258,4 @@ def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.
     steps = np.asarray(rollout_steps) if per_rollout else np.arange(sketches.shape[0])
     return estimators.score_step_methods(sketches, steps, rollout_ids, rollout_steps, per_rollout_sketches=per_rollout,
                                          advantages=advantages, rewards=rewards, **inputs,
-                                         **estimator_options(config, target_path))
+                                         **estimator_options(config, target_path, like))

@@ -128,25 +128,86 @@ def check_schema(root: str | os.PathLike, schema_version: int = SCHEMA_VERSION) 
         raise ValueError(f"{path}: rollout log schema mismatch: found {got}, this code reads {want}")
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# The type each field must have on disk (None allowed where the dataclass default is None).
+_CHECKS: dict[str, tuple[Any, str]] = {
+    "rollout_id": (lambda x: isinstance(x, str) and _ROLLOUT_ID_RE.fullmatch(x) is not None, "a grpo_<step>_<index> id"),
+    "step": (lambda x: _is_int(x) and x >= 0, "an integer >= 0"),
+    "regime": (lambda x: isinstance(x, str), "a string"),
+    "prompt_hash": (lambda x: isinstance(x, str), "a string"),
+    "response_hash": (lambda x: isinstance(x, str), "a string"),
+    "reward": (_is_num, "a number"),
+    "advantage": (lambda x: x is None or _is_num(x), "a number or null"),
+    "extra": (lambda x: isinstance(x, dict), "an object"),
+    "group_id": (lambda x: x is None or (_is_int(x) and x >= 0), "an integer >= 0 or null"),
+    "prompt_token_ids": (lambda x: isinstance(x, list) and all(_is_int(t) and t >= 0 for t in x),
+                         "a list of integers >= 0"),
+    "completion_token_ids": (lambda x: isinstance(x, list) and all(_is_int(t) and t >= 0 for t in x),
+                             "a list of integers >= 0"),
+    "completion_logprobs": (lambda x: isinstance(x, list) and all(_is_num(t) for t in x), "a list of numbers"),
+    "base_reward": (lambda x: x is None or _is_num(x), "a number or null"),
+    "eligible": (lambda x: x is None or isinstance(x, bool), "a boolean or null"),
+    "bonus": (_is_num, "a number"),
+}
+
+
+def _record(obj: dict, where: str) -> RolloutRecord:
+    """The :class:`RolloutRecord` of one JSONL line, every field's type checked.
+
+    Raises:
+        ValueError: ``"{where}: ..."`` naming an unknown, missing or ill-typed field (and its value),
+            or a ``rollout_id`` whose step is not the record's ``step``.
+    """
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: not a rollout record (unknown field {unknown[0]!r})")
+    required = [f.name for f in dataclasses.fields(RolloutRecord)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise ValueError(f"{where}: not a rollout record (missing field {missing[0]!r})")
+    for key, value in obj.items():
+        ok, what = _CHECKS[key]
+        if not ok(value):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            raise ValueError(f"{where}: field {key!r} = {shown} is not {what}")
+    if parse_rollout_id(obj["rollout_id"])[0] != obj["step"]:
+        raise ValueError(f"{where}: field 'rollout_id' = {obj['rollout_id']!r} is not of step {obj['step']}")
+    return RolloutRecord(**obj)
+
+
 def _read_shard(path: epath.Path) -> list[RolloutRecord]:
-    out = []
-    for lineno, obj in iter_jsonl(path):
-        try:
-            out.append(RolloutRecord(**obj))
-        except TypeError as e:
-            raise ValueError(f"{path}:{lineno}: not a rollout record ({e})") from e
-    return out
+    return [_record(obj, f"{path}:{lineno}") for lineno, obj in iter_jsonl(path)]
 
 
 def read_rollouts(root: str | os.PathLike, schema_version: int = SCHEMA_VERSION) -> Iterator[RolloutRecord]:
     """Yields the records of ``root`` in shard order (= log order). Raises as ``check_schema``, and
-    ValueError naming ``file:line`` for a malformed line."""
+    ValueError naming ``file:line`` for a malformed line (a truncated one included), a missing,
+    unknown or ill-typed field (naming it), a duplicate rollout id (naming both places) or a step
+    below the previous record's (records are logged in step order)."""
     root = as_path(root)
     check_schema(root, schema_version)
     if not root.is_dir():
         return
+    seen: dict[str, str] = {}
+    last = None
     for _, path in _shards(root):
-        yield from _read_shard(path)
+        for lineno, obj in iter_jsonl(path):
+            where = f"{path}:{lineno}"
+            rec = _record(obj, where)
+            if rec.rollout_id in seen:
+                raise ValueError(f"{where}: duplicate rollout_id {rec.rollout_id!r} (first at {seen[rec.rollout_id]})")
+            if last is not None and rec.step < last:
+                raise ValueError(f"{where}: step {rec.step} < previous step {last}; records are logged in step order")
+            seen[rec.rollout_id], last = where, rec.step
+            yield rec
 
 
 def digest(root: str | os.PathLike) -> str:

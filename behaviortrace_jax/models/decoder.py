@@ -404,6 +404,39 @@ def rope_scaling_from_hf(d: dict, src: str = "<dict>",
                               truncate=bool(rope.get("truncate", True)) if rope_type == "yarn" else True, **extra)
 
 
+_HF_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_hf_values(d: dict, src: str) -> None:
+    """Checks the values of a HF config dict that :func:`common_kwargs` reads (where present and not
+    null): sizes (:data:`_HF_SIZES`) positive integers, ``rms_norm_eps`` / ``rope_theta`` positive
+    numbers, ``tie_word_embeddings`` a boolean, heads a multiple of the key/value heads (as
+    transformers' attention requires).
+
+    Raises:
+        ValueError: ``"{src}: <key>=<value> is not ..."`` naming the key (both keys for the heads).
+    """
+    def present(key):
+        return key in d and d[key] is not None
+
+    for key in _HF_SIZES:
+        v = d.get(key)
+        if present(key) and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"{src}: {key}={v!r} is not a positive integer")
+    for key in ("rms_norm_eps", "rope_theta"):
+        v = d.get(key)
+        if present(key) and (not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or v != v
+                             or v == float("inf")):
+            raise ValueError(f"{src}: {key}={v!r} is not a positive number")
+    if present("tie_word_embeddings") and not isinstance(d["tie_word_embeddings"], bool):
+        raise ValueError(f"{src}: tie_word_embeddings={d['tie_word_embeddings']!r} is not a boolean")
+    if present("num_attention_heads") and present("num_key_value_heads") and (
+            d["num_attention_heads"] % d["num_key_value_heads"]):
+        raise ValueError(f"{src}: num_attention_heads={d['num_attention_heads']} is not a multiple of "
+                         f"num_key_value_heads={d['num_key_value_heads']}")
+
+
 def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
                   default_tie: bool = False) -> dict:
     """The :class:`DecoderConfig` fields every family reads alike from a HF config dict.
@@ -411,8 +444,13 @@ def common_kwargs(d: dict, src: str, *, default_head_dim: int | None = None,
     ``head_dim``: ``d["head_dim"]``, else ``default_head_dim``, else ``hidden_size // heads``.
 
     Raises:
-        ValueError: naming a missing required key, or a RoPE key :func:`rope_scaling_from_hf` refuses.
+        ValueError: naming a missing required key; a size that is not a positive integer, an
+            ``rms_norm_eps`` or ``rope_theta`` that is not a positive number, a
+            ``tie_word_embeddings`` that is not a boolean, or ``num_attention_heads`` not a multiple
+            of ``num_key_value_heads`` (naming both keys); a RoPE key
+            :func:`rope_scaling_from_hf` refuses.
     """
+    check_hf_values(d, src)
     theta, scaling = rope_scaling_from_hf(d, src)
     try:
         n_heads = d["num_attention_heads"]

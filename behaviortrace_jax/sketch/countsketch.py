@@ -448,6 +448,29 @@ def check_tables(hash_name: str, has_tables: bool) -> str:
     return hash_name
 
 
+TABLE_KEYS = ("sketch.in_run_tables", "targets.use_tables")  # the config's two hash-table switches
+
+
+def tables_from_config(config: Any, key: str) -> bool:
+    """The hash-table switch ``key`` of :data:`TABLE_KEYS` read from ``config``, refused where nothing
+    would honour it: the fused sketcher (``sketch.fused``, the default) forms and hashes each
+    example's gradient in its backward and takes no tables, so tables there would be ignored.
+
+    Raises:
+        ValueError: ``key`` is not one of :data:`TABLE_KEYS`; or ``key`` is on with ``sketch.fused``
+            on, naming both keys.
+    """
+    if key not in TABLE_KEYS:
+        raise ValueError(f"tables_from_config: {key!r} is not one of {TABLE_KEYS}")
+    section, name = key.split(".")
+    on = bool(getattr(getattr(config, section), name))
+    if on and bool(config.sketch.fused):
+        raise ValueError(f"config.{key}=True is ignored by the fused sketcher (config.sketch.fused=True, the default): "
+                         f"it hashes on the fly and takes no tables; set config.{key}=False, or "
+                         "config.sketch.fused=False for the vmap(grad) sketcher that reads them")
+    return on
+
+
 def _block_add(acc: jax.Array, gs: Sequence[jax.Array], offsets: Sequence[tuple[Any, Any]], dim: int,
                seed: int) -> jax.Array:
     """``acc`` float32 [C, dim] plus the block-family sketches of the flat [C, n_k] arrays ``gs``,

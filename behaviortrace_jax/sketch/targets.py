@@ -31,6 +31,7 @@ from behaviortrace_jax.attribution.estimators import ROLLOUT_COS_EPS
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.target_texts import NEUTRAL_WORDS, context_prompts, minimal_pair_texts
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
+from behaviortrace_jax.sketch import countsketch
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
 # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)); one constant with the estimators.
@@ -224,11 +225,16 @@ class ForcedSketcher:
     def from_config(cls, config: Any, graphdef: Any, model_config: decoder.DecoderConfig, params: Any,
                     pad_id: int, mesh: Any = None) -> "ForcedSketcher":
         """Built from ``config.sketch.{dim, seed, chunk_size, fused, hash}`` and ``config.targets.{block_size,
-        length_bucket, use_tables}``."""
+        length_bucket, use_tables}``.
+
+        Raises:
+            ValueError: ``targets.use_tables`` with ``sketch.fused`` (``countsketch.tables_from_config``).
+        """
         t = config.targets
         return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
                    chunk_size=config.sketch.chunk_size, block_size=t.block_size,
-                   length_bucket=t.length_bucket, pad_id=pad_id, use_tables=t.use_tables, mesh=mesh,
+                   length_bucket=t.length_bucket, pad_id=pad_id, mesh=mesh,
+                   use_tables=countsketch.tables_from_config(config, "targets.use_tables"),
                    fused=bool(config.sketch.fused), hash_name=str(config.sketch.hash))
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:

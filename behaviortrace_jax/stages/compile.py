@@ -207,13 +207,23 @@ _DEF = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = ")
 _CONST = re.compile(r"\bconstant\((-?\d+)\)")
 
 
+class UncountedLoop(ValueError):
+    """A compiled program whose loop trips :func:`loop_counted_cost` cannot count (no HLO module, a
+    ``while`` loop without a known or inferable trip count and no caller bound, a loop whose start
+    is not a constant); the message names the loop."""
+
+
 def _inferred_trips(line: str, comps: dict[str, list[str]], caller: str) -> int | None:
     """The trip count of a ``while`` instruction ``line`` (in computation ``caller``) that XLA did
     not annotate (XLA:TPU's optimised HLO has no ``known_trip_count``), from the loop's own form:
     its condition is ``counter < N`` with ``counter`` a tuple element and N a constant, the
-    counter's initial value (the while operand's element) a constant c (through copies; 0 when it
-    cannot be resolved - JAX's scans and fori_loops count from 0) and its step 1 (JAX's): N - c.
-    None when the condition has another form."""
+    counter's initial value (the while operand's element) a constant c (through copies) and its
+    step 1 (JAX's): N - c. None when the condition has another form.
+
+    Raises:
+        UncountedLoop: the condition is ``counter < N`` but the counter's initial value is not a
+            constant that can be traced (no silent start of 0), naming the loop.
+    """
     cond = _WHILE.search(line).group(1)
     defs = {m.group(1): ln for ln in comps.get(cond, ()) if (m := _DEF.match(ln))}
     root = next((ln for ln in comps.get(cond, ()) if ln.lstrip().startswith("ROOT ")), "")
@@ -238,7 +248,7 @@ def _inferred_trips(line: str, comps: dict[str, list[str]], caller: str) -> int 
     index = int(c_counter.group(1))
     caller_defs = {m.group(1): ln for ln in comps.get(caller, ()) if (m := _DEF.match(ln))}
     operand = re.search(r"\swhile\(%([^\s,)]+)\)", line)
-    init = 0
+    init = None
     tup = caller_defs.get(operand.group(1), "") if operand else ""
     args = re.search(r"\stuple\((.*?)\)(?:,|$)", tup)
     if args:
@@ -252,6 +262,10 @@ def _inferred_trips(line: str, comps: dict[str, list[str]], caller: str) -> int 
             if not nxt:
                 break
             name = nxt.group(1)
+    if init is None:
+        raise UncountedLoop(f"while loop (condition %{cond}, in %{caller}): bound {c_bound.group(1)}, but the "
+                            f"counter's initial value (tuple element {index} of the loop's operand) is not a "
+                            "constant; its trips cannot be counted")
     return max(int(c_bound.group(1)) - init, 0)
 
 
@@ -298,13 +312,16 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     module re-entered at that body (``hlo_module_cost_analysis`` with the program's client, or the
     host CPU client's for a compile-only TPU executable: same cost model, same HLO). A loop
     without a known trip count (a ``while_loop`` that may stop early, e.g. the sampler's decode loop)
-    is counted ``unknown_trips`` times when given (the caller's upper bound), else once.
+    is counted ``unknown_trips`` times when given (the caller's upper bound).
 
     Returns ``{"flops", "bytes_accessed", "transcendentals"}`` (every trip), the same keys with
-    ``_one_trip`` (XLA's own figure), ``loops`` (trip count of every loop, nested ones as often as
-    they appear; None where unknown and counted once, ``-n`` where unknown and counted n =
-    ``unknown_trips`` times), or None where the executable gives no HLO
-    module or client (then the caller keeps XLA's one-trip figures).
+    ``_one_trip`` (XLA's own figure) and ``loops`` (trip count of every loop, nested ones as often
+    as they appear; ``-n`` where unknown and counted n = ``unknown_trips`` times).
+
+    Raises:
+        UncountedLoop: where it cannot count (never a silent one trip or a loop start of 0): the
+            executable gives no HLO module; a loop without a known or inferable trip count and no
+            ``unknown_trips``; a loop whose counter does not start at a constant (each names the loop).
     """
     from jax._src.lib import _jax
     import jaxlib._hlo as hlo
@@ -313,8 +330,8 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
         ex = compiled.runtime_executable()
         text = ex.hlo_modules()[0].to_string()
     except Exception as e:  # noqa: BLE001 - a backend whose executables expose no HLO module
-        logging.warning("compile: no HLO module to count loop trips in (%s: %s)", type(e).__name__, e)
-        return None
+        raise UncountedLoop(f"the executable gives no HLO module to count loop trips in ({type(e).__name__}: "
+                            f"{e})") from e
     # A compile-only TPU client has no cost analysis of its own; XLA's HloCostAnalysis of the host
     # CPU client, run on the TPU-optimised module, gives the same FLOPs and bytes to < 1 %
     # (docs/benchmarks.md), so it counts the per-body figures there.
@@ -343,12 +360,13 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
                 t = _TRIPS.search(line)
                 known = int(t.group(1)) if t else _inferred_trips(line, comps, name)
                 trips = known if known is not None else unknown_trips
+                if trips is None:
+                    raise UncountedLoop(f"while loop (body %{body}, in %{name}) has no known trip count and its "
+                                        "condition is not `counter < constant`; pass the caller's bound "
+                                        "(Program.max_trips)")
                 inner, inner_loops = extra(body)
-                loops += [known if known is not None else (None if trips is None else -trips)] + inner_loops * (trips or 1)
-                if trips is not None:
-                    add += trips * (once(body) + inner) - once(body) + trips * once(cond)
-                else:
-                    add += inner
+                loops += [known if known is not None else -trips] + inner_loops * trips
+                add += trips * (once(body) + inner) - once(body) + trips * once(cond)
                 continue
             callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for g in _CALLEES.findall(line)
                                                for c in g.split(",") if c.strip()]
@@ -537,22 +555,24 @@ def grpo_programs(a: AbstractRun) -> list[Program]:
 
 
 def metagradient_programs(a: AbstractRun) -> list[Program]:
-    """``metagradient_step`` and ``metagradient_step_vjp``: :class:`train.metagradient.MetaStep` of
-    the configured loss and ``metagradient.advantages``' first mode (one weighted GRPO step and its
-    vjp in params, Adam moments and weights), as the ``metagradient`` stage runs them once per
-    replayed step; XLA's count covers the whole program."""
+    """``metagradient_step`` and ``metagradient_step_vjp``: the :class:`train.metagradient.MetaStep`
+    of ``train.metagradient.build_meta_step`` (the ``metagradient`` stage's constructor) for the
+    configured loss and ``metagradient.advantages``' first mode: the forward is the program the
+    stage steps with (the run's own weighted step, the fused one by default), the vjp that of the
+    batched weighted step (in params, Adam moments and weights), each run once per replayed step;
+    XLA's count covers the whole program."""
     from behaviortrace_jax.train import metagradient as mg_lib
 
     config = a.config
     spec = grpo.GRPOStepSpec.from_config(config)
     mode = str(config.metagradient.advantages).split(",")[0].strip()
-    tx = train_state.make_optimizer(config.optim, differentiable=True)
-    step = mg_lib.make_weighted_step(a.graphdef, tx, spec, advantages=mode, std_floor=float(config.grpo.adv_std_floor))
     gbatch = a.grpo_batch()
     batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
     ref, ref_sh = (a.params, a.param_shardings) if spec.loss_spec.needs_reference else (None, None)
-    meta = mg_lib.MetaStep(step, (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data,
-                                  ref_sh, a.rep), opt_state=a.state.opt_state)
+    # the stage's own constructor: forward = the run's step program where the run's update is the fused one
+    meta = mg_lib.build_meta_step(config, a.graphdef, a.abstract_params, a.cfg, spec, a.mesh,
+                                  (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data,
+                                   ref_sh, a.rep), a.state.opt_state, advantages=mode)
     weights, opt = gbatch["advantages"], a.state.opt_state
     floats = mg_lib.opt_float_leaves(opt)
     note = f"{spec.shapes.num_rollouts} rollouts; advantages {mode}"
@@ -672,15 +692,17 @@ def compile_program(pr: Program, chip: Chip | None, memory: float | None) -> dic
                 "memory_bytes": need[1] or memory, "fits": False}
     t2 = time.perf_counter()
     mem, once = _memory(compiled), _cost(compiled)
-    counted = loop_counted_cost(compiled, pr.max_trips)
-    cost = {"flops": once["flops"], "bytes_accessed": once["bytes_accessed"], "flops_one_trip": once["flops"],
-            "bytes_accessed_one_trip": once["bytes_accessed"], "loops": None}
-    if counted is not None:
+    cost = {"flops_one_trip": once["flops"], "bytes_accessed_one_trip": once["bytes_accessed"]}
+    try:
+        counted = loop_counted_cost(compiled, pr.max_trips)
         cost.update({k: counted[k] for k in ("flops", "bytes_accessed", "loops")})
+    except UncountedLoop as e:  # said in the row and the log, never XLA's one-trip figures as the count
+        logging.warning("compile: %s: FLOPs and bytes not counted: %s", pr.name, e)
+        cost.update(flops=None, bytes_accessed=None, loops=None, cost_error=str(e))
     row: dict[str, Any] = {"name": pr.name, "lower_s": round(t1 - t0, 2), "compile_s": round(t2 - t1, 2),
                            "host_peak_rss_bytes": _rss_bytes(), **{f"{k}_bytes": v for k, v in mem.items()},
                            **cost, "note": pr.note}
-    if chip is not None:
+    if chip is not None and cost["flops"] is not None:
         row["roofline_s"] = max(cost["flops"] / chip.peak_flops, cost["bytes_accessed"] / chip.hbm_bw)
         row["roofline_compute_s"] = cost["flops"] / chip.peak_flops
     else:
@@ -720,8 +742,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         rl = "-" if r["roofline_s"] is None else f"{r['roofline_s']:.3g}"
         fl = lambda v: "-" if not v else f"{v:.3g}"  # noqa: E731
         loops = r.get("loops")
-        trips = "-" if not loops else ", ".join("?" if x is None else f"<={-x}" if x < 0 else str(x)
-                                                for x in sorted(set(loops), key=str))
+        trips = ("not counted" if r.get("cost_error") else "-" if not loops else
+                 ", ".join(f"<={-x}" if x < 0 else str(x) for x in sorted(set(loops), key=str)))
         lines.append(f"| {r['name']} | {r['compile_s']:.1f} | {_fmt_gib(r.get('argument_bytes'))} | "
                      f"{_fmt_gib(r.get('output_bytes'))} | {_fmt_gib(r.get('temp_bytes'))} | "
                      f"{_fmt_gib(r.get('alias_bytes'))} | {_fmt_gib(r.get('generated_code_bytes'))} | "
@@ -732,7 +754,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     tail = ("\n\nFLOPs and bytes are XLA's own cost analysis of each compiled program per chip with every "
             "loop trip counted (stages/compile.loop_counted_cost: XLA counts a while body once; each loop "
             "with a known trip count adds trips x its body's count); `loop trips` lists the distinct trip "
-            "counts (<=n: no known trip count, counted n times as an upper bound; ? = unknown, counted once). The roofline is max(FLOPs / peak, bytes / bandwidth). "
+            "counts (<=n: no known trip count, counted n times as an upper bound; 'not counted': a loop that cannot be counted, its row's `cost_error` says which, FLOPs and bytes left empty). The roofline is max(FLOPs / peak, bytes / bandwidth). "
             "XLA:TPU's 'bytes accessed' is inflated by several scatters into one accumulator "
             "(../shared/notes/AOT_FINDINGS.md), so bandwidth-bound rooflines of sketching programs are "
             "upper bounds.\n\n"

@@ -56,6 +56,7 @@ from etils import epath
 from behaviortrace_jax.attribution import formats, metrics as M
 from behaviortrace_jax.attribution.scores import step_method_scores
 from behaviortrace_jax.io import rollout_log
+from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache (io/cache.py)
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages.registry import register_stage
@@ -212,16 +213,6 @@ def cache_key(identity: dict, removed: np.ndarray, measure_steps: list[int], mea
                 measure_step=int(measure_step), recompute_advantages=bool(recompute))
 
 
-def stale_fields(cached: dict | None, key: dict) -> list[str] | None:
-    """None when there is no cached replay (``cached`` None); else the fields of ``key`` that the
-    cached file's ``"cache"`` record lacks or holds another value of ([] = valid). A file without
-    a cache record (written before keys existed) is stale in every field."""
-    if cached is None:
-        return None
-    have = cached.get("cache") or {}
-    return [k for k, v in key.items() if have.get(k) != v]
-
-
 def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray],
                     scores: dict[str, np.ndarray], window: np.ndarray, *, nboot: int) -> list[formats.Row]:
     """The ``counterfactual_topk_recomputed`` rows: :func:`tables` over the ``*__recomputed``
@@ -264,6 +255,9 @@ def tables(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray], 
             continue
         measured = np.array([results[k]["value"] for k in subsets])
         for name, s in scores.items():
+            if not M.lds_evaluable(s, window):  # no score in the window: NaN, not a tie's 0 (metrics.lds_evaluable)
+                rows.append(formats.Row(seed, table, name, float("nan"), None, None, 0.0, 1.0, len(subsets)))
+                continue
             pred = np.array([predicted_effect(s, window, removed[k]) for k in subsets])
             rho, lo, hi = lds(pred, measured, nboot=nboot, seed=int(seed.split("_")[0]) if seed[:1].isdigit() else 0)
             rows.append(formats.Row(seed, table, name, rho, lo, hi, 0.0, 1.0, len(subsets)))
@@ -296,7 +290,8 @@ def report_section(rows: list[formats.Row], figure: str | None, step: int | None
                   "`metagradient` is not a sketch method (dM/dw differentiated through the replayed run).", "",
                   "| seed | method | drop fraction | LDS (Spearman) | 95% CI | M |", "|---|---|---|---|---|---|"]
         lines += [f"| {r.seed} | {r.method} | {0.5 if r.table == 'lds' else r.table[len(LDS_DROP):]} | "
-                  f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
+                  + (f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] |" if np.isfinite(r.value) else
+                     "not evaluable (no score in the window) | |") + f" {r.n} |" for r in lds_rows]
     if figure:
         lines += ["", f"![counterfactual]({figure})"]
     lines += [f"![counterfactual]({f})" for f in more_figures]

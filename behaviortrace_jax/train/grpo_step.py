@@ -169,7 +169,11 @@ class GRPOStepSpec:
     def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
         """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
         ``in_run_rollouts`` override the config's (the compile stage compiles every requested loss
-        and, for the FLOP ratio, the step without in-run sketches)."""
+        and, for the FLOP ratio, the step without in-run sketches).
+
+        Raises:
+            ValueError: ``sketch.in_run_tables`` with ``sketch.fused`` (``countsketch.tables_from_config``).
+        """
         g, sk = config.grpo, config.sketch
         name = g.loss if loss is None else loss
         in_run = bool(sk.in_run_rollouts) if in_run_rollouts is None else bool(in_run_rollouts)
@@ -179,7 +183,8 @@ class GRPOStepSpec:
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
                    inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed),
                    sketch_hash=countsketch.check_hash(str(sk.hash)), in_run_rollouts=in_run,
-                   chunk_size=int(sk.chunk_size), use_tables=bool(sk.in_run_tables), fused=bool(sk.fused))
+                   chunk_size=int(sk.chunk_size), fused=bool(sk.fused),
+                   use_tables=countsketch.tables_from_config(config, "sketch.in_run_tables"))
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,

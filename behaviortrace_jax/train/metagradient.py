@@ -69,6 +69,10 @@ from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite, train_state
 
 ADVANTAGE_MODES = ("logged", "recomputed")
+# Version of what a metagradient computes: bump it when a change to this module (the step, its vjp,
+# the reverse sweep, the advantages) changes dM/dw, so that cached ``metagradient/<mode>.json``
+# files are recomputed (the stage's cache key, stages/metagradient.py).
+METAGRADIENT_VERSION = 1
 PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[Any, Any, dict]]
 
 
@@ -261,6 +265,40 @@ class MetaStep:
                                      out_shardings=(p_sh, fl_sh, w_sh))
 
 
+def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_config: Any,
+                    spec: grpo_step.GRPOStepSpec, mesh: jax.sharding.Mesh, shardings: tuple, opt_state: Any, *,
+                    advantages: str) -> MetaStep:
+    """The :class:`MetaStep` the ``metagradient`` stage runs, built once for both its users
+    (:class:`RunMetagradient` and the compile stage's ``metagradient_step`` rows, so the compiled
+    program is the one that runs): the vjp of :func:`make_weighted_step` with the run's optimizer
+    made differentiable (``config.optim``), forward :func:`make_run_forward` where the run's update
+    is the fused sketcher's (``spec.update_from_sketcher``), else that same step.
+
+    Args:
+        config: the run's config (``optim``, ``grpo.adv_std_floor``). graphdef / abstract_params /
+            model_config: the policy's. spec: the run's step. mesh: the run's.
+        shardings / opt_state: as :class:`MetaStep`'s (``opt_state``: arrays or ShapeDtypeStructs).
+        advantages: "logged" or "recomputed".
+    Raises:
+        ValueError: an unknown ``advantages`` mode.
+    """
+    _check_advantages(advantages)
+    # The vjp differentiates the run's optimizer (same hyper-parameters and state tree) with a clip
+    # whose vjp is finite at a zero gradient (a step whose advantages are all 0) and Adam's eps_root
+    # (a finite derivative where a second moment is exactly 0: an untied model's unused rows). The
+    # forward steps with the run's own optimizer (eps_root = 0), so its states are the run's.
+    tx = train_state.make_optimizer(config.optim, differentiable=True)
+    run_tx = train_state.make_optimizer(config.optim)
+    floor = float(config.grpo.adv_std_floor)
+    step = make_weighted_step(graphdef, tx, spec, advantages=advantages, std_floor=floor)
+    if spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
+        forward = make_run_forward(graphdef, abstract_params, run_tx, spec, sketcher.hf_param_order(model_config),
+                                   mesh, advantages=advantages, std_floor=floor)
+    else:  # the run's batched step, with the run's optimizer
+        forward = make_weighted_step(graphdef, run_tx, spec, advantages=advantages, std_floor=floor)
+    return MetaStep(step, shardings, opt_state=opt_state, forward=forward)
+
+
 # ------------------------------------------------------------------------------------------------
 # Reverse mode over the steps, with recomputation from checkpoints
 # ------------------------------------------------------------------------------------------------
@@ -391,28 +429,16 @@ class RunMetagradient:
 
         self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, rates=False)
         self.advantages, start = advantages, rp.start
-        # The vjp differentiates the run's optimizer (same hyper-parameters and state tree) with a clip
-        # whose vjp is finite at a zero gradient (a step whose advantages are all 0) and Adam's eps_root
-        # (a finite derivative where a second moment is exactly 0: an untied model's unused rows). The
-        # forward steps with the run's own optimizer (eps_root = 0), so its states are the run's.
-        tx = train_state.make_optimizer(config.optim, differentiable=True)
-        floor = float(config.grpo.adv_std_floor)
-        step = make_weighted_step(start.graphdef, tx, rp.spec, advantages=advantages, std_floor=floor)
-        if rp.spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
-            forward = make_run_forward(start.graphdef, start.abstract_params, start.optimizer, rp.spec,
-                                       sketcher.hf_param_order(start.model_config), start.mesh,
-                                       advantages=advantages, std_floor=floor)
-        else:  # the run's batched step, with the run's optimizer
-            forward = make_weighted_step(start.graphdef, start.optimizer, rp.spec, advantages=advantages,
-                                         std_floor=floor)
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
             ("rewards",) if advantages == "recomputed" else ())
         self.ref_params = start.params if rp.spec.loss_spec.needs_reference else None
         ref_sh = start.param_shardings if self.ref_params is not None else None
-        self.meta = MetaStep(step, (start.param_shardings, start.opt_shardings, {k: data for k in self.batch_keys},
-                                    data, ref_sh, sharding.replicated(start.mesh)), opt_state=start.opt_state,
-                             forward=forward)
+        self.meta = build_meta_step(config, start.graphdef, start.abstract_params, start.model_config, rp.spec,
+                                    start.mesh, (start.param_shardings, start.opt_shardings,
+                                                 {k: data for k in self.batch_keys}, data, ref_sh,
+                                                 sharding.replicated(start.mesh)), start.opt_state,
+                                    advantages=advantages)
         self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(rp.measure.logp_margin))
         self.n = rp.shapes.num_rollouts
 
