@@ -93,6 +93,7 @@ def causal_config():
     cf = config.counterfactual
     cf.k_fractions, cf.random_seeds, cf.lds_subsets, cf.lds_fractions = "1.0", 1, 2, "0.5"
     cf.rates, cf.sampled, cf.methods, cf.rollouts, cf.causal_streams = False, 0, "abs-advantage", "regenerated", 2
+    cf.topk_recomputed = False
     config.stages = "counterfactual"
     return config
 
@@ -125,17 +126,33 @@ def test_the_stage_with_regenerated_rollouts_writes_causal_rows_for_both_interve
     f0 = json.loads((causal / "fixed__base.json").read_text())
     r0 = json.loads((causal / "regenerated0__base.json").read_text())
     assert f0["value"] == r0["value"]
-    # rerun: every replay read back, the same table bytes; a stale file alone is replayed again
+    # rerun with one file made stale (another stream in its key): that replay alone runs again, every
+    # other file is read back, and the table is the same bytes (kill -9 safe: one atomic file per replay)
     table = (w / "results_table.csv").read_bytes()
     files = sorted(causal.glob("*.json"))
     mtimes = [p.stat().st_mtime_ns for p in files]
-    pipeline.run(config, str(w))
-    assert (w / "results_table.csv").read_bytes() == table
-    assert [p.stat().st_mtime_ns for p in files] == mtimes
     stale = causal / "regenerated1__s2__remove.json"
     rec = json.loads(stale.read_text())
     rec["cache"]["stream"], rec["value"] = 7, 0.0
     stale.write_text(json.dumps(rec))
+    mtimes[files.index(stale)] = stale.stat().st_mtime_ns
     pipeline.run(config, str(w))
     assert (w / "results_table.csv").read_bytes() == table
     assert [p.name for p, t in zip(files, mtimes) if p.stat().st_mtime_ns != t] == [stale.name]
+
+
+def test_metagradient_rows_put_its_prediction_beside_the_measured_replays_of_its_top_and_random_units():
+    units = [np.array([i]) for i in range(6)]
+    names = [f"s{i}" for i in range(6)]
+    pred = np.array([0.1, 2.0, 0.0, 1.0, -1.0, 0.5])
+    effects = {("remove", "fixed"): np.array([[0.0, 1.5, 0.1, 0.4, -0.2, 0.3]]),
+               ("withhold-bonus", "fixed"): np.zeros((1, 6))}
+    rows = C.tables("0", unit_names=names, unit_rollouts=units, effects=effects, label_deltas={},
+                    scores={"metagradient": pred}, is_gt=np.zeros(6, bool), k_fraction=2 / 6, nboot=5)
+    mg = [r for r in rows if r.table.startswith("causal_metagradient")]
+    assert {r.table for r in mg} == {"causal_metagradient_remove_fixed"}  # removal only
+    top = [r for r in mg if r.method.startswith("top")]
+    assert [(r.method, r.value, r.chance) for r in top] == [("top1:s1", 1.5, 2.0), ("top2:s3", 0.4, 1.0)]
+    rnd = [r for r in mg if r.method.startswith("random")]
+    assert len(rnd) == 2 and not {r.method.split(":")[1] for r in rnd} & {"s1", "s3"}
+    assert all(r.value == effects[("remove", "fixed")][0, int(r.method.split(":s")[1])] for r in rnd)

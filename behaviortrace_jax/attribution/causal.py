@@ -24,6 +24,14 @@ rollouts have one). Tables (``formats.Row``; ``<iv>`` = ``remove`` / ``withhold-
   all units by Δ; ``chance`` = a random unit set's expectation, the mean percentile of all
   units, ``(U + 1) / 2U``; ``n`` = units holding ground truth).
 
+* ``causal_metagradient_remove_<ro>`` (when the ``metagradient`` estimator is scored): how far its
+  linearisation holds. For its top-k units and k random other units (``default_rng(seed)``):
+  ``method`` = ``top<i>:<unit>`` / ``random<i>:<unit>``, ``value`` = the exact single-unit replay's
+  measured Δ (mean over streams, ``lo``/``hi`` its t-interval), ``chance`` = the metagradient's
+  first-order prediction of that Δ (the sum of dM/dw_i over the unit: removing the unit's
+  rollouts drops M by that much to first order), ``n`` = streams. Only the remove intervention:
+  the metagradient differentiates the rollouts' weights, not their rewards.
+
 A unit's score is the sum of its rollouts' scores (finite ones; a step-level method's score is its
 step's, the same for every rollout, so a step unit sums N copies: the ranking is the step's); the
 pseudo-method ``ground-truth`` scores a unit by its count of ground-truth rollouts (the label's own
@@ -39,6 +47,7 @@ import scipy.stats
 from behaviortrace_jax.attribution import formats, metrics as M
 
 LABEL = "ground-truth"  # the pseudo-method: a unit's count of ground-truth rollouts
+METAGRADIENT = "metagradient"  # the estimator whose first-order predictions get their own table
 
 
 def is_table(table: str) -> bool:
@@ -147,6 +156,24 @@ def label_delta_row(seed: str, rollouts: str, name: str, deltas: np.ndarray) -> 
     return formats.Row(seed, f"causal_label_{rollouts}", name, m, lo, hi, None, None, int(np.size(deltas)))
 
 
+def metagradient_rows(seed: str, rollouts: str, names: Sequence[str], predicted: np.ndarray, effects: np.ndarray,
+                      *, k: int, rng_seed: int) -> list[formats.Row]:
+    """``causal_metagradient_remove_<rollouts>`` rows (module docstring): ``predicted`` float [U] the
+    metagradient's unit scores, ``effects`` float [streams, U] the measured removal Δs."""
+    pred, e = np.asarray(predicted, np.float64), np.asarray(effects, np.float64)
+    top = np.flatnonzero(top_units(pred, k))
+    top = top[np.argsort(-pred[top], kind="stable")]
+    rest = np.setdiff1d(np.arange(pred.size), top)
+    rnd = np.random.default_rng(rng_seed).choice(rest, min(k, rest.size), replace=False) if rest.size else rest
+    rows = []
+    for tag, picks in (("top", top), ("random", rnd)):
+        for i, u in enumerate(picks):
+            m, lo, hi = mean_ci(e[:, u])
+            rows.append(formats.Row(seed, f"causal_metagradient_remove_{rollouts}", f"{tag}{i + 1}:{names[u]}", m, lo, hi,
+                                    float(pred[u]), None, int(e.shape[0])))
+    return rows
+
+
 def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.ndarray],
            effects: Mapping[tuple[str, str], np.ndarray], label_deltas: Mapping[tuple[str, str], np.ndarray],
            scores: Mapping[str, np.ndarray], is_gt: np.ndarray, k_fraction: float, nboot: int,
@@ -176,6 +203,8 @@ def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.n
         rows += effect_rows(seed, suffix, unit_names, e)
         mean = np.asarray(e, np.float64).mean(axis=0)
         rows += method_rows(seed, suffix, mean, per_unit, k=k, nboot=nboot, rng_seed=rng_seed)
+        if iv == "remove" and METAGRADIENT in per_unit:
+            rows += metagradient_rows(seed, ro, unit_names, per_unit[METAGRADIENT], e, k=k, rng_seed=rng_seed)
     for ro in sorted({ro for _, ro in effects} | {ro for ro, _ in label_deltas}):
         for (r, name), d in sorted(label_deltas.items()):
             if r == ro:
@@ -186,3 +215,33 @@ def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.n
                 if row is not None:
                     rows.append(row)
     return rows
+
+
+def report_lines(rows: Sequence[formats.Row]) -> list[str]:
+    """Markdown lines for report.md: per intervention and rollout mode, every method's Spearman
+    (CI) and P@k against the measured unit effects, then the label's rows; [] without causal rows."""
+    sp = [r for r in rows if r.table.startswith("causal_spearman_")]
+    if not sp:
+        return []
+    pk = {(r.table[len("causal_p@k_"):], r.method): r for r in rows if r.table.startswith("causal_p@k_")}
+    lines = ["", "### Causal ground truth (single-unit replays)", "",
+             "Δ_u = behaviour margin without intervention minus with unit u intervened (remove: weight 0; "
+             "withhold-bonus: its bonus withheld, advantages recomputed), at the measure step; fixed = the logged "
+             "rollouts, regenerated = sampled from the replayed policy (CI over sampler streams in "
+             "`causal_effect_*`). Spearman of each method's unit score vs Δ (95 % bootstrap CI over units), "
+             "P@k of its top-k units among the top-k causal units.", "",
+             "| seed | intervention / rollouts | method | Spearman | 95% CI | P@k | chance | k |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sp:
+        suffix = r.table[len("causal_spearman_"):]
+        p = pk.get((suffix, r.method))
+        lines.append(f"| {r.seed} | {suffix} | {r.method} | {r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | "
+                     f"{'' if p is None else f'{p.value:.3f}'} | {'' if p is None else f'{p.chance:.3f}'} | "
+                     f"{'' if p is None else p.n} |")
+    label = [r for r in rows if r.table.startswith("causal_label_")]
+    if label:
+        lines += ["", "| seed | rollouts | label check | value | 95% CI | chance | n |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r.seed} | {r.table[len('causal_label_'):]} | {r.method} | {r.value:.4f} | "
+                  f"{'' if r.lo is None else f'[{r.lo:.4f}, {r.hi:.4f}]'} | "
+                  f"{'' if r.chance is None else f'{r.chance:.3f}'} | {r.n} |" for r in label]
+    return lines

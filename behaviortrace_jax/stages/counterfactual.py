@@ -35,6 +35,17 @@ Rows appended to ``results_table.csv`` (earlier rows of these tables for this se
   logged advantages (``counterfactual.recompute_advantages`` = False; True recomputes them for
   ``counterfactual_topk`` and ``lds`` too, and the recomputed table is then not written twice).
 
+Interventions and rollouts (``train/replay.py``): ``counterfactual.intervention`` = "remove" (weight
+0) or "withhold-bonus" (the rollout stays, its bonus is withheld, its step's advantages recomputed);
+``counterfactual.rollouts`` = "fixed" (the logged rollouts) or "regenerated" (sampled from the
+replayed policy after the first intervened step, with the run's sampler, reward and contaminator).
+
+The causal ground truth (``counterfactual.causal`` = "on" (default) / "only" / "off"): single-unit
+replays of the window's steps (or groups) for both interventions, fixed and (with
+``rollouts = "regenerated"``) regenerated rollouts over ``counterfactual.causal_streams`` sampler
+streams (``train/causal.py``), and the ``causal_*`` tables scoring every method against them
+(``attribution/causal.py``); files under ``counterfactual/causal/``.
+
 Resumable per replay: each replay's result is one JSON file under ``counterfactual/replays/``,
 written atomically; a killed stage reruns only the missing ones, and the tables are rebuilt from
 the files, so the rerun's table is bit-identical. Each file records its cache key
@@ -301,6 +312,7 @@ def report_section(rows: list[formats.Row], figure: str | None, step: int | None
                   "| seed | method | drop fraction | LDS (Spearman) | 95% CI | M |", "|---|---|---|---|---|---|"]
         lines += [f"| {r.seed} | {r.method} | {0.5 if r.table == 'lds' else r.table[len(LDS_DROP):]} | "
                   f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] | {r.n} |" for r in lds_rows]
+    lines += causal_tables.report_lines(rows)
     if figure:
         lines += ["", f"![counterfactual]({figure})"]
     lines += [f"![counterfactual]({f})" for f in more_figures]
