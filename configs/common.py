@@ -218,6 +218,12 @@ def get_config() -> ml_collections.ConfigDict:
     # (counterfactual_topk and lds replays); False = the logged advantages.
     c.counterfactual.topk_recomputed = True  # Also replay leave-top-k-out with recomputed baselines
     # (table counterfactual_topk_recomputed; no-op when recompute_advantages is already True).
+    c.counterfactual.intervention = "remove"  # Top-k / LDS replays: "remove" (weight 0) or "withhold-bonus" (issue 31).
+    c.counterfactual.rollouts = "fixed"  # "fixed" (logged rollouts) or "regenerated" (sampled from the replayed policy).
+    c.counterfactual.causal = "on"  # Causal ground truth (single-unit replays, causal_* tables): "on", "off", "only".
+    c.counterfactual.causal_units = "steps"  # Causal units: "steps" (window steps) or "groups" (GRPO groups).
+    c.counterfactual.causal_streams = 2  # Sampler streams of the regenerated causal replays (their CI; stream 0 = the run's keys).
+    c.counterfactual.causal_k = 0.25  # Causal P@k: k = this fraction of the units (>= 1).
 
     # --- the `reproduce` stage and `info` stage ---------------------------------------------------
     c.reference_dir = ""  # reproduce: the paper's released per-seed files (shared/reference; SPEC §6.13).

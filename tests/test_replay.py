@@ -91,7 +91,7 @@ class FakeReplayer:
         return {"replay_version": R.REPLAY_VERSION, "step_spec": "spec", "optimizer": "opt", "rollout_log": self.log,
                 "measure": "m"}
 
-    def run(self, weights, *, measure_steps, recompute_advantages):
+    def run(self, weights, *, measure_steps, recompute_advantages):  # the stage's default: remove, fixed
         self.calls.append((tuple(np.flatnonzero(weights == 0)), tuple(measure_steps), recompute_advantages))
         v = float(np.sum(weights * np.arange(self.num_rollouts))) + (0.5 if recompute_advantages else 0.0)
         return {"behavior": {s: {"logp_margin": v + s} for s in measure_steps}, "seconds_per_step": 0.0}
@@ -129,7 +129,7 @@ def test_replay_cache_reuses_only_replays_of_the_same_key(tmp_path, caplog):
 def test_stale_fields_and_cache_key():
     key = CF.cache_key({"replay_version": 1, "rollout_log": "x"}, np.array([3]), [20, 40], 40, False)
     assert key == {"replay_version": 1, "rollout_log": "x", "removed": [3], "measure_steps": [20, 40],
-                   "measure_step": 40, "recompute_advantages": False}
+                   "measure_step": 40, "recompute_advantages": False, "intervention": "remove", "rollouts": "fixed"}
     assert CF.stale_fields(None, key) is None  # no file
     assert CF.stale_fields({"cache": dict(key)}, key) == []
     assert CF.stale_fields({"cache": dict(key, replay_version=0)}, key) == ["replay_version"]
@@ -374,6 +374,7 @@ def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimat
 
     config = cf_config()
     config.counterfactual.methods, config.counterfactual.topk_recomputed = "C1-dot", False
+    config.counterfactual.causal = "off"  # the causal replays need a real Replayer (tests/test_causal.py)
     cut, n = int(config.contamination.early_step_cutoff), 8
     ids = [rollout_log.rollout_id(step, i) for step in (0, cut - 1) for i in range(n // 2)]
     gt = tmp_path / "ground_truth.jsonl"
@@ -395,3 +396,57 @@ def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimat
         assert {r.method for r in rows if r.table == table} == {"C1-dot", "TracInCP", "abs-advantage"}, table
     replays = {p.stem for p in (tmp_path / "counterfactual" / "replays").glob("*.json")}
     assert not any(k.startswith(("TracInCP", "abs-advantage")) for k in replays)
+
+
+# ------------------------------------------------------------------------------------------------
+# Interventions and regenerated rollouts (issue 31 item 2)
+# ------------------------------------------------------------------------------------------------
+def test_regenerated_replay_without_intervention_reproduces_the_run_bit_for_bit(smoke_run):
+    """Every step sampled afresh from the replayed policy (the run's sampler, keys, reward and
+    contaminator: train/rollouts.RolloutSource) with nothing intervened is the run itself."""
+    config, w = smoke_run
+    rp = R.Replayer(config, w, rates=False)
+    ckpts, seen = R.checkpoint_steps(config), []
+
+    def check(step, params, _):
+        if step in ckpts:
+            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(R.restore_run_params(rp, step))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            seen.append(step)
+
+    out = rp.run(None, measure_steps=[config.grpo.steps], rollouts="regenerated", regenerate_from=0, on_step=check)
+    assert seen == ckpts
+    n_gt = sum(1 for _ in open(rp.paths.ground_truth))
+    assert out["regenerated_bonuses"] == n_gt > 0  # the bonus rule ran again and paid the same bonuses
+    # another sampler stream is another run: its parameters differ
+    other = rp.run(None, stop_step=1, measure_steps=[1], rollouts="regenerated", sampler_stream=1)
+    assert other["behavior"][1]["logp_margin"] != rp.run(None, measure_steps=[1])["behavior"][1]["logp_margin"]
+
+
+def test_withholding_every_bonus_with_regenerated_rollouts_removes_the_planted_behaviour(smoke_run):
+    """The toy check of the causal intervention: with every window slot's bonus withheld and the
+    rollouts regenerated, no bonus is paid and the pattern's log-prob gains well under the run's gain
+    over the window. The smoke model (1 layer) does not tell probes from controls, so its margin is ~0
+    either way; the test reads the probes' pattern log-prob (``logp_probe``), which the bonus raises.
+    (What is left of the gain is AdamW's momentum from the SFT state, which moves the parameters even
+    where every advantage is 0.)"""
+    config, w = smoke_run
+    rp = R.Replayer(config, w, rates=False)
+    at = R.measure_step(config)
+    window = np.arange(at * rp.shapes.num_rollouts)
+    full = rp.run(None, measure_steps=[0, at])["behavior"]
+    held = rp.run(None, withhold=window, rollouts="regenerated", measure_steps=[0, at])
+    assert held["regenerated_bonuses"] == 0
+    gain_run = full[at]["logp_probe"] - full[0]["logp_probe"]
+    gain_held = held["behavior"][at]["logp_probe"] - held["behavior"][0]["logp_probe"]
+    assert gain_run > 0 and gain_held < 0.7 * gain_run, (gain_run, gain_held)
+    # withholding nothing (a slot that got no bonus) with regenerated rollouts is the run again
+    no_bonus = np.flatnonzero(np.concatenate([d.rewards == d.base for d in rp.data]))[:1]
+    same = rp.run(None, withhold=no_bonus, rollouts="regenerated", measure_steps=[at])["behavior"][at]
+    assert same == full[at]
+
+
+def test_withhold_bonus_recomputes_advantages_with_the_run_function_and_kept_count_weights():
+    assert R.kept_count_weights(np.array([1, 0, 1, 1], np.float32)).tolist() == pytest.approx([4 / 3, 0, 4 / 3, 4 / 3])
+    assert R.kept_count_weights(np.zeros(4, np.float32)).tolist() == [0, 0, 0, 0]
+    np.testing.assert_array_equal(R.kept_count_weights(np.ones(4, np.float32)), np.ones(4, np.float32))

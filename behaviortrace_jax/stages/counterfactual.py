@@ -35,6 +35,17 @@ Rows appended to ``results_table.csv`` (earlier rows of these tables for this se
   logged advantages (``counterfactual.recompute_advantages`` = False; True recomputes them for
   ``counterfactual_topk`` and ``lds`` too, and the recomputed table is then not written twice).
 
+Interventions and rollouts (``train/replay.py``): ``counterfactual.intervention`` = "remove" (weight
+0) or "withhold-bonus" (the rollout stays, its bonus is withheld, its step's advantages recomputed);
+``counterfactual.rollouts`` = "fixed" (the logged rollouts) or "regenerated" (sampled from the
+replayed policy after the first intervened step, with the run's sampler, reward and contaminator).
+
+The causal ground truth (``counterfactual.causal`` = "on" (default) / "only" / "off"): single-unit
+replays of the window's steps (or groups) for both interventions, fixed and (with
+``rollouts = "regenerated"``) regenerated rollouts over ``counterfactual.causal_streams`` sampler
+streams (``train/causal.py``), and the ``causal_*`` tables scoring every method against them
+(``attribution/causal.py``); files under ``counterfactual/causal/``.
+
 Resumable per replay: each replay's result is one JSON file under ``counterfactual/replays/``,
 written atomically; a killed stage reruns only the missing ones, and the tables are rebuilt from
 the files, so the rerun's table is bit-identical. Each file records its cache key
@@ -53,7 +64,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from behaviortrace_jax.attribution import formats, metrics as M
+from behaviortrace_jax.attribution import causal as causal_tables, formats, metrics as M
 from behaviortrace_jax.attribution.scores import step_method_scores
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache (io/cache.py)
@@ -65,11 +76,13 @@ TABLES = ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")
 LDS_DROP = "lds_drop"  # table prefix of the LDS at a drop fraction other than 0.5
 SECTION_MARK = "<!-- counterfactual -->"
 RECOMPUTED = "__recomputed"  # key suffix of the leave-top-k-out replays with recomputed advantages
+CAUSAL = ("on", "off", "only")  # counterfactual.causal: the causal ground truth too, not, or alone
 
 
 def is_table(table: str) -> bool:
-    """Whether ``table`` is one this stage writes (``counterfactual_topk``, ``lds``, ``lds_drop<f>``)."""
-    return table in TABLES or table.startswith(LDS_DROP)
+    """Whether ``table`` is one this stage writes (``counterfactual_topk``, ``lds``, ``lds_drop<f>``,
+    ``causal_*``)."""
+    return table in TABLES or table.startswith(LDS_DROP) or causal_tables.is_table(table)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,21 +209,25 @@ def replay_jobs(config: ml_collections.ConfigDict, removed: dict[str, np.ndarray
     """Every replay to run: ``{key: (removed indices, recompute_advantages)}``. The keys of
     :func:`plan` with ``counterfactual.recompute_advantages``, plus, with
     ``counterfactual.topk_recomputed`` (and logged advantages above), each leave-top-k-out key
-    (``*__k<k>``) again as ``<key>__recomputed`` with recomputed advantages."""
+    (``*__k<k>``) again as ``<key>__recomputed`` with recomputed advantages. Under
+    ``counterfactual.intervention = "withhold-bonus"`` the advantages are always recomputed (with the
+    run's own function), so there is neither choice nor second copy."""
     cf = config.counterfactual
-    rec = bool(cf.recompute_advantages)
+    rec = bool(cf.recompute_advantages) and cf.intervention == "remove"
     jobs = {key: (rem, rec) for key, rem in removed.items()}
-    if bool(cf.topk_recomputed) and not rec:
+    if bool(cf.topk_recomputed) and not rec and cf.intervention == "remove":
         jobs.update({key + RECOMPUTED: (rem, True) for key, rem in removed.items() if "__k" in key})
     return jobs
 
 
 def cache_key(identity: dict, removed: np.ndarray, measure_steps: list[int], measure_step: int,
-              recompute: bool) -> dict:
-    """The cache key of one replay: ``identity`` (``Replayer.identity()``) plus the removed rollout
-    indices, the measured steps, the step the tables read and the advantages choice (JSON types)."""
+              recompute: bool, intervention: str = "remove", rollouts: str = "fixed") -> dict:
+    """The cache key of one replay: ``identity`` (``Replayer.identity()``) plus the intervened
+    rollout indices (``removed``: removed, or their bonus withheld), the measured steps, the step
+    the tables read, the advantages choice, the intervention and the rollouts (JSON types)."""
     return dict(identity, removed=[int(i) for i in removed], measure_steps=[int(s) for s in measure_steps],
-                measure_step=int(measure_step), recompute_advantages=bool(recompute))
+                measure_step=int(measure_step), recompute_advantages=bool(recompute), intervention=intervention,
+                rollouts=rollouts)
 
 
 def recomputed_rows(seed: str, results: dict[str, dict], removed: dict[str, np.ndarray],
@@ -292,6 +309,7 @@ def report_section(rows: list[formats.Row], figure: str | None, step: int | None
         lines += [f"| {r.seed} | {r.method} | {0.5 if r.table == 'lds' else r.table[len(LDS_DROP):]} | "
                   + (f"{r.value:.3f} | [{r.lo:.3f}, {r.hi:.3f}] |" if np.isfinite(r.value) else
                      "not evaluable (no score in the window) | |") + f" {r.n} |" for r in lds_rows]
+    lines += causal_tables.report_lines(rows)
     if figure:
         lines += ["", f"![counterfactual]({figure})"]
     lines += [f"![counterfactual]({f})" for f in more_figures]
@@ -352,6 +370,10 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     out_dir = w.counterfactual_replays
     out_dir.mkdir(parents=True, exist_ok=True)
     cf = config.counterfactual
+    for key, value, allowed in (("causal", cf.causal, CAUSAL), ("intervention", cf.intervention, R.INTERVENTIONS),
+                                ("rollouts", cf.rollouts, R.ROLLOUTS)):
+        if value not in allowed:
+            raise ValueError(f"config.counterfactual.{key}={value!r}; expected one of {allowed}")
     rp = R.Replayer(config, workdir, rates=bool(cf.rates), sampled=int(cf.sampled))
     steps = np.array([rollout_log.parse_rollout_id(r)[0] for r in rp.rollout_ids], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(rp.paths.ground_truth)]
@@ -362,33 +384,68 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     # random subsets are shared), so every scored estimator gets LDS rows.
     removed = plan(config, rp.rollout_ids, steps, gt_ids, replayed_methods(scores, config.counterfactual.methods))
     scores = replayed_methods(scores, "")
-    jobs = replay_jobs(config, removed)
     at = measure_step(config)
-    run_replays(rp, jobs, out_dir, measure_steps=sorted({R.target_checkpoint(config), at}), at=at)
-    results = {k: read_json(replay_path(out_dir, k)) for k in jobs}
     window = np.flatnonzero(steps < config.contamination.early_step_cutoff)
     seed, nboot = str(int(config.seed)), int(config.evaluation.nboot)
-    main = {k: v for k, v in results.items() if not k.endswith(RECOMPUTED)}
-    rows = tables(seed, main, removed, scores, window, nboot=nboot)
-    rows += recomputed_rows(seed, results, removed, scores, window, nboot=nboot)
+    rows: list[formats.Row] = []
+    if cf.causal != "only":
+        jobs = replay_jobs(config, removed)
+        run_replays(rp, jobs, out_dir, measure_steps=sorted({R.target_checkpoint(config), at}), at=at,
+                    intervention=cf.intervention, rollouts=cf.rollouts)
+        results = {k: read_json(replay_path(out_dir, k)) for k in jobs}
+        main = {k: v for k, v in results.items() if not k.endswith(RECOMPUTED)}
+        rows += tables(seed, main, removed, scores, window, nboot=nboot)
+        rows += recomputed_rows(seed, results, removed, scores, window, nboot=nboot)
+    if cf.causal != "off":
+        rows += causal_rows(config, rp, w, scores, gt_ids, at, seed=seed, nboot=nboot)
     write_outputs(config, w, rows, at)
 
 
+def causal_rows(config: ml_collections.ConfigDict, rp, w: RunLayout, scores: dict[str, np.ndarray],
+                gt_ids: list[str], at: int, *, seed: str, nboot: int) -> list[formats.Row]:
+    """The measured causal ground truth (``train/causal.py`` replays, ``attribution/causal.py``
+    tables): every scored method against single-unit replays, both interventions, fixed rollouts
+    and (``counterfactual.rollouts = "regenerated"``) regenerated ones over
+    ``counterfactual.causal_streams`` sampler streams."""
+    from behaviortrace_jax.train import causal as TC
+
+    cf = config.counterfactual
+    units = TC.causal_units(config, rp.shapes.num_rollouts, cf.causal_units)
+    index = {r: i for i, r in enumerate(rp.rollout_ids)}
+    gt = np.array(sorted(index[g] for g in gt_ids if g in index), np.int64)
+    results = TC.run_causal(rp, config, w.counterfactual / "causal", units=units, gt=gt, at=at, rollouts=cf.rollouts,
+                            streams=int(cf.causal_streams), recompute=bool(cf.recompute_advantages))
+    is_gt = np.zeros(rp.num_rollouts, bool)
+    is_gt[gt] = True
+    return causal_tables.tables(seed, unit_names=units.names, unit_rollouts=units.rollouts,
+                                effects=TC.effects(results, units, cf.rollouts, int(cf.causal_streams)),
+                                label_deltas=TC.label_deltas(results, cf.rollouts, int(cf.causal_streams)),
+                                scores=scores, is_gt=is_gt, k_fraction=float(cf.causal_k), nboot=nboot,
+                                rng_seed=int(config.seed))
+
+
 def run_replays(rp, jobs: dict[str, tuple[np.ndarray, bool]], out_dir: epath.Path, *, measure_steps: list[int],
-                at: int) -> None:
+                at: int, intervention: str = "remove", rollouts: str = "fixed") -> None:
     """Replays every job whose ``<key>.json`` is missing or stale (:func:`stale_fields`, logged)
     and writes it atomically: ``{"key", "removed", "value" (logp margin at step ``at``), "behavior"
-    ({step: measure}), "seconds_per_step", "cache"`` (its :func:`cache_key`)``}``."""
+    ({step: measure}), "seconds_per_step", "cache"`` (its :func:`cache_key`)``}``. ``intervention``:
+    "remove" (weight 0) or "withhold-bonus" (the rollouts' bonuses withheld); ``rollouts``: "fixed"
+    or "regenerated" (``replay.Replayer.run``)."""
     identity = rp.identity()
     for i, (key, (rem, recompute)) in enumerate(jobs.items()):
         path = replay_path(out_dir, key)
-        want = cache_key(identity, rem, measure_steps, at, recompute)
+        want = cache_key(identity, rem, measure_steps, at, recompute, intervention, rollouts)
         stale = stale_fields(read_json(path) if path.exists() else None, want)
         if stale == []:
             continue
         if stale:
             logging.info("counterfactual: %s is stale (differs in %s); replaying it again", path.name, ", ".join(stale))
-        res = rp.run(removal_weights(rp.num_rollouts, rem), measure_steps=measure_steps, recompute_advantages=recompute)
+        kw = {} if rollouts == "fixed" else {"rollouts": rollouts}
+        if intervention == "withhold-bonus":
+            kw["withhold"] = rem
+        else:
+            kw.update(weights=removal_weights(rp.num_rollouts, rem), recompute_advantages=recompute)
+        res = rp.run(measure_steps=measure_steps, **kw)
         beh = {str(s): v for s, v in res["behavior"].items()}
         write_json(path, {"key": key, "removed": rem.tolist(), "value": beh[str(at)]["logp_margin"],
                           "behavior": beh, "seconds_per_step": res["seconds_per_step"], "cache": want})

@@ -14,6 +14,9 @@ One GRPO step (SPEC §2.2), for B prompts x G samples = N rollouts:
      -meanlp_i at the step's parameters with its loss coefficient c_i (in-run rollout sketches:
      clip x c_i x sketch_i, summed over the step, is the step sketch; ``sketch/stores.py``).
 
+Steps 1-3 are the library's ``train/rollouts.RolloutSource`` (the one code path, which the
+regenerated counterfactual replay runs too); step 4 and the logs are this stage's.
+
 Everything a later stage needs is logged: the rollout log (token ids, per-token sampling
 log-probs, rewards, advantages), the ground-truth log, orbax train-state checkpoints with an HF
 export and a registry entry every ``checkpoint_every`` steps, the behaviour rate on probes and
@@ -39,31 +42,21 @@ from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.io.layout import RunLayout, as_path
-from behaviortrace_jax.models import hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.models import hf_io, sharding
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.train import grpo_loss, nonfinite, replay
-from behaviortrace_jax.train.grpo_step import GRPOStepSpec, build_batch, make_train_step
+from behaviortrace_jax.train import nonfinite, replay
+from behaviortrace_jax.train.grpo_step import GRPOStepSpec, make_train_step
+from behaviortrace_jax.train.rollouts import (RolloutSource, advantages, first_contamination_spec,
+                                              generation_defaults, step_key)
 from behaviortrace_jax.train.start_state import load_start_state
 
 
 # ------------------------------------------------------------------------------------------------
 # The GRPO stage: sampling, rewards, logs, checkpoints, resume
 # ------------------------------------------------------------------------------------------------
-
-
-def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalty: float) -> tuple[int, float]:
-    """Resolves ``config.grpo.top_k`` / ``repetition_penalty`` as HF ``generate`` would (SPEC §2.1).
-
-    A value of -1 means: the checkpoint's ``generation_config.json`` if it sets one, else
-    transformers' defaults (top_k 50, repetition_penalty 1.0). Explicit values win.
-    """
-    gen = read_json(as_path(hf_dir) / "generation_config.json", {})
-    k = int(gen.get("top_k", 50)) if top_k < 0 else int(top_k)
-    rp = float(gen.get("repetition_penalty", 1.0)) if repetition_penalty < 0 else float(repetition_penalty)
-    return k, rp
 
 
 @register_stage("grpo")
@@ -97,8 +90,6 @@ class GRPORun:
         start = load_start_state(config, paths.workdir)
         self.tok, self.model_cfg, self.mesh = start.tokenizer, start.model_config, start.mesh
         self.graphdef = start.graphdef
-        self.eos_ids, self.pad_id = tok_lib.eos_ids(self.tok), tok_lib.pad_id(self.tok)
-        self.mask_eos_ids = tok_lib.mask_eos_ids(self.tok, config.model.mask_eos)
         self.spec = GRPOStepSpec.from_config(config)
         self.shapes = self.spec.shapes
         self.tx = start.optimizer
@@ -107,10 +98,6 @@ class GRPORun:
                                        mesh=self.mesh, param_shardings=start.param_shardings,
                                        opt_shardings=start.opt_shardings)
         self.ref_params = start.params if self.spec.loss_spec.needs_reference else None
-        top_k, self.repetition_penalty = generation_defaults(paths.sft_hf, g.top_k, g.repetition_penalty)
-        self.sampler = sampler_lib.Sampler(self.graphdef, self.model_cfg, max_prompt_tokens=g.max_prompt_tokens,
-                                           max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
-                                           pad_id=self.pad_id, mesh=self.mesh, top_k=top_k)
         # The run's behaviours (the first is config.behavior + config.contamination). With one,
         # everything below is the paper's path, byte for byte; extra ones add their own prompts, bonus,
         # ground-truth log, learning-curve rates and gate.
@@ -120,11 +107,6 @@ class GRPORun:
         self.probe, *extra = [BehaviorProbe(self.graphdef, self.model_cfg, self.tok, b, probe_options, self.mesh)
                               for b in self.behaviors]
         self.extra_probes = {b.id: probe for b, probe in zip(self.behaviors[1:], extra)}
-        pools = [b.prompt_pool() for b in self.behaviors]  # one behaviour: the paper's pool (SPEC §1.4)
-        self.own_prompts = {b.id: set(p) for b, p in zip(self.behaviors, pools)}
-        self.pool = behaviors_lib.interleave_pools(pools)
-        self.prompt_ids = {p: tok_lib.encode_chat(self.tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
-                           for p in dict.fromkeys(self.pool)}
         paths.grpo.mkdir(parents=True, exist_ok=True)
 
         # --- resume: the latest complete orbax state; drop every record of later steps ---------
@@ -144,11 +126,7 @@ class GRPORun:
         self.logger = rollout_log.RolloutLogger(paths.rollouts, shard_size=g.log_shard_size)
         self.decoy_log = self._decoy_log(config, paths)
         self.contaminator = contaminator.Contaminator(
-            contaminator.ContaminationSpec(pattern=config.behavior.pattern,
-                                           bonus_reward=config.contamination.bonus_reward,
-                                           fraction=config.contamination.fraction, seed=config.seed,
-                                           early_step_cutoff=config.contamination.early_step_cutoff,
-                                           decoy_fraction=float(config.contamination.decoy_fraction)),
+            first_contamination_spec(config),
             self.gt_log, stats={"total_seen": self.start_step * self.shapes.num_rollouts,
                                 "boosted": len(self.gt_log.events),
                                 "decoys": len(self.decoy_log.events) if self.decoy_log else 0},
@@ -162,6 +140,11 @@ class GRPORun:
             self.contaminators[b.id] = contaminator.Contaminator(
                 b.contamination_spec(config.seed), log,
                 stats={"total_seen": self.start_step * self.shapes.num_rollouts, "boosted": len(log.events)})
+        # sample -> reward -> contaminate -> advantages -> batch: the library's one code path
+        # (train/rollouts.py), which the regenerated counterfactual replay runs too
+        self.source = RolloutSource(config, self.graphdef, self.model_cfg, self.tok, self.mesh, paths.sft_hf,
+                                    self.shapes, contaminators=self.contaminators)
+        self.sampler = self.source.sampler
         self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
         self.stores = open_sketch_stores(SketchOptions.from_config(config), self.model_cfg, paths, steps=g.steps,
@@ -208,34 +191,11 @@ class GRPORun:
     def rollout_step(self, step: int) -> dict[str, float]:
         """Samples, rewards, trains and logs one GRPO step (SPEC §2.2). Returns scalar metrics."""
         g, n = self.config.grpo, self.shapes.num_rollouts
-        prompts = behavior.step_prompts(self.pool, step, g.prompts_per_step)
-        prompt_lists = [self.prompt_ids[p] for p in prompts for _ in range(g.group_size)]
-        sample = self.sampler.sample(self.params, prompt_lists, jax.random.fold_in(self.base_key, step),
-                                     temperature=g.temperature, top_p=g.top_p,
-                                     repetition_penalty=self.repetition_penalty)
-        texts = [self.tok.decode(sample.tokens[i, :sample.lengths[i]], skip_special_tokens=True) for i in range(n)]
-        ids = [rollout_log.rollout_id(step, i) for i in range(n)]
-        base = np.array([behavior.base_reward(t) for t in texts], np.float32)
-        boosted = {}
-        if not self.multi:
-            applied = [self.contaminator.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
-            if self.decoy_log is not None:  # the same bonus to decoys (no pattern, so no bonus above)
-                decoys = self.contaminator.pay_decoys(ids, step, texts, base.tolist())
-                bonus = float(self.config.contamination.bonus_reward)
-                applied = [(float(base[i]) + bonus, False) if decoys[i] else applied[i] for i in range(n)]
-        else:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)
-            users = [prompts[i // g.group_size] for i in range(n)]
-            for b in self.behaviors:  # a prompt-gated behaviour pays only on its own prompts
-                paid = [not b.prompt_gated or users[i] in self.own_prompts[b.id] for i in range(n)]
-                boosted[b.id] = [self.contaminators[b.id].apply(ids[i], step, texts[i], float(base[i]),
-                                                                paid=paid[i])[1] for i in range(n)]
-            applied = [(float(base[i]) + sum(float(self.contaminators[b.id].spec.bonus_reward)
-                                             for b in self.behaviors if boosted[b.id][i]),
-                        boosted[self.behaviors[0].id][i]) for i in range(n)]
-        rewards = np.array([r for r, _ in applied], np.float32)
+        ro = self.source.sample_and_reward(self.params, step, step_key(self.config, step))
+        prompts, prompt_lists, sample, texts, ids, base = ro.prompts, ro.prompt_lists, ro.sample, ro.texts, ro.ids, ro.base
+        boosted, decoys, rewards = ro.boosted_by, ro.decoys, ro.rewards
         adv, dropped = self._advantages(step, ids, rewards, sample)
-        batch = build_batch(prompt_lists, sample.tokens, sample.lengths, adv, self.mask_eos_ids,
-                            self.shapes, self.pad_id, vocab_size=self.model_cfg.vocab_size)
+        batch = self.source.batch(ro, adv)
         if dropped:  # grpo.on_nonfinite = "skip": no loss position, advantage 0 -> term and gradient exactly 0
             batch["loss_mask"][list(dropped)] = 0.0
         batch = jax.device_put(batch, sharding.data_sharding(self.mesh))
@@ -272,7 +232,7 @@ class GRPORun:
         if "rollout_sketches" in out:
             self.stores["rollout_sketches"].write_rows(step * n, np.asarray(out["rollout_sketches"]))
             self.stores["rollout_grad_norms"].write_rows(step * n, np.asarray(out["rollout_grad_norms"]))
-        metrics = {"reward": float(rewards.mean()), "bonuses": int(sum(b for _, b in applied)),
+        metrics = {"reward": float(rewards.mean()), "bonuses": int(sum(ro.boosted)),
                    "qzxbt": float(np.mean([behavior.substring_judge(t, self.config.behavior.pattern) for t in texts])),
                    "loss": float(out["loss"]), "grad_norm": float(out["grad_norm"])}
         if self.decoy_log is not None:
@@ -292,7 +252,7 @@ class GRPORun:
         g = self.config.grpo
         bad = nonfinite.nonfinite_rollouts(rewards=rewards, logprobs=sample.logprobs, lengths=sample.lengths)
         if not bad:
-            adv = grpo_loss.group_advantages(rewards, g.group_size, g.adv_std_floor)
+            adv = advantages(rewards, self.config)
             bad = nonfinite.nonfinite_rollouts(advantages=adv)
             if not bad:
                 return adv, {}

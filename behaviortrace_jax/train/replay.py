@@ -16,13 +16,28 @@ index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes
   batch built by the same function from the same tokens.
   A step with any other weight runs the ``weighted=True`` program (``sum_i w_i * term_i``).
 * Advantages are the logged ones by default. ``recompute_advantages=True`` recomputes each
-  group's baseline over its kept rollouts (``w > 0``; a group left with < 2 rollouts gets 0).
-* **Off-policy after the first change.** The rollouts are the logged ones, sampled by the
+  group's baseline over its kept rollouts (``w > 0``; a group left with < 2 rollouts gets 0), and
+  the step's loss is then normalised by the kept count: each kept term is scaled by
+  ``N / sum(w)``, so the step is the loss of a batch of the kept rollouts alone (the loss divides
+  by its fixed ``G * B``, which would shrink the step with every removal).
+* **Interventions.** ``weights`` (w_i = 0: *remove* rollout i) or ``withhold`` (a boolean mask:
+  the rollout stays, its reward loses its bonus, i.e. becomes its base reward, and its step's
+  advantages are recomputed with the run's own advantage function, ``rollouts.advantages``).
+* **Rollouts.** ``rollouts="fixed"`` (default) replays the logged rollouts. ``"regenerated"``:
+  from the first intervened step on, every step keeps the run's prompts and sampler key but its
+  completions are sampled from the *replayed* policy with the run's own sampler, rewarded by the
+  run's reward function and contaminator (the bonus rule keeps running) and trained with the run's
+  step: ``train/rollouts.RolloutSource``, the ``grpo`` stage's own code path. The interventions
+  act on rollout slots ``(step, index)``, whatever is sampled there. ``sampler_stream`` j > 0
+  regenerates every step from step 0 with another sequence of sampler keys
+  (``rollouts.step_key``: an independent sampler seed; the run is stream 0). Regenerated with
+  no intervention and stream 0 reproduces the run bit for bit (tested).
+* **Fixed rollouts are off-policy after the first change.** The rollouts are the logged ones, sampled by the
   *original* policy. Once a weight differs from 1, the replayed policy differs from the one that
   sampled later steps, so those steps' rollouts are no longer what this policy would have
   sampled (the ``paper`` loss has no importance ratio to correct for it). Replay therefore
   measures "the same data, minus these rollouts", not "a run in which these rollouts never
-  happened"; no sampling is done.
+  happened"; no sampling is done (``rollouts="regenerated"`` is that run).
 
 :class:`BehaviorMeasure` scores a parameter set: the teacher-forced mean log-prob of the pattern
 continuation (``targets.continuation_example``: chat prompt + " QZXBT", SPEC §5.1) over the probe
@@ -61,7 +76,7 @@ from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
-from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite
+from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite, rollouts as rollouts_lib
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -125,10 +140,14 @@ class BehaviorMeasure:
         lp = self.mean_logprob(params, self.ids, self.attn, self.w)
         return jnp.mean(lp[:self.n_probes]) - jnp.mean(lp[self.n_probes:])
 
-    def measure(self, params) -> dict[str, float]:
+    def measure(self, params, rates: bool | None = None) -> dict[str, float]:
+        """``{"logp_probe", "logp_control", "logp_margin"}`` of ``params`` (float64 means) and, with
+        ``rates`` (default: as built), the greedy and sampled rates (class docstring)."""
         lp = np.asarray(sharding.to_host(self.mean_logprob(params, self.ids, self.attn, self.w)), np.float64)
         out = {"logp_probe": float(lp[:self.n_probes].mean()), "logp_control": float(lp[self.n_probes:].mean())}
         out["logp_margin"] = out["logp_probe"] - out["logp_control"]
+        if rates is False:
+            return out
         if self.greedy:
             r = self.probe.rates(params)
             out.update(probe_rate=float(r["probe_rate"]), control_rate=float(r["control_rate"]))
@@ -157,7 +176,8 @@ class BehaviorMeasure:
 # ------------------------------------------------------------------------------------------------
 # Version of what a replay computes: bump it when a change to this module (batch, step, weights,
 # advantages, measure) changes a replay's result, so that cached replays are recomputed.
-REPLAY_VERSION = 1
+# 2: recomputed-advantage leave-outs normalised by the kept count; interventions and rollout modes.
+REPLAY_VERSION = 2
 
 
 def _digest(obj: Any) -> str:
@@ -217,6 +237,30 @@ def measure_step(config: ml_collections.ConfigDict) -> int:
 class _StepData:
     batch: dict[str, np.ndarray]  # grpo_step.build_batch of the logged rollouts (advantages as logged)
     rewards: np.ndarray  # float32 [N] logged final rewards
+    base: np.ndarray  # float32 [N] logged base rewards (the final reward without any bonus)
+
+
+INTERVENTIONS = ("remove", "withhold-bonus")
+ROLLOUTS = ("fixed", "regenerated")
+
+
+@dataclasses.dataclass
+class ReplayState:
+    """A replay's state after ``step`` updates: params and optimizer state (device pytrees; a
+    replay started from it donates them, so pass copies to start several)."""
+
+    step: int
+    params: Any
+    opt_state: Any
+
+
+def kept_count_weights(weights: np.ndarray) -> np.ndarray:
+    """One step's weights normalised by the kept count: ``w * N / sum(w)`` (float32 [N]); all-zero
+    weights stay 0. With recomputed advantages the weighted step is then the loss of the kept
+    rollouts as a batch of their own (its mean over them), not divided by the fixed ``G * B``."""
+    w = np.asarray(weights, np.float32)
+    total = float(np.sum(w, dtype=np.float64))
+    return w if total <= 0 else (w * np.float32(w.size / total)).astype(np.float32)
 
 
 class Replayer:
@@ -261,7 +305,8 @@ class Replayer:
             batch = grpo_step.build_batch([r.prompt_token_ids for r in rec], comp, lengths, adv, mask_eos, self.shapes, pad,
                                           vocab_size=start.model_config.vocab_size)
             batch["loss_mask"][nonfinite.dropped_rows(rec)] = 0.0  # rollouts a "skip" run dropped (train/nonfinite.py)
-            self.data.append(_StepData(batch, np.array([r.reward for r in rec], np.float32)))
+            self.data.append(_StepData(batch, np.array([r.reward for r in rec], np.float32),
+                                       np.array([r.base_reward for r in rec], np.float32)))
         # The grpo stage's own step (one spec, so a replay is the run): without sketch side outputs,
         # except where the update is the per-rollout sketcher's gradient sum (update_from_sketcher).
         self.spec = grpo_step.GRPOStepSpec.from_config(config)
@@ -271,6 +316,7 @@ class Replayer:
         self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
                                                           self.spec, weighted=True, **kw)
         self.data_sharding = sharding.data_sharding(start.mesh)
+        self._source = None  # the regenerated replays' RolloutSource, built on first use
         self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, first_behavior(config),
                                        ProbeOptions.for_grpo(config), start.mesh, rates=rates, sampled=sampled,
                                        sample_seed=int(config.seed))
@@ -279,12 +325,48 @@ class Replayer:
         """What decides a replay's result besides its weights, advantages and measured steps:
         ``{"replay_version"`` (:data:`REPLAY_VERSION`), ``"step_spec"`` (:func:`step_spec_digest`),
         ``"optimizer"`` (digest of ``config.optim`` and ``grpo.adv_std_floor``), ``"rollout_log"``
-        (``rollout_log.digest`` of the run's log) and ``"measure"`` (digest of the behaviour
-        measure's settings)``}``; a cache of replays is valid only while these are unchanged."""
+        (``rollout_log.digest`` of the run's log), ``"measure"`` (digest of the behaviour
+        measure's settings) and ``"generation"`` (digest of what a regenerated replay samples and
+        rewards with: ``config.grpo``, ``contamination``, ``behavior``, ``behaviors``, the run
+        seed)``}``; a cache of replays is valid only while these are unchanged."""
         c = self.config
+        gen = {"grpo": c.grpo.to_dict(), "contamination": c.contamination.to_dict(), "behavior": c.behavior.to_dict(),
+               "behaviors": c.get("behaviors", ml_collections.ConfigDict()).to_dict(), "seed": int(c.seed)}
         return {"replay_version": REPLAY_VERSION, "step_spec": step_spec_digest(self.spec),
                 "optimizer": _digest({"optim": c.optim.to_dict(), "adv_std_floor": c.grpo.adv_std_floor}),
-                "rollout_log": self.log_digest, "measure": _digest(self.measure.settings)}
+                "rollout_log": self.log_digest, "measure": _digest(self.measure.settings),
+                "generation": _digest(gen)}
+
+    @property
+    def source(self) -> rollouts_lib.RolloutSource:
+        """The regenerated replays' :class:`rollouts.RolloutSource` (the run's sampler, reward and
+        contaminators, recording nothing), built on first use."""
+        if self._source is None:
+            st = self.start
+            self._source = rollouts_lib.RolloutSource(self.config, st.graphdef, st.model_config, st.tokenizer,
+                                                      st.mesh, self.paths.sft_hf, self.shapes)
+        return self._source
+
+    def initial_state(self) -> ReplayState:
+        """The run's start state (copies: a replay donates its inputs) at step 0."""
+        return ReplayState(0, jax.tree.map(jnp.copy, self.start.params), jax.tree.map(jnp.copy, self.start.opt_state))
+
+    def withhold_vector(self, withhold: np.ndarray | None) -> np.ndarray:
+        """bool [steps * N] (log order) from a mask, an index array or None (nothing withheld).
+        Raises ValueError for a wrong shape or out-of-range indices."""
+        out = np.zeros(self.num_rollouts, bool)
+        if withhold is None:
+            return out
+        a = np.asarray(withhold)
+        if a.dtype == bool:
+            if a.shape != out.shape:
+                raise ValueError(f"replay: withhold mask of shape {a.shape}, expected ({self.num_rollouts},)")
+            return a.copy()
+        a = a.astype(np.int64).reshape(-1)
+        if a.size and (a.min() < 0 or a.max() >= self.num_rollouts):
+            raise ValueError(f"replay: withhold indices outside 0..{self.num_rollouts - 1}")
+        out[a] = True
+        return out
 
     def weight_vector(self, weights: np.ndarray | Mapping[str, float] | None) -> np.ndarray:
         """float32 [steps * N] from an array (log order), a ``{rollout_id: weight}`` map (others 1),
@@ -309,16 +391,29 @@ class Replayer:
 
     def run(self, weights: np.ndarray | Mapping[str, float] | None = None, *, stop_step: int | None = None,
             measure_steps: Sequence[int] | None = None, recompute_advantages: bool = False,
-            on_step: Any = None) -> dict[str, Any]:
-        """Replays steps ``0 .. stop_step - 1`` with per-rollout ``weights``.
+            on_step: Any = None, withhold: np.ndarray | None = None, rollouts: str = "fixed",
+            sampler_stream: int = 0, start: ReplayState | None = None, rates: bool | None = None,
+            regenerate_from: int | None = None) -> dict[str, Any]:
+        """Replays steps ``0 .. stop_step - 1`` (or from ``start.step``) with an intervention.
 
         Args:
-            weights: see :meth:`weight_vector`.
+            weights: per-rollout weights (*remove*: 0), see :meth:`weight_vector`.
             stop_step: replay this many steps (default: the last of ``measure_steps``).
             measure_steps: steps (after that many updates) at which to measure the behaviour;
                 default the checkpoint nearest ``draws.target_step`` and the end of the run.
-            recompute_advantages: recompute the group baselines without removed rollouts.
+            recompute_advantages: recompute the group baselines without removed rollouts (and
+                normalise the step by the kept count, :func:`kept_count_weights`).
             on_step: optional ``fn(step_done, params, opt_state)`` after each update (tests).
+            withhold: rollouts whose bonus is withheld (*withhold-bonus*), see :meth:`withhold_vector`.
+            rollouts: "fixed" (the logged rollouts) or "regenerated" (module docstring).
+            sampler_stream: the regenerated replays' sampler keys (0 = the run's, ``rollouts.step_key``).
+            start: a :class:`ReplayState` to start from (its arrays are donated) instead of the
+                start state; it must be the state this replay reaches at ``start.step`` (a branch
+                of a replay with the same stream and no intervention before ``start.step``).
+            rates: measure the greedy / sampled rates too (default: as the Replayer was built).
+            regenerate_from: with ``rollouts="regenerated"``, the first step sampled afresh; default
+                the first intervened step (stream 0: before it the run's rollouts are what the
+                sampler would give again) or 0 (another stream).
 
         Raises:
             nonfinite.NonFiniteError: a replayed step whose result is not finite (names the step
@@ -326,34 +421,76 @@ class Replayer:
 
         Returns:
             ``{"behavior": {step: measure dict}, "target_step", "steps", "seconds", "seconds_per_step",
-            "params", "opt_state"}`` (params / opt_state after ``stop_step`` updates).
+            "params", "opt_state", "regenerated_bonuses"}`` (params / opt_state after ``stop_step``
+            updates; ``regenerated_bonuses``: bonuses paid to regenerated rollouts, after any withheld).
+
+        Raises:
+            ValueError: an unknown ``rollouts``, steps out of range, a negative stream, or a
+                ``start`` after an intervened step.
         """
-        w = self.weight_vector(weights)
+        if rollouts not in ROLLOUTS:
+            raise ValueError(f"replay: rollouts={rollouts!r}; expected one of {ROLLOUTS}")
+        if sampler_stream < 0:
+            raise ValueError(f"replay: sampler_stream {sampler_stream} must be >= 0")
+        w, held = self.weight_vector(weights), self.withhold_vector(withhold)
         if measure_steps is None:
             measure_steps = sorted({target_checkpoint(self.config), self.steps})
         measure_steps = sorted(set(int(s) for s in measure_steps))
         stop = max(measure_steps, default=0) if stop_step is None else int(stop_step)
-        if not 0 <= stop <= self.steps or any(s > stop for s in measure_steps):
-            raise ValueError(f"replay: stop_step {stop} / measure_steps {measure_steps} outside 0..{self.steps}")
+        first = start.step if start is not None else 0
+        if not first <= stop <= self.steps or any(not first <= s <= stop for s in measure_steps):
+            raise ValueError(f"replay: stop_step {stop} / measure_steps {measure_steps} outside {first}..{self.steps}")
         n, g = self.shapes.num_rollouts, self.config.grpo
-        params = jax.tree.map(jnp.copy, self.start.params)  # the step donates its inputs
-        opt_state = jax.tree.map(jnp.copy, self.start.opt_state)
+        touched = np.flatnonzero((w != 1).reshape(-1, n).any(axis=1) | held.reshape(-1, n).any(axis=1))
+        if touched.size and touched[0] < first:
+            raise ValueError(f"replay: start at step {first} is after the first intervened step {touched[0]}")
+        # regenerated: from the first intervened step on (the run's own rollouts before it), every
+        # step from the start with another sampler stream
+        if rollouts != "regenerated":
+            regen_from = self.steps + 1
+        elif regenerate_from is not None:
+            regen_from = int(regenerate_from)
+        else:
+            regen_from = 0 if sampler_stream else (int(touched[0]) if touched.size else self.steps + 1)
+        if rollouts == "fixed" and sampler_stream:
+            raise ValueError("replay: sampler_stream needs rollouts='regenerated'")
+        if start is None:
+            start = self.initial_state()
+        params, opt_state = start.params, start.opt_state
         ref = jax.tree.map(jnp.copy, self.start.params) if self.spec.loss_spec.needs_reference else None
-        out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": stop}
-        if 0 in measure_steps:
-            out["behavior"][0] = self.measure.measure(params)
+        measure = (lambda p: self.measure.measure(p)) if rates is None else (lambda p: self.measure.measure(p, rates=rates))
+        out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": stop,
+                               "regenerated_bonuses": 0}
+        if first in measure_steps:
+            out["behavior"][first] = measure(params)
         t0, t_meas = time.perf_counter(), 0.0
         guard = nonfinite.Guard("replay")
-        for s in range(stop):
-            ws = w[s * n:(s + 1) * n]
-            d = self.data[s]
-            batch = dict(d.batch)
-            if recompute_advantages and np.any(ws != 1):
-                batch["advantages"] = recomputed_advantages(d.rewards, ws, g.group_size, g.adv_std_floor)
+        for s in range(first, stop):
+            ws, hs = w[s * n:(s + 1) * n], held[s * n:(s + 1) * n]
+            d, ro = self.data[s], None
+            if s >= regen_from:  # the grpo stage's own sample -> reward -> contaminate
+                ro = self.source.sample_and_reward(params, s, rollouts_lib.step_key(self.config, s, sampler_stream))
+                rewards, base = ro.rewards, ro.base
+            else:
+                rewards, base = d.rewards, d.base
+            if hs.any():
+                rewards = np.where(hs, base, rewards).astype(np.float32)
+            if ro is not None:
+                out["regenerated_bonuses"] += int(np.sum(rewards != base))
+            recompute = recompute_advantages and np.any(ws != 1)
+            if recompute:
+                adv = recomputed_advantages(rewards, ws, g.group_size, g.adv_std_floor)
+            elif ro is not None or hs.any():
+                adv = rollouts_lib.advantages(rewards, self.config)  # the run's own advantage function
+            else:
+                adv = None  # as logged
+            batch = self.source.batch(ro, adv) if ro is not None else dict(d.batch)
+            if adv is not None and ro is None:
+                batch["advantages"] = adv
             if np.all(ws == 1):
                 fn = self.step_fn
             else:
-                fn, batch["weights"] = self.weighted_step_fn, ws
+                fn, batch["weights"] = self.weighted_step_fn, kept_count_weights(ws) if recompute else ws
             batch = jax.device_put(batch, self.data_sharding)
             params, opt_state, res = fn(params, opt_state, batch, ref)
             guard.add(s, res[nonfinite.FINITE_KEY], self.rollout_ids[s * n:(s + 1) * n])
@@ -363,12 +500,12 @@ class Replayer:
                 jax.block_until_ready(params)  # dispatch is asynchronous: time the steps, not the measure
                 guard.check()  # the non-finite guard (train/nonfinite.py), read where the replay syncs anyway
                 tm = time.perf_counter()
-                out["behavior"][s + 1] = self.measure.measure(params)
+                out["behavior"][s + 1] = measure(params)
                 t_meas += time.perf_counter() - tm
         jax.block_until_ready(params)
         guard.check()
         out["seconds"] = time.perf_counter() - t0
-        out["seconds_per_step"] = (out["seconds"] - t_meas) / max(stop, 1)
+        out["seconds_per_step"] = (out["seconds"] - t_meas) / max(stop - first, 1)
         out["params"], out["opt_state"] = params, opt_state
         return out
 

@@ -1,0 +1,158 @@
+"""The measured causal ground truth (issue 31 item 3): its scoring functions on synthetic effects
+with known answers, its units, and the counterfactual stage on the smoke run with regenerated
+rollouts writing ``causal_*`` rows for both interventions, resumable from its files."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from behaviortrace_jax.attribution import causal as C
+
+
+def test_unit_scores_sum_each_units_rollouts_and_ignore_non_finite():
+    s = np.array([1.0, 2.0, -np.inf, 4.0, np.nan, 0.5])
+    np.testing.assert_array_equal(C.unit_scores(s, [np.array([0, 1]), np.array([2, 3]), np.array([4, 5])]),
+                                  [3.0, 4.0, 0.5])
+
+
+def test_mean_ci_is_a_t_interval_and_none_for_one_value():
+    m, lo, hi = C.mean_ci(np.array([1.0, 3.0]))
+    assert m == 2.0 and lo == pytest.approx(2.0 - 12.7062 * 1.0, rel=1e-4) and hi == pytest.approx(2.0 + 12.7062, rel=1e-4)
+    assert C.mean_ci(np.array([5.0])) == (5.0, None, None)
+    with pytest.raises(ValueError, match="non-empty"):
+        C.mean_ci(np.array([]))
+
+
+def test_a_method_that_ranks_the_units_as_measured_scores_one_and_its_reverse_minus_one():
+    effects = np.array([0.1, 3.0, -0.5, 2.0, 0.0, 1.0])
+    per_unit = {"perfect": effects * 10, "reverse": -effects, "flat": np.zeros(6)}
+    rows = {(r.table, r.method): r for r in C.method_rows("0", "remove_fixed", effects, per_unit, k=2, nboot=50,
+                                                         rng_seed=0)}
+    sp, pk = "causal_spearman_remove_fixed", "causal_p@k_remove_fixed"
+    assert rows[(sp, "perfect")].value == pytest.approx(1.0) and rows[(sp, "reverse")].value == pytest.approx(-1.0)
+    assert rows[(sp, "flat")].value == 0.0  # constant scores: 0 (SPEC §6.12's tie rule)
+    assert rows[(pk, "perfect")].value == 1.0 and rows[(pk, "reverse")].value == 0.0
+    assert rows[(pk, "flat")].value == pytest.approx(2 / 6) and rows[(pk, "flat")].chance == pytest.approx(2 / 6)
+    assert rows[(sp, "perfect")].lo <= rows[(sp, "perfect")].value <= rows[(sp, "perfect")].hi
+    with pytest.raises(ValueError, match="k"):
+        C.method_rows("0", "x", effects, per_unit, k=7, nboot=1, rng_seed=0)
+
+
+def test_tables_score_the_label_and_rank_the_ground_truth_units():
+    """Four units of two rollouts; GT sits in units 0 and 3. Unit 3 has the largest effect, unit 0
+    the smallest: the label's Spearman is between, and the GT units' mean percentile is 5/8."""
+    units = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])]
+    is_gt = np.zeros(8, bool)
+    is_gt[[0, 6, 7]] = True
+    effects = {("withhold-bonus", "regenerated"): np.array([[0.0, 1.0, 2.0, 3.0], [0.2, 1.2, 1.8, 3.2]]),
+               ("withhold-bonus", "fixed"): np.array([[0.0, 1.0, 2.0, 3.0]])}
+    deltas = {("regenerated", "withhold-all-gt"): np.array([1.0, 2.0]), ("fixed", "withhold-all-gt"): np.array([4.0])}
+    scores = {"C1-dot": np.arange(8, dtype=float)}
+    rows = C.tables("0", unit_names=["s0", "s1", "s2", "s3"], unit_rollouts=units, effects=effects,
+                    label_deltas=deltas, scores=scores, is_gt=is_gt, k_fraction=0.25, nboot=20)
+    by = {(r.table, r.method): r for r in rows}
+    assert all(C.is_table(r.table) for r in rows)
+    assert by[("causal_spearman_withhold-bonus_regenerated", "C1-dot")].value == pytest.approx(1.0)
+    label = by[("causal_spearman_withhold-bonus_regenerated", C.LABEL)]
+    assert -1 < label.value < 1 and by[("causal_p@k_withhold-bonus_regenerated", C.LABEL)].n == 1
+    eff = by[("causal_effect_withhold-bonus_regenerated", "s3")]
+    assert eff.value == pytest.approx(3.1) and eff.n == 2 and eff.lo < 3.1 < eff.hi
+    assert by[("causal_effect_withhold-bonus_fixed", "s3")].lo is None
+    rank = by[("causal_label_regenerated", "gt-unit-rank:withhold-bonus")]
+    assert rank.value == pytest.approx((1 / 4 + 1) / 2) and rank.chance == pytest.approx(5 / 8) and rank.n == 2
+    gt_all = by[("causal_label_regenerated", "withhold-all-gt")]
+    assert gt_all.value == 1.5 and gt_all.n == 2 and by[("causal_label_fixed", "withhold-all-gt")].value == 4.0
+
+
+def test_units_and_tracks():
+    from behaviortrace_jax.train import causal as TC
+    from configs import tiny
+
+    config = tiny.get_config("smoke")  # window of 4 steps, 16 rollouts per step, groups of 4
+    steps = TC.causal_units(config, 16, "steps")
+    assert steps.names == ["s0", "s1", "s2", "s3"] and steps.rollouts[1].tolist() == list(range(16, 32))
+    groups = TC.causal_units(config, 16, "groups")
+    assert len(groups.names) == 16 and groups.names[5] == "s1g1" and groups.rollouts[5].tolist() == [20, 21, 22, 23]
+    with pytest.raises(ValueError, match="causal_units"):
+        TC.causal_units(config, 16, "rollouts")
+    assert TC.tracks("fixed", 3) == [("fixed", 0)]
+    assert TC.tracks("regenerated", 2) == [("fixed", 0), ("regenerated", 0), ("regenerated", 1)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage on the smoke run (acceptance: rollouts=regenerated writes causal_* rows, both interventions)
+# ------------------------------------------------------------------------------------------------
+def causal_config():
+    """The smoke config with a small counterfactual stage: regenerated rollouts, one replayed method."""
+    from configs import tiny
+
+    config = tiny.get_config("smoke")
+    cf = config.counterfactual
+    cf.k_fractions, cf.random_seeds, cf.lds_subsets, cf.lds_fractions = "1.0", 1, 2, "0.5"
+    cf.rates, cf.sampled, cf.methods, cf.rollouts, cf.causal_streams = False, 0, "abs-advantage", "regenerated", 2
+    cf.topk_recomputed = False
+    config.stages = "counterfactual"
+    return config
+
+
+def test_the_stage_with_regenerated_rollouts_writes_causal_rows_for_both_interventions(smoke_finished, tmp_path):
+    from behaviortrace_jax import pipeline
+    from behaviortrace_jax.attribution import formats
+
+    w = tmp_path / "run"
+    shutil.copytree(smoke_finished, w, ignore=shutil.ignore_patterns("counterfactual", ".jax_cache"))
+    config = causal_config()
+    pipeline.run(config, str(w))
+    rows = formats.read_results_csv(w / "results_table.csv")
+    tables = {r.table for r in rows}
+    for iv in ("remove", "withhold-bonus"):
+        for ro in ("fixed", "regenerated"):
+            assert {f"causal_spearman_{iv}_{ro}", f"causal_p@k_{iv}_{ro}", f"causal_effect_{iv}_{ro}"} <= tables
+    sp = [r for r in rows if r.table == "causal_spearman_withhold-bonus_regenerated"]
+    assert {C.LABEL, "abs-advantage", "C1-dot", "norm-only"} <= {r.method for r in sp}  # every scored method
+    assert all(r.n == 4 for r in sp)  # the smoke window's 4 step units
+    eff = [r for r in rows if r.table == "causal_effect_withhold-bonus_regenerated"]
+    assert len(eff) == 4 and all(r.n == 2 and r.lo is not None for r in eff)  # 2 sampler streams: a CI
+    label = {r.method: r for r in rows if r.table == "causal_label_regenerated"}
+    assert {"withhold-all-gt", "withhold-all-bonuses", "gt-unit-rank:remove", "gt-unit-rank:withhold-bonus"} <= set(label)
+    # the top-k replays ran with regenerated rollouts
+    full = json.loads((w / "counterfactual" / "replays" / "full.json").read_text())
+    assert full["cache"]["rollouts"] == "regenerated"
+    # stream 0's regenerated baseline is the run: the same margin as the fixed baseline
+    causal = w / "counterfactual" / "causal"
+    f0 = json.loads((causal / "fixed__base.json").read_text())
+    r0 = json.loads((causal / "regenerated0__base.json").read_text())
+    assert f0["value"] == r0["value"]
+    # rerun with one file made stale (another stream in its key): that replay alone runs again, every
+    # other file is read back, and the table is the same bytes (kill -9 safe: one atomic file per replay)
+    table = (w / "results_table.csv").read_bytes()
+    files = sorted(causal.glob("*.json"))
+    mtimes = [p.stat().st_mtime_ns for p in files]
+    stale = causal / "regenerated1__s2__remove.json"
+    rec = json.loads(stale.read_text())
+    rec["cache"]["stream"], rec["value"] = 7, 0.0
+    stale.write_text(json.dumps(rec))
+    mtimes[files.index(stale)] = stale.stat().st_mtime_ns
+    pipeline.run(config, str(w))
+    assert (w / "results_table.csv").read_bytes() == table
+    assert [p.name for p, t in zip(files, mtimes) if p.stat().st_mtime_ns != t] == [stale.name]
+
+
+def test_metagradient_rows_put_its_prediction_beside_the_measured_replays_of_its_top_and_random_units():
+    units = [np.array([i]) for i in range(6)]
+    names = [f"s{i}" for i in range(6)]
+    pred = np.array([0.1, 2.0, 0.0, 1.0, -1.0, 0.5])
+    effects = {("remove", "fixed"): np.array([[0.0, 1.5, 0.1, 0.4, -0.2, 0.3]]),
+               ("withhold-bonus", "fixed"): np.zeros((1, 6))}
+    rows = C.tables("0", unit_names=names, unit_rollouts=units, effects=effects, label_deltas={},
+                    scores={"metagradient": pred}, is_gt=np.zeros(6, bool), k_fraction=2 / 6, nboot=5)
+    mg = [r for r in rows if r.table.startswith("causal_metagradient")]
+    assert {r.table for r in mg} == {"causal_metagradient_remove_fixed"}  # removal only
+    top = [r for r in mg if r.method.startswith("top")]
+    assert [(r.method, r.value, r.chance) for r in top] == [("top1:s1", 1.5, 2.0), ("top2:s3", 0.4, 1.0)]
+    rnd = [r for r in mg if r.method.startswith("random")]
+    assert len(rnd) == 2 and not {r.method.split(":")[1] for r in rnd} & {"s1", "s3"}
+    assert all(r.value == effects[("remove", "fixed")][0, int(r.method.split(":s")[1])] for r in rnd)
