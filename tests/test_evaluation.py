@@ -418,9 +418,9 @@ def test_report_shows_the_training_log_and_the_top_blamed_rollouts():
         "controls) > 0.1"]  # no norm-only:direction row
     # advantage and reward reach the ceiling 1.0 (step-reward-std too, 0.39 of 0.39): answered by the log
     assert lines[0].endswith("answered by the log: step-reward-std 0.3900 ≥ 0.95 × ceiling 0.3900")
-    assert "answered by the log: advantage 1.0000 ≥ 0.95 × ceiling 1.0000 (and 1 more log controls)" in lines[1]
+    assert "answered by the log: advantage 1.0000, reward 1.0000 ≥ 0.95 × ceiling 1.0000" in lines[1]
     assert "**seed 0, `which_rollout`** — chance 0.2023, ceiling 1.0000, headroom 0.7977, n = 608 — **answered by " \
-           "the log**: `advantage` reaches 1.0000" in which
+           "the log**: `advantage` 1.0000, `reward` 1.0000 ≥ 0.95 × ceiling" in which
 
 
 # ---- text and length controls: a table the completion's text answers -------------------------
@@ -493,7 +493,7 @@ def test_text_control_perfect_gradient_estimators_at_chance_table_answered_by_th
     lines = report.headline_lines(verdicts.decision_rules(rows))
     assert len(lines) == 2 and all("answered by the log: pattern-match" in ln for ln in lines)
     text = report.render_report(rows)
-    assert "n = 320 — **answered by the log**: `pattern-match` reaches 1.0000 ≥ 0.95 × ceiling" in text
+    assert "n = 320 — **answered by the log**: `pattern-match` 1.0000 ≥ 0.95 × ceiling" in text
     assert "The completion alone (no reward): `pattern-match` 1.0000, `length`" in text
 
 

@@ -104,8 +104,8 @@ def step_section(rows: Sequence[Row], tables: Sequence[str] = STEP_TABLES) -> st
         head += f", n = {sel[0].n}"
         hits = answered.get((seed, table))
         if hits:
-            head += (f" — **answered by the log**: `{hits[0].method}` reaches {_f(hits[0].value)} ≥ "
-                     f"{estimators.ANSWERED_FRACTION:g} × ceiling")
+            head += (" — **answered by the log**: " + ", ".join(f"`{r.method}` {_f(r.value)}" for r in hits)
+                     + f" ≥ {estimators.ANSWERED_FRACTION:g} × ceiling")
         body = []
         for r in sel:
             lift = _f(metrics.lift(r.value, ch), 3) if ch else ""

@@ -116,13 +116,12 @@ def answered_by_log(rows: Iterable[Row], fraction: float = estimators.ANSWERED_F
 
 
 def answered_note(hits: Sequence[Row] | None, fraction: float = estimators.ANSWERED_FRACTION) -> str:
-    """The evidence note of a table :func:`answered_by_log` names ("" when ``hits`` is empty):
-    ``"; answered by the log: pattern-match 1.0000 ≥ 0.95 × ceiling 1.0000"`` (its best row)."""
+    """The evidence note of a table :func:`answered_by_log` names ("" when ``hits`` is empty), every
+    hit best first: ``"; answered by the log: pattern-match 1.0000, reward 0.9600 ≥ 0.95 × ceiling 1.0000"``."""
     if not hits:
         return ""
-    r = hits[0]
-    more = f" (and {len(hits) - 1} more log controls)" if len(hits) > 1 else ""
-    return f"; answered by the log: {r.method} {_f(r.value)} ≥ {fraction:g} × ceiling {_f(r.ceiling)}{more}"
+    names = ", ".join(f"{r.method} {_f(r.value)}" for r in hits)
+    return f"; answered by the log: {names} ≥ {fraction:g} × ceiling {_f(hits[0].ceiling)}"
 
 
 def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_width: float = 0.15,
