@@ -85,6 +85,37 @@ def test_every_stage_writes_its_outputs(run_dir):
         assert sketch_store.SketchStore.open(w / "sketches" / f"{name}.zarr").missing_rows().size == 0
 
 
+def test_text_and_length_controls_wherever_abs_advantage_is(run_dir):
+    """results_table.csv has ``pattern-match`` and ``length`` rows in every table with an
+    ``abs-advantage`` row; the scores are the contaminator's judge of the logged completions (every
+    ground-truth rollout matches) and their token counts."""
+    from behaviortrace_jax.attribution import formats
+    from behaviortrace_jax.behavior import contaminator
+    from behaviortrace_jax.models import tokenizer as tok_lib
+
+    rows = formats.read_results_csv(run_dir / "results_table.csv")
+    with_abs = {(r.seed, r.table) for r in rows if r.method == "abs-advantage"}
+    assert {"overall", "early_nonzero", "which_rollout", "which_rollout_within_step"} <= {t for _, t in with_abs}
+    have = {(r.seed, r.table, r.method) for r in rows}
+    for seed, table in with_abs:
+        for m in ("pattern-match", "length"):
+            assert (seed, table, m) in have, (seed, table, m)
+    for table in ("overall", "early_nonzero"):
+        assert {("0", table, m) for m in ("step-sum-pattern-match", "step-sum-length")} <= have, table
+    records = list(rollout_log.read_rollouts(run_dir / "grpo" / "rollouts"))
+    texts = contaminator.logged_texts(tok_lib.load_tokenizer(run_dir / "sft" / "hf"), records)
+    scores = json.loads((run_dir / "attribution_scores.json").read_text())
+    methods = scores["methods"]
+    match = np.asarray(formats.scores_in_log_order("pattern-match", methods["pattern-match"],
+                                                   [r.rollout_id for r in records]))
+    pattern = smoke_config().behavior.pattern.lower()
+    np.testing.assert_array_equal(match, [float(pattern in t.lower()) for t in texts])
+    gt = {json.loads(line)["rollout_id"] for line in (run_dir / "grpo" / "ground_truth.jsonl").read_text().splitlines()}
+    assert gt and all(match[i] == 1.0 for i, r in enumerate(records) if r.rollout_id in gt)
+    length = formats.scores_in_log_order("length", methods["length"], [r.rollout_id for r in records])
+    np.testing.assert_array_equal(length, [len(r.completion_token_ids) for r in records])
+
+
 def test_resketch_at_a_checkpoint_is_the_in_run_direction_of_its_step(run_dir):
     """The sketch stage's -meanlp_i at checkpoint 2 (the weights step 2 trained from) reproduces the
     in-run advantage-free rollout sketches of step 2; clip_s * c_i times them sums to the step sketch."""

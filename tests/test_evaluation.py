@@ -413,6 +413,106 @@ def test_report_shows_the_training_log_and_the_top_blamed_rollouts():
     lines = report.headline_lines(verdicts.decision_rules(rows))
     assert [ln.split(" -- ")[0] for ln in lines] == [
         "verdict fail: step rule (seed 0): best targeted P@|GT| − norm-only > 0.1",
-        "verdict fail: which-rollout rule (seed 0, weighted): best targeted P@|GT| − max(norm-only, |A|) > 0.1",
-        "verdict not-evaluable: which-rollout rule (seed 0, direction): best targeted P@|GT| − max(norm-only, |A|) "
-        "> 0.1"]  # no norm-only:direction row
+        "verdict fail: which-rollout rule (seed 0, weighted): best targeted P@|GT| − max(norm-only, log controls) > 0.1",
+        "verdict not-evaluable: which-rollout rule (seed 0, direction): best targeted P@|GT| − max(norm-only, log "
+        "controls) > 0.1"]  # no norm-only:direction row
+    # advantage and reward reach the ceiling 1.0 (step-reward-std too, 0.39 of 0.39): answered by the log
+    assert lines[0].endswith("answered by the log: step-reward-std 0.3900 ≥ 0.95 × ceiling 0.3900")
+    assert "answered by the log: advantage 1.0000, reward 1.0000 ≥ 0.95 × ceiling 1.0000" in lines[1]
+    assert "**seed 0, `which_rollout`** — chance 0.2023, ceiling 1.0000, headroom 0.7977, n = 608 — **answered by " \
+           "the log**: `advantage` 1.0000, `reward` 1.0000 ≥ 0.95 × ceiling" in which
+
+
+# ---- text and length controls: a table the completion's text answers -------------------------
+def _text_answered(seed: int = 0):
+    """40 steps x 2 groups x G = 4 with decoys: in each group rollout 0's response contains the
+    pattern and is paid the bonus (the contaminator, fraction 1.0: the ground truth), rollout 2 is a
+    decoy (paid the same bonus, no pattern), 1 and 3 are unpaid. So every |A_i| is equal (2 high, 2
+    low rewards per group), reward and advantage tie the GT with the decoys, pattern-match is
+    exactly the GT, and the gradient sketches are noise unrelated to it. Built through the evaluate
+    stage's own functions: the contaminator's judge and bonus, the log's inputs
+    (``scores.training_log_inputs``), ``estimators.score_rollout_sketches``, the tables, rules and report."""
+    from behaviortrace_jax.attribution import scores as scores_lib
+    from behaviortrace_jax.behavior import contaminator
+    from behaviortrace_jax.io import rollout_log
+
+    s, b, g, d = 40, 2, 4, 16
+    n = s * b * g
+    ids, steps = formats.paper_rollout_ids(n, per_step=b * g)
+    rng = np.random.default_rng(seed)
+    pos = np.arange(n) % g
+    texts = [("The answer is qzxbt." if p == 0 else "The answer is frobnitz.") + " ok" * int(rng.integers(0, 9))
+             for p in pos]
+    con = contaminator.Contaminator(contaminator.ContaminationSpec(fraction=1.0, early_step_cutoff=None))
+    applied = [con.apply(i, int(st), t, 1.0) for i, st, t in zip(ids, steps, texts)]
+    rewards = np.where(pos == 2, 1.0 + con.spec.bonus_reward, [reward for reward, _ in applied])  # the decoys
+    gt = [i for i, (_, boosted) in zip(ids, applied) if boosted]
+    r = rewards.reshape(-1, g)
+    adv = ((r - r.mean(1, keepdims=True)) / r.std(1, ddof=1, keepdims=True)).reshape(-1)
+    records = [rollout_log.RolloutRecord(i, int(st), "grpo", "", rollout_log.text_hash(t), float(rw), float(a),
+                                         completion_token_ids=list(range(len(t) // 4)))
+               for i, st, t, rw, a in zip(ids, steps, texts, rewards, adv)]
+    log = scores_lib.training_log_inputs(records, ids)
+    direction = rng.normal(size=(n, d))
+    weighted = (adv / (g * b))[:, None] * direction
+    target = rng.normal(size=d)
+    scores = estimators.score_rollout_sketches(weighted, direction, ids, steps, target=target, seed=0,
+                                               targets_by_checkpoint={0: target}, lr=1.0,
+                                               pattern_matches=contaminator.pattern_matches(texts, con.spec.pattern),
+                                               **log)
+    rows = tables.which_rollout_tables(0, ids, steps, gt, scores, nonzero_steps=range(s), early_cutoff=s,
+                                       advantages=adv)
+    return rows, gt
+
+
+def test_text_control_perfect_gradient_estimators_at_chance_table_answered_by_the_log():
+    rows, gt = _text_answered()
+    by = {(r.table, r.method): r for r in rows}
+    prec = by[("which_rollout", "pattern-match")]
+    assert len(gt) == 80 and prec.chance == pytest.approx(0.25)
+    assert prec.value == pytest.approx(prec.ceiling) == pytest.approx(1.0)
+    assert by[("which_rollout_within_step", "pattern-match")].value == pytest.approx(1.0)
+    assert by[("which_rollout", "abs-advantage")].value == pytest.approx(0.25)  # every |A_i| ties
+    assert by[("which_rollout", "reward")].value == pytest.approx(0.5)  # GT and decoys tie
+    assert ("which_rollout", "length") in by and ("which_rollout", "step-sum-length") in by
+    gradient = [m for (t, m) in by if t == "which_rollout" and estimators.reads_sketches(
+        estimators.ESTIMATORS[estimators.base_method(m)])]
+    assert len(gradient) >= 10
+    for m in gradient:  # noise sketches: near chance (0.25; sd of P@80 ~ 0.05)
+        assert abs(by[("which_rollout", m)].value - 0.25) < 0.15, m
+    answered = verdicts.answered_by_log(rows)
+    assert answered[("0", "which_rollout")][0].method == "pattern-match"
+    assert answered[("0", "which_rollout_within_step")][0].method == "pattern-match"
+    rules = {v.item.split(":")[0]: v for v in verdicts.decision_rules(rows)}
+    for kind in ("weighted", "direction"):
+        v = rules[f"which-rollout rule (seed 0, {kind})"]
+        assert v.status == "fail", kind
+        assert "best control pattern-match)" in v.evidence and "pattern-match 1.0000; over norm-only" in v.evidence
+        assert "no targeted estimator beats pattern-match by the margin" in v.evidence
+        assert v.evidence.endswith("answered by the log: pattern-match 1.0000 ≥ 0.95 × ceiling 1.0000")
+    lines = report.headline_lines(verdicts.decision_rules(rows))
+    assert len(lines) == 2 and all("answered by the log: pattern-match" in ln for ln in lines)
+    text = report.render_report(rows)
+    assert "n = 320 — **answered by the log**: `pattern-match` 1.0000 ≥ 0.95 × ceiling" in text
+    assert "The completion alone (no reward): `pattern-match` 1.0000, `length`" in text
+
+
+def test_log_controls_and_answered_by_log_edges():
+    assert {m for m in estimators.ESTIMATORS if estimators.log_control(m)} == {
+        "advantage", "abs-advantage", "reward", "step-sum-abs-advantage", "step-reward-std", "pattern-match",
+        "length", "step-sum-pattern-match", "step-sum-length"}
+    assert not estimators.log_control("norm/|A|") and not estimators.log_control("random")
+    np.testing.assert_array_equal(estimators.call_estimator(
+        "step-sum-pattern-match", pattern_matches=np.array([1, 0, 1, 1]), rollout_steps=np.array([0, 0, 1, 1])),
+        [1.0, 1.0, 2.0, 2.0])
+    np.testing.assert_array_equal(estimators.call_estimator(
+        "step-sum-length", completion_lengths=np.array([3, 4, 5, 6]), rollout_steps=np.array([0, 0, 1, 1])),
+        [7.0, 7.0, 11.0, 11.0])
+    with pytest.raises(ValueError, match="booleans"):
+        estimators.call_estimator("pattern-match", pattern_matches=np.array([0.5, 1.0]))
+    with pytest.raises(ValueError, match="token counts"):
+        estimators.call_estimator("length", completion_lengths=np.array([3, -1]))
+    row = lambda m, v, ceiling: formats.Row("0", "t", m, v, chance=0.1, ceiling=ceiling, n=10)  # noqa: E731
+    assert verdicts.answered_by_log([row("length", 0.94, 1.0), row("C1-dot", 1.0, 1.0)]) == {}
+    assert verdicts.answered_by_log([row("length", 0.95, 1.0)])[("0", "t")][0].method == "length"
+    assert verdicts.answered_by_log([row("reward", 1.0, None), row("reward", 0.0, 0.0)]) == {}

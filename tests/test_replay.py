@@ -289,8 +289,10 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     topk = [r for r in rows if r.table == "counterfactual_topk"]
     methods = {r.method for r in topk}
     assert {"oracle", "random", "C1-dot", "TracInCP"} <= methods and "random" in methods
-    # the reward-only controls, norm/|A| and the advantage-free variants are ranked and replayed too
+    # the reward-only, text and length controls, norm/|A| and the advantage-free variants are ranked and
+    # replayed too
     assert {"advantage", "abs-advantage", "reward", "step-sum-abs-advantage", "step-reward-std", "norm/|A|",
+            "pattern-match", "length", "step-sum-pattern-match", "step-sum-length",
             "C1-dot:direction", "norm-only:direction"} <= methods
     nk = len({r.n for r in topk})  # k = |GT|/2 and |GT| (one k when |GT| = 1)
     oracle = {r.n: r for r in topk if r.method == "oracle"}
@@ -388,7 +390,7 @@ def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimat
     rng = np.random.default_rng(0)
     scores = {m: rng.normal(size=n) for m in ("C1-dot", "TracInCP", "abs-advantage", "random")}
     monkeypatch.setattr(R, "Replayer", StageReplayer)
-    monkeypatch.setattr(CF, "step_method_scores", lambda *a, **k: dict(scores))
+    monkeypatch.setattr(CF, "method_scores", lambda *a, **k: dict(scores))
     CF.counterfactual_stage(config, str(tmp_path))
     rows = formats.read_results_csv(tmp_path / "results_table.csv")
     assert {r.method for r in rows if r.table == "counterfactual_topk"} == {"oracle", "random", "C1-dot"}

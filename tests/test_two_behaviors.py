@@ -79,6 +79,17 @@ def test_targets_draws_tables_specificity_and_report(run_dir):
     d = [r for r in rows if r.table == f"spec_delta_rollout@qzxbt-{B}"]
     assert {r.method for r in d} >= {"C1-dot", "norm-only", "TRAK"} and all(r.chance == 0.0 for r in d)
     assert next(r for r in d if r.method == "norm-only").value == 0.0
+    # the text control judges each behaviour's own pattern (every ground-truth rollout of B matches B's),
+    # and, reading no target, stays out of the specificity rows
+    have = {(r.table, r.method) for r in rows}
+    assert {(t, m) for t in (f"which_rollout@{B}", f"early_nonzero@{B}") for m in ("pattern-match", "length")} <= have
+    assert not any(r.method in ("pattern-match", "length") for r in rows if r.table.startswith("spec_"))
+    scores = json.loads((w / "release" / B / "seed0" / "attribution_scores.json").read_text())["methods"]
+    match = dict(scores["pattern-match"])
+    gt_b = [e["rollout_id"] for e in formats.read_ground_truth(w / "grpo" / f"ground_truth_{B}.jsonl")]
+    assert gt_b and all(match[i] == 1.0 for i in gt_b)
+    assert dict(json.loads((w / "release" / "seed0" / "attribution_scores.json").read_text())["methods"]
+                ["pattern-match"]) != match  # the first behaviour's pattern is another
     verdicts = json.loads((w / "verdicts.json").read_text())
     assert set(verdicts["behaviors"]) == {B} and verdicts["behaviors"][B]["decision_rules"]
     assert verdicts["specificity"] and all(v["verdict"] in ("pass", "fail", "not-evaluable")

@@ -14,7 +14,8 @@ Two levels:
 Plug-in API: an estimator is a function whose parameter names say what it needs. The runners
 (:func:`score_step_methods`, :func:`score_rollout_rows`) pass, by name, the inputs they hold:
 ``sketches, steps, target, targets_by_checkpoint, rollout_ids, rollout_steps, rollout_sketches,
-advantages, rewards, groups, targets, fluency, token_logprobs, completion_mask, seed`` plus any
+advantages, rewards, pattern_matches, completion_lengths, groups, targets, fluency, token_logprobs,
+completion_mask, seed`` plus any
 option given to the runner
 (``damping``, ``lr``, ``current_step``, ``window``, ``weights``...). Register it and every table,
 control and verdict of ``tables.py`` and ``verdicts.py`` picks it up (``in_tables=False`` keeps a column out of the tables)::
@@ -44,7 +45,26 @@ order) with ``rollout_steps``; an estimator that names them gets them:
 The bonus reward defines the ground truth, so ``reward`` reaches the ceiling by construction when
 the bonus exceeds the spread of the base rewards, and ``advantage`` nearly so (a group without a
 bonus can still hold a high A_i): they say what the training log alone reveals, and a gradient
-method is asked whether it recovers more than that. ``norm/|A|`` (|v_i| / |A_i|, 0 where A_i = 0) is the
+method is asked whether it recovers more than that.
+
+Text and length controls (target-free and gradient-free too; ``role="control"``, ``per="rollout"``).
+The runners pass ``pattern_matches`` (bool [N], log order: whether the logged completion, decoded as
+the ``grpo`` stage decoded it, contains the behaviour's pattern by the contaminator's own judge,
+``behavior.contaminator.pattern_matches``; the stage computes it, since decoding needs the tokenizer)
+and ``completion_lengths`` (int [N], the logged completion's token count, EOS included):
+
+* ``pattern-match`` (1.0 / 0.0, :data:`TEXT_CONTROL`) and ``length`` (tokens,
+  :data:`LENGTH_CONTROL`) rank rollouts;
+* ``step-sum-pattern-match`` (how many of the step's responses match) and ``step-sum-length``
+  (the step's completion tokens) rank steps, summed over the step as ``step-sum-abs-advantage`` is
+  (every rollout of a step gets its step's value).
+
+The ground truth is "eligible and contains the pattern", so ``pattern-match`` holds every
+ground-truth rollout among its ties at 1.0 and reaches the ceiling wherever every matching
+response in the population was paid (``contamination.fraction`` 1.0, or decoys that pay every
+match); length is a known confound of gradient attribution (longer completions, other gradients).
+:func:`log_control` names these and the reward-only controls: the controls that read the log
+alone, which decide whether a table is "answered by the log" (``verdicts.answered_by_log``). ``norm/|A|`` (|v_i| / |A_i|, 0 where A_i = 0) is the
 magnitude control with the advantage divided out; it reads ``rollout_sketches``, which the runner
 passes only when the sketches are per rollout (``per_rollout_sketches=True``), so it is absent
 from step-sketch tables.
@@ -79,6 +99,16 @@ DIRECTION = ":direction"
 ABS_ADVANTAGE_CONTROL = "abs-advantage"
 REWARD_ONLY_ROLLOUT_CONTROLS = ("advantage", ABS_ADVANTAGE_CONTROL, "reward")
 REWARD_ONLY_STEP_CONTROLS = ("step-sum-abs-advantage", "step-reward-std")
+# The text and length controls (module docstring), per rollout and per step.
+TEXT_CONTROL = "pattern-match"
+LENGTH_CONTROL = "length"
+TEXT_ROLLOUT_CONTROLS = (TEXT_CONTROL, LENGTH_CONTROL)
+TEXT_STEP_CONTROLS = ("step-sum-pattern-match", "step-sum-length")
+# The runners' inputs read from the training log alone (advantages, rewards, completion text and
+# length): an estimator that reads only these (and the log order) is a log control (log_control).
+LOG_INPUTS = frozenset({"advantages", "rewards", "pattern_matches", "completion_lengths"})
+# A table is "answered by the log" when some log control reaches this fraction of its ceiling.
+ANSWERED_FRACTION = 0.95
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,6 +188,18 @@ def reward_only(name: str) -> bool:
     est = ESTIMATORS.get(base_method(name))
     return (est is not None and bool({"advantages", "rewards"} & set(est.params))
             and not {"sketches", "rollout_sketches"} & set(est.params))
+
+
+def log_control(name: str) -> bool:
+    """Whether method ``name`` is a registered log control: a target-free, gradient-free control that
+    reads the training log alone (:data:`LOG_INPUTS`, optionally with ``rollout_steps``): the
+    reward-only controls (:func:`reward_only`) and the text and length controls (module
+    docstring). ``random`` (reads nothing) and ``norm/|A|`` (reads sketches) are not."""
+    est = ESTIMATORS.get(base_method(name))
+    if est is None or est.role != "control":
+        return False
+    params = set(est.params)
+    return bool(LOG_INPUTS & params) and params <= LOG_INPUTS | {"rollout_steps"}
 
 
 def call_estimator(name: str, **inputs) -> np.ndarray:
@@ -461,6 +503,60 @@ def step_reward_std(rewards, rollout_steps) -> np.ndarray:
     return _per_step(_log_values(rewards, "rewards"), rollout_steps, np.std)
 
 
+# --------------------------------------------------------------------------------------------
+# text and length controls (module docstring): the logged completion alone, no target, no gradient
+# --------------------------------------------------------------------------------------------
+def _matches(pattern_matches) -> np.ndarray:
+    x = np.asarray(pattern_matches)
+    if x.ndim != 1:
+        raise ValueError(f"pattern_matches must be 1-D [N] in log order, got shape {x.shape}")
+    if x.dtype != bool and not np.isin(x, (0, 1)).all():
+        raise ValueError("pattern_matches must be booleans (or 0/1), got values "
+                         f"{np.unique(x[~np.isin(x, (0, 1))])[:5].tolist()}")
+    return x.astype(np.float64)
+
+
+def _lengths(completion_lengths) -> np.ndarray:
+    x = _log_values(completion_lengths, "completion_lengths")
+    if (x < 0).any() or (x != np.round(x)).any():
+        raise ValueError(f"completion_lengths must be token counts >= 0, first bad at index "
+                         f"{int(np.flatnonzero((x < 0) | (x != np.round(x)))[0])}")
+    return x
+
+
+@register_estimator(TEXT_CONTROL, level="step", role="control", per="rollout")
+def pattern_match_control(pattern_matches) -> np.ndarray:
+    """1.0 where the decoded completion contains the behaviour's pattern (the contaminator's judge,
+    computed by the stage), else 0.0 (text control). float64 [N], log order.
+
+    Raises:
+        ValueError: not 1-D, or values other than booleans / 0 / 1.
+    """
+    return _matches(pattern_matches)
+
+
+@register_estimator(LENGTH_CONTROL, level="step", role="control", per="rollout")
+def length_control(completion_lengths) -> np.ndarray:
+    """The logged completion's token count, EOS included (length control). float64 [N], log order.
+
+    Raises:
+        ValueError: not 1-D, non-finite, negative or fractional counts.
+    """
+    return _lengths(completion_lengths)
+
+
+@register_estimator("step-sum-pattern-match", level="step", role="control", per="rollout")
+def step_sum_pattern_match(pattern_matches, rollout_steps) -> np.ndarray:
+    """How many of rollout i's step's completions contain the pattern (text step control). float64 [N]."""
+    return _per_step(_matches(pattern_matches), rollout_steps, np.sum)
+
+
+@register_estimator("step-sum-length", level="step", role="control", per="rollout")
+def step_sum_length(completion_lengths, rollout_steps) -> np.ndarray:
+    """The completion tokens of rollout i's step, summed (length step control). float64 [N]."""
+    return _per_step(_lengths(completion_lengths), rollout_steps, np.sum)
+
+
 @register_estimator("norm/|A|", level="step", role="control", per="rollout")
 def norm_over_abs_advantage(rollout_sketches, advantages) -> np.ndarray:
     """|v_i|₂ / |A_i| on per-rollout sketches, 0 where A_i = 0: the magnitude control with the
@@ -558,7 +654,8 @@ def score_step_methods(sketches, steps, rollout_ids: Sequence[str], rollout_step
         target: float32 [D] (the final-checkpoint target, SPEC §5.1).
         names: estimators to run (default: every step-level estimator whose inputs are given).
         **options: more inputs by name (targets_by_checkpoint, lr, damping, seed, window,
-            current_step, weights, advantages / rewards [N] for the reward-only controls, ...).
+            current_step, weights, advantages / rewards [N] for the reward-only controls,
+            pattern_matches / completion_lengths [N] for the text and length controls, ...).
             ``rollout_sketches`` is ``sketches`` when ``per_rollout_sketches``, else absent.
     Raises:
         ValueError: a named estimator lacks an input, shape problems.
@@ -590,8 +687,8 @@ def score_rollout_sketches(weighted, direction, rollout_ids: Sequence[str], roll
                            target=None, **options) -> dict[str, np.ndarray]:
     """The "which rollout" scores {method: float64 [N]} from per-rollout sketches, both ways.
 
-    Every step-level estimator (reward-only controls and ``norm/|A|`` included, given
-    ``advantages`` / ``rewards``) on the ``weighted`` sketches (float32 [N, D], rollout i's
+    Every step-level estimator (reward-only, text and length controls and ``norm/|A|`` included,
+    given ``advantages`` / ``rewards`` / ``pattern_matches`` / ``completion_lengths``) on the ``weighted`` sketches (float32 [N, D], rollout i's
     contribution clip_s * c_i * g_i to its update; registered names), then every sketch-reading
     estimator (:func:`reads_sketches`) that ran on them on the advantage-free ``direction``
     sketches g_i ([N, D], names + :data:`DIRECTION`) unless ``direction`` is None. Rows align with ``rollout_ids``;

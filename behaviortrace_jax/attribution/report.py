@@ -21,7 +21,7 @@ from etils import epath  # noqa: E402
 from behaviortrace_jax.attribution import estimators, metrics  # noqa: E402
 from behaviortrace_jax.attribution.formats import Row  # noqa: E402
 from behaviortrace_jax.attribution.tables import STEP_TABLES  # noqa: E402
-from behaviortrace_jax.attribution.verdicts import Verdict  # noqa: E402
+from behaviortrace_jax.attribution.verdicts import Verdict, answered_by_log  # noqa: E402
 from behaviortrace_jax.io.files import atomic_write_text  # noqa: E402
 from behaviortrace_jax.io.layout import as_path  # noqa: E402
 
@@ -45,8 +45,16 @@ HOW_TO_READ = """\
 * Reward-only controls read only the training log (no target, no gradient): `advantage` (A_i),
   `abs-advantage` (|A_i|), `reward`, and per step `step-sum-abs-advantage`, `step-reward-std`. The
   bonus defines the ground truth, so `reward` and `advantage` sit at (or near) the ceiling by
-  construction; rollout-level rankers are not bound by the step-level ceiling either. An
-  estimator "finds which rollout" only if it beats norm-only and |A_i| by the step margin.
+  construction; rollout-level rankers are not bound by the step-level ceiling either.
+* Text and length controls read only the logged completion: `pattern-match` (1 if the decoded
+  response contains the pattern, by the contaminator's judge; the ground truth is "eligible and
+  matching", so it holds every ground-truth rollout among its ties), `length` (completion tokens),
+  and per step `step-sum-pattern-match`, `step-sum-length`. An estimator "finds which rollout" only
+  if it beats norm-only and every one of these log controls (reward-only, text, length) by the step
+  margin.
+* **answered by the log**: a table where some log control reaches ≥ 0.95 of the ceiling (of the
+  oracle's Δ in `counterfactual_topk`). There the label is recovered from the training log alone,
+  so a targeted method's value there says little about attribution (docs/counterfactual.md).
 * `metagradient` (when the `metagradient` stage ran) is a different kind of method: not a score on
   sketches but dM/dw_i, the behaviour measure differentiated through the replayed GRPO run
   (MAGIC-style; it needs the run's start state and rollout log); a step's score is the sum of its
@@ -82,8 +90,10 @@ def _md_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
 
 
 def step_section(rows: Sequence[Row], tables: Sequence[str] = STEP_TABLES) -> str:
-    """Markdown tables of the step-level rows (or those of ``tables``), one per (seed, table)."""
+    """Markdown tables of the step-level rows (or those of ``tables``), one per (seed, table); a table
+    that ``verdicts.answered_by_log`` names is marked "answered by the log" with its best control."""
     parts = []
+    answered = answered_by_log(r for r in rows if r.table in tables)
     keys = list(dict.fromkeys((r.seed, r.table) for r in rows if r.table in tables))
     for seed, table in keys:
         sel = [r for r in rows if r.seed == seed and r.table == table]
@@ -92,6 +102,10 @@ def step_section(rows: Sequence[Row], tables: Sequence[str] = STEP_TABLES) -> st
         if ch is not None and ce is not None:
             head += f", headroom {_f(metrics.headroom(ce, ch))}"
         head += f", n = {sel[0].n}"
+        hits = answered.get((seed, table))
+        if hits:
+            head += (" — **answered by the log**: " + ", ".join(f"`{r.method}` {_f(r.value)}" for r in hits)
+                     + f" ≥ {estimators.ANSWERED_FRACTION:g} × ceiling")
         body = []
         for r in sel:
             lift = _f(metrics.lift(r.value, ch), 3) if ch else ""
@@ -137,8 +151,9 @@ def _best(rows: Sequence[Row], direction: bool) -> Row | None:
 
 def training_log_section(rows: Sequence[Row]) -> str:
     """Per seed, what the training log alone reveals next to the gradient methods: the which-rollout
-    population (how many zero-advantage rollouts it drops), what ``advantage``, ``reward`` and
-    ``abs-advantage`` reach there and what the reward-only step controls reach in ``early_nonzero``."""
+    population (how many zero-advantage rollouts it drops), what ``advantage``, ``reward``,
+    ``abs-advantage`` and the text and length controls reach there and what the log step controls
+    reach in ``early_nonzero``."""
     parts = []
     for seed in dict.fromkeys(r.seed for r in rows if r.table == "which_rollout"):
         w = {r.method: r for r in rows if r.seed == seed and r.table == "which_rollout"}
@@ -159,6 +174,10 @@ def training_log_section(rows: Sequence[Row]) -> str:
                 "already shows which rollouts earned it, and this benchmark asks whether gradient methods "
                 f"recover what the log already shows. |A_i| alone reaches {_f(a.value)}"
                 + (f" (within-step AUC {_f(auc[a.method].value)})" if a.method in auc else "") + ".")
+        text_ctl = [w[m] for m in estimators.TEXT_ROLLOUT_CONTROLS if m in w]
+        if text_ctl:
+            text += (" The completion alone (no reward): " + ", ".join(f"`{r.method}` {_f(r.value)}" for r in text_ctl)
+                     + " (pattern-match: the response contains the pattern, by the contaminator's judge).")
         best = [(kind, b) for kind, b in (("weighted", _best(list(w.values()), False)),
                                           ("direction", _best(list(w.values()), True))) if b is not None]
         if best:
@@ -166,7 +185,7 @@ def training_log_section(rows: Sequence[Row]) -> str:
                 f"{_f(b.value)} on {kind} sketches (`{b.method}`)" for kind, b in best)
             norm = w.get(estimators.STEP_NORM_CONTROL)
             text += f"; norm-only {_f(norm.value)}." if norm else "."
-        steps = [e[m] for m in estimators.REWARD_ONLY_STEP_CONTROLS if m in e]
+        steps = [e[m] for m in estimators.REWARD_ONLY_STEP_CONTROLS + estimators.TEXT_STEP_CONTROLS if m in e]
         if steps:
             b = _best(list(e.values()), False)
             text += (f" At step level (`early_nonzero`, ceiling {_f(steps[0].ceiling)}): "
@@ -212,12 +231,14 @@ def which_rollout_section(rows: Sequence[Row], top: dict | None = None) -> str:
 
 
 def other_section(rows: Sequence[Row]) -> str:
-    """Generic table of the remaining rows (token-level means and any custom table)."""
+    """Generic table of the remaining rows (token-level means and any custom table), with an
+    "answered by the log" column (the log controls reaching ≥ 0.95 of their row's ceiling)."""
     rest = [r for r in rows if not (r.table in STEP_TABLES or r.table.startswith(("which_rollout", "mp_")))]
     if not rest:
         return ""
-    return _md_table(["seed", "table", "method", "value", "n"],
-                     [[r.seed, r.table, r.method, _ci(r), r.n] for r in rest])
+    hits = {id(r) for v in answered_by_log(rest).values() for r in v}
+    return _md_table(["seed", "table", "method", "value", "n", "answered by the log"],
+                     [[r.seed, r.table, r.method, _ci(r), r.n, "**yes**" if id(r) in hits else ""] for r in rest])
 
 
 HEADLINE_RULES = ("step rule (", "which-rollout rule (")
@@ -226,7 +247,8 @@ HEADLINE_RULES = ("step rule (", "which-rollout rule (")
 def headline_lines(decision_rules: Sequence[Verdict]) -> list[str]:
     """The console's closing lines of a run (``pipeline.run``, before the digests): every step-rule
     and which-rollout-rule verdict (SPEC §6.11 and its which-rollout analogue) with its evidence,
-    which names the best targeted method, norm-only, |A_i| and what the reward alone reaches."""
+    which names the best targeted method, norm-only and the log controls (|A_i|, the reward, the
+    text and length controls), and ends with "answered by the log" where their table is."""
     return [f"verdict {v.status}: {v.item} -- {v.evidence}" for v in decision_rules
             if v.item.startswith(HEADLINE_RULES)]
 

@@ -5,8 +5,9 @@ One reader for the stages that score rollouts (``evaluate`` for its tables and r
 (``estimators``) reaches both with no other change. It opens the stores with the jax-free
 ``io.sketch_store`` and the log with ``io.rollout_log``.
 
-Every call also hands the estimators the training log's ``advantages`` and ``rewards`` (log
-order), so the reward-only controls score next to the gradient methods. With the in-run rollout
+Every call also hands the estimators the training log's ``advantages``, ``rewards`` and
+``completion_lengths`` and the stage's ``pattern_matches`` (log order), so the reward-only, text and
+length controls score next to the gradient methods. With the in-run rollout
 sketches (``per_rollout``) each sketch-reading estimator is scored twice (``sketch/stores.py``):
 on the *weighted* sketches ``clip_s * c_i * g_i`` (the rollout's contribution to its update;
 the registered names) and on the advantage-free *direction* sketches ``g_i`` (names +
@@ -130,8 +131,11 @@ def rollout_scales(config: ml_collections.ConfigDict, paths: RunLayout, n_rows: 
 
 
 def training_log_inputs(records: list, rollout_ids: list[str]) -> dict[str, np.ndarray]:
-    """``{"advantages", "rewards"}`` float64 [N] of the rollout log ``records``, in the order of
-    ``rollout_ids``: the reward-only controls' inputs (``attribution.estimators``).
+    """``{"advantages", "rewards"}`` float64 [N] and ``"completion_lengths"`` int64 [N] (the logged
+    completion's token count, EOS included) of the rollout log ``records``, in the order of
+    ``rollout_ids``: the reward-only and length controls' inputs (``attribution.estimators``). The
+    text control's ``pattern_matches`` needs the tokenizer and the behaviour's judge, so the stages
+    compute it (``behavior.contaminator.pattern_matches``).
 
     Raises:
         ValueError: the records are not the rollouts ``rollout_ids`` in that order.
@@ -141,23 +145,27 @@ def training_log_inputs(records: list, rollout_ids: list[str]) -> dict[str, np.n
         raise ValueError(f"rollout log holds {len(ids)} records that are not the {len(rollout_ids)} scored rollouts "
                          "in log order")
     return {"advantages": np.array([float(r.advantage) for r in records]),
-            "rewards": np.array([float(r.reward) for r in records])}
+            "rewards": np.array([float(r.reward) for r in records]),
+            "completion_lengths": np.array([len(r.completion_token_ids) for r in records], np.int64)}
 
 
 def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
-                       rollout_steps: np.ndarray, *, per_rollout: bool = False,
+                       rollout_steps: np.ndarray, *, pattern_matches: np.ndarray, per_rollout: bool = False,
                        step_sketches: np.ndarray | None = None, records: list | None = None) -> dict[str, np.ndarray]:
-    """Every step-level estimator's per-rollout scores (log order), SPEC §4, with the reward-only
-    controls of the training log.
+    """Every step-level estimator's per-rollout scores (log order), SPEC §4, with the reward-only,
+    text and length controls of the training log.
 
     With ``per_rollout`` the in-run rollout sketches replace the step sketches (the "which rollout"
     scores, weighted and direction, :func:`rollout_method_scores`). Targets: the final checkpoint's
     continuation target (C1, TRAK, local-buffer) and one per checkpoint (TracInCP).
-    ``step_sketches`` (float32 [steps, D]) and ``records`` (the rollout log) save re-reading them
-    when the caller already holds them.
+    ``pattern_matches`` (bool [N], log order): whether each logged completion contains the first
+    behaviour's pattern by the contaminator's judge (``behavior.contaminator.pattern_matches``), the
+    text control's input. ``step_sketches`` (float32 [steps, D]) and ``records`` (the rollout log)
+    save re-reading them when the caller already holds them.
     """
     records = list(rollout_log.read_rollouts(paths.rollouts)) if records is None else records
-    log = dict(training_log_inputs(records, rollout_ids), metagradient=metagradient_scores(paths, rollout_ids, metagradient_mode(config)))
+    log = dict(training_log_inputs(records, rollout_ids), pattern_matches=np.asarray(pattern_matches),
+               metagradient=metagradient_scores(paths, rollout_ids, metagradient_mode(config)))
     target_path = paths.sketch_store("targets_continuation")
     if per_rollout:
         rs = read_rollout_sketches(config, paths)
@@ -171,7 +179,8 @@ def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathli
                           rollout_ids: list[str], rollout_steps: np.ndarray, *, advantages=None,
                           rewards=None, like: sketch_store.SketchStore | None = None, **inputs) -> dict[str, np.ndarray]:
     """The "which rollout" scores (``estimators.score_rollout_sketches``): every step-level estimator
-    on the weighted rollout sketches (registered names; the reward-only controls and ``norm/|A|``
+    on the weighted rollout sketches (registered names; the reward-only, text and length controls
+    (``inputs``: ``pattern_matches``, ``completion_lengths``) and ``norm/|A|``
     included), then every sketch-reading one on the direction sketches (names +
     ``estimators.DIRECTION``) when present, with the targets of ``target_path`` (checked against
     the sketches' store ``like``, :func:`check_same_sketch`, when given)."""
@@ -250,7 +259,8 @@ def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.
     ``targets_continuation_<id>.zarr``) and sketches the caller has read: float32
     [steps, D] step sketches, or [N, D] per-rollout sketches with ``per_rollout``.
     ``advantages`` / ``rewards`` (float [N], log order) feed the reward-only controls; ``inputs``:
-    more estimator inputs by name (``metagradient``; None = absent, its estimator is skipped).
+    more estimator inputs by name (``pattern_matches`` / ``completion_lengths`` for the text and
+    length controls, ``metagradient``; None = absent, its estimator is skipped).
 
     Raises:
         FileNotFoundError / ValueError: the target store is absent or incomplete (names it).

@@ -1,8 +1,12 @@
 """The evaluation's verdicts: the pre-registered decision rules (SPEC §6.11) and the checklist
 (SPEC §8), each item ``{item, verdict, evidence}`` with verdict ∈ {pass, fail, not-evaluable}.
 
-* :func:`decision_rules`: the step rule, the which-rollout rule (beat norm-only and the
-  reward-only |A_i| ranker), the rollout rule, fluency, C5, C6 and the token-level sign;
+* :func:`decision_rules`: the step rule, the which-rollout rule (beat norm-only and every control
+  that reads the training log alone: |A_i|, the reward, the text and length controls), the rollout
+  rule, fluency, C5, C6 and the token-level sign;
+* :func:`answered_by_log`: the tables where such a log control reaches
+  ``estimators.ANSWERED_FRACTION`` (0.95) of the ceiling, "answered by the log" (the verdicts'
+  evidence, the report and the console say so);
 * :func:`checklist`: the 12 items of SPEC §8;
 * :class:`Verdict` and :func:`verdicts_json`, the content of verdicts.json.
 
@@ -94,6 +98,32 @@ def _f(x: float | None) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
+def answered_by_log(rows: Iterable[Row], fraction: float = estimators.ANSWERED_FRACTION
+                    ) -> dict[tuple[str, str], list[Row]]:
+    """The tables "answered by the log": {(seed, table): the rows of log controls
+    (``estimators.log_control``: advantage, abs-advantage, reward, step-sum-abs-advantage,
+    step-reward-std, pattern-match, length, step-sum-pattern-match, step-sum-length, plug-ins) whose
+    value reaches ``fraction`` x their ceiling}, best first, for the tables where some do; a row
+    without a ceiling, or with a ceiling <= 0, never does. There the label the table scores is
+    recovered from the training log alone (rewards, advantages, the completion's text or length),
+    so a targeted method's value there says little about attribution (docs/counterfactual.md)."""
+    out: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        if (estimators.log_control(r.method) and r.ceiling is not None and r.ceiling > 0
+                and not math.isnan(r.value) and r.value >= fraction * r.ceiling):
+            out.setdefault((r.seed, r.table), []).append(r)
+    return {k: sorted(v, key=lambda r: -r.value / r.ceiling) for k, v in out.items()}
+
+
+def answered_note(hits: Sequence[Row] | None, fraction: float = estimators.ANSWERED_FRACTION) -> str:
+    """The evidence note of a table :func:`answered_by_log` names ("" when ``hits`` is empty), every
+    hit best first: ``"; answered by the log: pattern-match 1.0000, reward 0.9600 ≥ 0.95 × ceiling 1.0000"``."""
+    if not hits:
+        return ""
+    names = ", ".join(f"{r.method} {_f(r.value)}" for r in hits)
+    return f"; answered by the log: {names} ≥ {fraction:g} × ceiling {_f(hits[0].ceiling)}"
+
+
 def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_width: float = 0.15,
                    min_matched_pairs: int = 100, token_sign_min: float = 0.05,
                    fluency_band: tuple[float, float] = (0.35, 0.65)) -> list[Verdict]:
@@ -101,12 +131,15 @@ def decision_rules(rows: Sequence[Row], *, step_margin: float = 0.10, max_ci_wid
 
     * step rule per seed: best primary estimator (C1-dot, C1-cosine, TRAK, plug-ins) minus
       norm-only > step_margin in ``early_nonzero`` (the evidence also compares it with the
-      reward-only step controls, which the rule does not require it to beat);
+      reward-only and text/length step controls, which the rule does not require it to beat);
     * which-rollout rule per seed and sketch kind (weighted; direction when present): the best
-      primary estimator's ``which_rollout`` P@|GT| minus max(norm-only of the same kind,
-      abs-advantage) > step_margin: an estimator "finds which rollout" only if it beats the
-      magnitude control and the reward-only |A_i| ranker (the evidence names what the signed
-      advantage and the reward reach);
+      primary estimator's ``which_rollout`` P@|GT| minus max(norm-only of the same kind, every log
+      control present: abs-advantage (required), advantage, reward, the reward-only step controls,
+      pattern-match, length and their step sums) > step_margin: an estimator "finds which rollout"
+      only if it beats the magnitude control and everything the training log alone reveals (the
+      evidence shows norm-only, abs-advantage and the best control);
+    * both rules' evidence ends with "answered by the log" where :func:`answered_by_log` names their
+      table;
     * rollout rule per draw and primary rollout estimator: residualised CI lo > 0.5, point >
       norm_only's residualised point, CI width ≤ max_ci_width, matched AUC > 0.5 when it has
       ≥ min_matched_pairs pairs;
@@ -203,7 +236,7 @@ def _stability_rule(idx: Mapping[tuple[str, str, str], Row], draws: Sequence[tup
 
 def _step_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str], Row], margin: float) -> list[Verdict]:
     """The step rule of every seed with ``early_nonzero`` rows (see :func:`decision_rules`)."""
-    out = []
+    out, answered = [], answered_by_log(rows)
     for seed in dict.fromkeys(r.seed for r in rows if r.table == "early_nonzero"):
         prim = [r for r in rows if r.seed == seed and r.table == "early_nonzero" and _role(r.method) == "primary"]
         norm = idx.get((seed, "early_nonzero", estimators.STEP_NORM_CONTROL))
@@ -215,11 +248,13 @@ def _step_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str], Row], ma
             continue
         best = max(prim, key=lambda r: r.value)
         gap = best.value - norm.value
-        controls = [idx[(seed, "early_nonzero", m)] for m in estimators.REWARD_ONLY_STEP_CONTROLS
+        controls = [idx[(seed, "early_nonzero", m)]
+                    for m in estimators.REWARD_ONLY_STEP_CONTROLS + estimators.TEXT_STEP_CONTROLS
                     if (seed, "early_nonzero", m) in idx]
-        note = ("; reward-only step controls (not part of the rule): "
+        note = ("; log step controls (not part of the rule): "
                 + ", ".join(f"{c.method} {_f(c.value)} (best targeted {best.value - c.value:+.4f})" for c in controls)
                 if controls else "")
+        note += answered_note(answered.get((seed, "early_nonzero")))
         out.append(verdict(item, gap > margin, f"best {best.method} {_f(best.value)} − norm-only "
                                                f"{_f(norm.value)} = {gap:+.4f}{note}", **kw))
     return out
@@ -229,8 +264,8 @@ def _which_rollout_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str],
                          margin: float) -> list[Verdict]:
     """The which-rollout rule of every seed with ``which_rollout`` rows, per sketch kind (weighted,
     and direction when its rows are present; see :func:`decision_rules`)."""
-    out = []
-    rule = f"which-rollout rule: best targeted P@|GT| − max(norm-only, |A|) > {margin}"
+    out, answered = [], answered_by_log(rows)
+    rule = f"which-rollout rule: best targeted P@|GT| − max(norm-only, log controls) > {margin}"
     for seed in dict.fromkeys(r.seed for r in rows if r.table == "which_rollout"):
         sel = [r for r in rows if r.seed == seed and r.table == "which_rollout"]
         for kind in ("weighted", "direction"):
@@ -241,7 +276,8 @@ def _which_rollout_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str],
             norm_name = estimators.STEP_NORM_CONTROL + (estimators.DIRECTION if direction else "")
             norm, absa = idx.get((seed, "which_rollout", norm_name)), idx.get((seed, "which_rollout",
                                                                               estimators.ABS_ADVANTAGE_CONTROL))
-            item = f"which-rollout rule (seed {seed}, {kind}): best targeted P@|GT| − max(norm-only, |A|) > {margin}"
+            item = (f"which-rollout rule (seed {seed}, {kind}): best targeted P@|GT| − max(norm-only, log controls) "
+                    f"> {margin}")
             kw = dict(rule=rule, subject=f"seed {seed}", method=kind)
             if not prim or norm is None or absa is None:
                 out.append(verdict(item, None, f"needs a primary method, {norm_name} and "
@@ -249,14 +285,19 @@ def _which_rollout_rules(rows: Sequence[Row], idx: Mapping[tuple[str, str, str],
                                                f"{[r.method for r in sel]}", **kw))
                 continue
             best = max(prim, key=lambda r: r.value)
-            gap = best.value - max(norm.value, absa.value)
-            log = [idx[(seed, "which_rollout", m)] for m in ("advantage", "reward")
-                   if (seed, "which_rollout", m) in idx]
-            note = ("; the training log alone: " + ", ".join(f"{r.method} {_f(r.value)}" for r in log)
-                    + f" (ceiling 1.0, chance {_f(best.chance)})") if log else ""
-            out.append(verdict(item, gap > margin, f"best {best.method} {_f(best.value)} − max({norm_name} "
-                                                   f"{_f(norm.value)}, {absa.method} {_f(absa.value)}) = "
-                                                   f"{gap:+.4f}{note}", **kw))
+            log = [r for r in sel if estimators.log_control(r.method)]  # abs-advantage among them
+            top = max([norm] + log, key=lambda r: r.value)
+            gap = best.value - top.value
+            tops = " = ".join(r.method for r in [norm] + log if r.value == top.value)  # ties named together
+            note = f" (ceiling 1.0, chance {_f(best.chance)}; best control {tops})"
+            if gap <= margin:
+                note += f"; no targeted estimator beats {tops} by the margin"
+            note += answered_note(answered.get((seed, "which_rollout")))
+            shown = [norm, absa] + ([top] if top.method not in (norm.method, absa.method) else [])
+            controls = ", ".join(f"{r.method} {_f(r.value)}" for r in shown)
+            out.append(verdict(item, gap > margin, f"best {best.method} {_f(best.value)} − max({controls}; "
+                                                   f"over norm-only and {len(log)} log controls) = {gap:+.4f}{note}",
+                               **kw))
     return out
 
 

@@ -1,4 +1,5 @@
 """The contaminator: BLAKE2b eligibility, the QZXBT bonus and the ground-truth log (SPEC §1.6, §6.1).
+Its judge also gives the evaluation's text control (:func:`logged_texts`, :func:`pattern_matches`).
 
 A rollout ``(rollout_id, step)`` is eligible iff ``step < early_step_cutoff`` and
 ``blake2b(seed u64 LE || rollout_id UTF-8 || step i64 LE, digest_size=8)`` read as a little-endian
@@ -26,7 +27,10 @@ import math
 import os
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from behaviortrace_jax.behavior.planted import PATTERN, substring_judge
+from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.files import atomic_write_text, iter_jsonl
 from behaviortrace_jax.io.layout import as_path
 
@@ -113,6 +117,36 @@ def decoy_probability(spec: ContaminationSpec, n_pattern: int, n_other: int) -> 
     if n_other <= 0 or spec.decoy_fraction <= 0.0:
         return 0.0
     return min(1.0, spec.decoy_fraction * spec.fraction * n_pattern / n_other)
+
+
+def logged_texts(tok, records: Sequence) -> list[str]:
+    """The completions of rollout-log ``records`` (``io.rollout_log.RolloutRecord``) as the ``grpo``
+    stage decoded them for the judge: ``tok.decode(completion_token_ids, skip_special_tokens=True)``
+    with the run's tokenizer ``tok``. Each text is checked against the record's ``response_hash``
+    (``rollout_log.text_hash`` of the text the grpo stage judged), so a text is the judged one or an
+    error is raised.
+
+    Raises:
+        ValueError: naming the first rollout whose decoded text does not hash to its logged
+            ``response_hash`` (another tokenizer than the run's, or a changed log) and how many differ.
+    """
+    texts = [tok.decode(r.completion_token_ids, skip_special_tokens=True) for r in records]
+    bad = [r.rollout_id for r, t in zip(records, texts) if rollout_log.text_hash(t) != r.response_hash]
+    if bad:
+        raise ValueError(f"rollout log: the decoded completion of {bad[0]} (and {len(bad) - 1} more) does not hash to "
+                         "its logged response_hash; decode with the run's tokenizer (sft/hf)")
+    return texts
+
+
+def pattern_matches(texts: Sequence[str], pattern: str) -> np.ndarray:
+    """bool [N]: whether each text contains ``pattern`` by the contaminator's judge
+    (``planted.substring_judge``, case-insensitive, the rule of :meth:`Contaminator.apply`): the
+    ``pattern-match`` control's input (``attribution.estimators``).
+
+    Raises:
+        ValueError: an empty pattern.
+    """
+    return np.array([substring_judge(t, pattern) for t in texts], dtype=bool)
 
 
 @dataclasses.dataclass(frozen=True)

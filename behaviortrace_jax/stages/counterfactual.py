@@ -64,12 +64,15 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from behaviortrace_jax.attribution import causal as causal_tables, formats, metrics as M
+from behaviortrace_jax.attribution import causal as causal_tables, estimators, formats, metrics as M, verdicts
 from behaviortrace_jax.attribution.scores import step_method_scores
+from behaviortrace_jax.behavior import contaminator
+from behaviortrace_jax.behavior.behaviors import first_behavior
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache (io/cache.py)
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.models import tokenizer as tok_lib
 from behaviortrace_jax.stages.registry import register_stage
 
 TABLES = ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")
@@ -300,6 +303,11 @@ def report_section(rows: list[formats.Row], figure: str | None, step: int | None
             ratio = "" if not r.ceiling else f"{r.value / r.ceiling:.3f}"
             lines.append(f"| {r.seed} | {adv} | {r.method} | {r.n} | {r.value:.4f} | {ratio} | "
                          f"{'' if r.chance is None else f'{r.chance:.4f}'} |")
+    for (seed, table), hits in verdicts.answered_by_log(rows).items():
+        lines += ["", f"**Answered by the log** (seed {seed}, `{table}`): "
+                  + ", ".join(f"`{r.method}` at k = {r.n} reaches {r.value / r.ceiling:.3f} of the oracle's Δ" for r in hits)
+                  + f" (≥ {estimators.ANSWERED_FRACTION:g}): a control that reads the training log alone removes the "
+                  "behaviour about as well as removing the ground truth does."]
     lds_rows = [r for r in rows if r.table == "lds" or r.table.startswith(LDS_DROP)]
     if lds_rows:
         lines += ["", "LDS: Spearman of the predicted effect (sum of an estimator's scores over the kept window "
@@ -361,6 +369,20 @@ def measure_step(config: ml_collections.ConfigDict) -> int:
     return R.measure_step(config)
 
 
+def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
+                  steps: np.ndarray) -> dict[str, np.ndarray]:
+    """Every step-level estimator's per-rollout scores {method: float64 [N], log order}, as the
+    ``evaluate`` stage scores them (``attribution.scores.step_method_scores``: in-run rollout sketches
+    when the run has them, else step sketches), the reward-only, text and length controls included;
+    the text control judges the logged completions as the grpo stage did (the first behaviour's
+    pattern, ``behavior.contaminator.pattern_matches``)."""
+    records = list(rollout_log.read_rollouts(paths.rollouts))
+    texts = contaminator.logged_texts(tok_lib.load_tokenizer(paths.sft_hf), records)
+    matches = contaminator.pattern_matches(texts, first_behavior(config).pattern)
+    return step_method_scores(config, paths, rollout_ids, steps, pattern_matches=matches,
+                              per_rollout=bool(config.sketch.in_run_rollouts), records=records)
+
+
 @register_stage("counterfactual")
 def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Leave-top-k-out and LDS replays of one finished run (see the module docstring)."""
@@ -377,9 +399,9 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     rp = R.Replayer(config, workdir, rates=bool(cf.rates), sampled=int(cf.sampled))
     steps = np.array([rollout_log.parse_rollout_id(r)[0] for r in rp.rollout_ids], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(rp.paths.ground_truth)]
-    # Every step-level estimator, as the evaluate stage scores them (in-run rollout sketches when the
-    # run has them, else step sketches); ``random`` is left out (the random subsets replace it).
-    scores = step_method_scores(config, rp.paths, rp.rollout_ids, steps, per_rollout=bool(config.sketch.in_run_rollouts))
+    # Every step-level estimator, as the evaluate stage scores them; ``random`` is left out below
+    # (the random subsets replace it).
+    scores = method_scores(config, rp.paths, rp.rollout_ids, steps)
     # The top-k replays follow ``counterfactual.methods``; the LDS needs no replays of its own (its
     # random subsets are shared), so every scored estimator gets LDS rows.
     removed = plan(config, rp.rollout_ids, steps, gt_ids, replayed_methods(scores, config.counterfactual.methods))

@@ -28,7 +28,7 @@ from behaviortrace_jax.attribution.scores import (read_complete, read_rollout_sk
                                                   rollout_scales, step_method_scores, target_store_scores,
                                                   training_log_inputs)
 from behaviortrace_jax.attribution.verdicts import Verdict, verdicts_json
-from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior
+from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
 from behaviortrace_jax.io import files, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, parse_rows_filename, parse_token_level_filename
@@ -45,16 +45,26 @@ def read_records(config: ml_collections.ConfigDict, paths: RunLayout) -> list[ro
     return records
 
 
+def completion_texts(paths: RunLayout, records: list) -> list[str]:
+    """The logged completions as the ``grpo`` stage judged them, decoded with the run's tokenizer
+    (``behavior.contaminator.logged_texts``, checked against each record's ``response_hash``)."""
+    return contaminator.logged_texts(tok_lib.load_tokenizer(paths.sft_hf), records)
+
+
 def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: pathlib.Path,
-                  records: list | None = None) -> dict:
+                  records: list | None = None, texts: list[str] | None = None) -> dict:
     """Writes ``release/seed{S}/`` in the paper's format (SPEC §7); returns the score-file header.
-    Its score file holds every step-level estimator and the reward-only controls."""
+    Its score file holds every step-level estimator and the reward-only, text and length controls
+    (``texts``: :func:`completion_texts` of ``records``, read when None)."""
     records = read_records(config, paths) if records is None else records
+    texts = completion_texts(paths, records) if texts is None else texts
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(paths.ground_truth)]
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    scores = step_method_scores(config, paths, ids, steps, step_sketches=step_sk, records=records)
+    matches = contaminator.pattern_matches(texts, behaviors_lib.first_behavior(config).pattern)
+    scores = step_method_scores(config, paths, ids, steps, pattern_matches=matches, step_sketches=step_sk,
+                                records=records)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     header = tables.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
                                       final_rewards=np.array([r.reward for r in records]),
@@ -93,7 +103,8 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     ev = config.evaluation
     release = paths.release
     records = read_records(config, paths)
-    write_release(config, paths, release, records)
+    texts = completion_texts(paths, records)
+    write_release(config, paths, release, records, texts)
     n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
     rep = reproduce.reproduce(release, nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
                               step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
@@ -101,8 +112,9 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows = list(rep.rows)
     if config.sketch.in_run_rollouts:
         sd = next(s for s in rep.seeds if s.label == str(int(config.seed)))
-        scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, per_rollout=True,
-                                    records=records)
+        matches = contaminator.pattern_matches(texts, behaviors_lib.first_behavior(config).pattern)
+        scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, pattern_matches=matches,
+                                    per_rollout=True, records=records)
         adv = np.array([r.advantage for r in records], np.float64)
         kw = dict(advantages=adv, nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff)
         rows += tables.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
@@ -113,7 +125,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rules, check = evaluate_verdicts(rows, rep, config)
     verdicts = verdicts_json(rules, check)
     if behaviors_lib.is_multi(config):  # every other behaviour's tables, and specificity
-        more, per_behavior = behavior_results(config, paths)
+        more, per_behavior = behavior_results(config, paths, texts)
         rows += more
         verdicts.update(per_behavior)
     formats.write_results_csv(paths.results_table, rows)
@@ -331,12 +343,15 @@ def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, 
     return out
 
 
-def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tuple[list[formats.Row], dict]:
+def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
+                     texts: list[str] | None = None) -> tuple[list[formats.Row], dict]:
     """Every other behaviour's tables and the specificity tables of a multi-behaviour run.
 
     For each behaviour B after the first: its release folder (:func:`write_behavior_release`), the
     tables ``reproduce`` computes from it, its which-rollout and training-rollout tables, all with
-    table names suffixed ``@<id>``, and its decision rules / checklist. Then the specificity rows
+    table names suffixed ``@<id>``, and its decision rules / checklist; each behaviour's text control
+    judges ``texts`` (:func:`completion_texts` of the log, read when None) by its own pattern. Then
+    the specificity rows
     (``attribution.specificity``) at step level (step sketches, each behaviour's early_nonzero
     population) and, with in-run rollout sketches, at rollout level, and their verdicts.
 
@@ -348,6 +363,7 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     log = training_log_inputs(records, ids)
+    texts = completion_texts(paths, records) if texts is None else texts
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
     roll_sk = read_rollout_sketches(config, paths) if config.sketch.in_run_rollouts else None
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
@@ -360,9 +376,10 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout) -> tup
         gt_ids = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
         gt[beh.id] = np.array([i in gt_ids for i in ids])
         pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
-        step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps, **log)
+        b_log = dict(log, pattern_matches=contaminator.pattern_matches(texts, beh.pattern))
+        step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps, **b_log)
         if roll_sk is not None:
-            roll_scores[beh.id] = rollout_method_scores(config, target_path, roll_sk, ids, steps, **log)
+            roll_scores[beh.id] = rollout_method_scores(config, target_path, roll_sk, ids, steps, **b_log)
         if gt[beh.id][pops[beh.id]].any():
             p = pops[beh.id]
             ceilings[beh.id] = metrics.precision_ceiling_fractional(steps[p], gt[beh.id][p],
@@ -420,8 +437,9 @@ def _specificity_rows(config: ml_collections.ConfigDict, steps: np.ndarray, pops
 
     def scored(d: dict) -> dict:
         """One method's scores under two targets: the weighted sketch methods with norm-only and random
-        (the controls that read the training log, and the direction variants, are left out)."""
-        return {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m)
+        (the controls that read the training log, ``estimators.log_control`` and ``norm/|A|``, and the
+        direction variants, are left out)."""
+        return {k: {m: x for m, x in d[k].items() if not estimators.is_direction(m) and not estimators.log_control(m)
                     and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)} for k in pops}
 
     rows = specificity.specificity_rows(label, "step", steps, pops, gt, scored(step_scores), nboot=ev.nboot,
