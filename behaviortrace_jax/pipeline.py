@@ -38,7 +38,7 @@ from behaviortrace_jax.stages import registry as stages
 
 HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
-                  "counterfactual", "metagradient")
+                  "counterfactual", "metagradient", "status")
 # Stages that only read the workdir: an invocation of these alone neither creates the workdir nor appends
 # to run_info.json, so it can look at a run that another process is writing.
 READ_ONLY_STAGES = {"status"}
