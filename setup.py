@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "safetensors==0.8.0",  # lazy safe_open for sharded HF checkpoint loading.
     "tokenizers==0.23.3",  # byte-level BPE for the tiny tokenizer; matches transformers 5.x.
     "transformers>=5.0,<6",  # AutoTokenizer + chat templates; rope_parameters config format.
+    "huggingface_hub>=0.34",  # model.hf_id: snapshot_download(local_files_only=True); the `hf` CLI (models/hub.py).
     "numpy>=2.0,<3",  # evaluation layer: PCG64 default_rng streams for bootstrap parity.
     "scipy>=1.13,<2",  # Spearman correlation (metrics.lds_correlation).
     "matplotlib>=3.8,<4",  # report figures (Agg backend).

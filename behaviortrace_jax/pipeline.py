@@ -16,6 +16,10 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 | ``sweep`` | ``stages/sweep.py`` | ``seed{S}/`` runs, diagnostic draws, one aggregate report |
 | ``counterfactual`` | ``stages/counterfactual.py`` | ``counterfactual/`` replays; leave-top-k-out and LDS rows |
 | ``metagradient`` | ``stages/metagradient.py`` | ``metagradient/`` (dM/dw of every rollout; the ``metagradient`` estimator's input) |
+| ``status`` | ``stages/status.py`` | nothing (prints where a run stands; safe while the run goes on) |
+
+``config.model.hf_id`` (a model in the Hugging Face cache) is resolved once, here, into
+``config.model.hf_dir`` (``models/hub.py``), so every stage loads it as a local checkpoint.
 """
 from __future__ import annotations
 
@@ -29,11 +33,15 @@ from behaviortrace_jax.attribution import report
 from behaviortrace_jax.attribution.verdicts import Verdict
 from behaviortrace_jax.io import files, machine
 from behaviortrace_jax.io.layout import RunLayout, as_path
+from behaviortrace_jax.models import hub
 from behaviortrace_jax.stages import registry as stages
 
 HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
-                  "counterfactual", "metagradient")
+                  "counterfactual", "metagradient", "status")
+# Stages that only read the workdir: an invocation of these alone neither creates the workdir nor appends
+# to run_info.json, so it can look at a run that another process is writing.
+READ_ONLY_STAGES = {"status"}
 
 
 def resolve_config_paths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -103,15 +111,28 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     which-rollout rules) when a stage of :data:`HEADLINE_STAGES` ran, then prints and returns
     :func:`run_digest`.
 
+    ``config.model.hf_id`` is resolved into ``config.model.hf_dir`` first (``hub.with_model_source``).
+    An invocation of :data:`READ_ONLY_STAGES` alone writes nothing (no workdir, no ``run_info.json``
+    entry) and tolerates a model missing from the cache.
+
     Raises:
-        ValueError: if ``config.stages`` names an unknown stage (before anything is written).
+        ValueError: if ``config.stages`` names an unknown stage, or sets both ``model.hf_id`` and
+            ``model.hf_dir`` (before anything is written).
+        FileNotFoundError: ``model.hf_id`` is not in the Hugging Face cache (naming the download
+            command), or a read-only invocation's workdir does not exist.
     """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
-    stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
+    names = stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
+    read_only = bool(names) and set(names) <= READ_ONLY_STAGES
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
-    as_path(workdir).mkdir(parents=True, exist_ok=True)
-    record_run_info(workdir, config.stages)
+    config = hub.with_model_source(config, strict=not read_only)
+    if read_only:
+        if not as_path(workdir).is_dir():
+            raise FileNotFoundError(f"--workdir={workdir}: no such run directory")
+    else:
+        as_path(workdir).mkdir(parents=True, exist_ok=True)
+        record_run_info(workdir, config.stages)
     stages.run_stages(config, workdir)
     verdicts = RunLayout(workdir).verdicts
     if set(stages.parse_stages(config.stages)) & HEADLINE_STAGES and verdicts.is_file():

@@ -17,6 +17,10 @@ def get_config() -> ml_collections.ConfigDict:
     # --- model (SPEC §2.1: Qwen2.5-1.5B-Instruct, full fine-tune) -----------------------------
     c.model = ml_collections.ConfigDict()
     c.model.hf_dir = ""  # Local HF checkpoint dir (config.json, safetensors, tokenizer). "" -> workdir/base.
+    # A Hugging Face model id ("Qwen/Qwen2.5-1.5B-Instruct") found in the hub cache (HF_HUB_CACHE / HF_HOME;
+    # models/hub.py), offline; "" = none. Set hf_id or hf_dir, not both.
+    c.model.hf_id = ""
+    c.model.allow_download = False  # model.hf_id missing from the cache: download it (True) or raise naming `hf download`.
     c.model.param_dtype = "bfloat16"  # SPEC §2.1: weights loaded in bf16.
     c.model.compute_dtype = "bfloat16"  # SPEC §2.1: bf16 autocast.
     c.model.family = ""  # Model family (models/families.py: qwen2, llama, qwen3); "" = config.json's model_type.

@@ -4,7 +4,10 @@
 
 Prints the parameter count, devices and mesh, and a greedy completion of the first probe prompt.
 DIR holds config.json, model.safetensors (or a sharded index) and tokenizer files, e.g. a
-directory written by transformers' `save_pretrained`.
+directory written by transformers' `save_pretrained`. A model in the Hugging Face cache (after
+`hf download Qwen/Qwen2.5-1.5B-Instruct`) loads by name, offline, instead of DIR:
+
+    python main.py --config=configs/hf.py --config.model.hf_id=Qwen/Qwen2.5-1.5B-Instruct --workdir=W
 """
 from configs import common
 

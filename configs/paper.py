@@ -5,6 +5,8 @@
 
     python main.py --config=configs/seed0.py \\
         --config.model.hf_dir=/path/to/Qwen2.5-1.5B-Instruct --workdir=runs/seed0
+    # or, with the model in the Hugging Face cache (`hf download Qwen/Qwen2.5-1.5B-Instruct`):
+    python main.py --config=configs/seed0.py --config.model.hf_id=Qwen/Qwen2.5-1.5B-Instruct --workdir=runs/seed0
     # check that every program fits a TPU slice, on any CPU machine with the tpu extra (nothing is allocated):
     python main.py --config=configs/seed0.py --config.stages=compile --config.compile.target=tpu:v5e:2x4 --workdir=W
 

@@ -49,7 +49,7 @@ IGNORE_TABLE_ENV = "BEHAVIORTRACE_CPU_TABLE_IGNORE"
 DIGESTS = ("base_weights", "results_table.csv", "files")
 # Files holding times, absolute paths, the machine or orbax/XLA internals: not compared.
 FILES_SKIPPED = re.compile(r"(^|/)(\.jax_cache|state|tb)/|^base/(\.trained|train_history\.json)$|summary\.json$"
-                           r"|^grpo/registry\.json$|\.settings\.json$|^run_info\.json$")
+                           r"|^grpo/(registry|progress)\.json$|\.settings\.json$|^run_info\.json$")
 
 
 def files_digest(workdir: pathlib.Path) -> tuple[str, list[str]]:

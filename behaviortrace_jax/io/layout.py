@@ -126,7 +126,7 @@ class RunLayout:
     |---|---|
     | ``base`` | ``base/`` (HF checkpoint; the policy's start unless ``config.model.hf_dir``) |
     | ``sft`` | ``sft/``: ``hf/``, ``state/``, ``sft_summary.json``, ``.sft_warmup_done`` |
-    | ``grpo`` | ``grpo/``: ``rollouts/``, ``ground_truth.jsonl``, ``decoys.jsonl`` (decoy runs), ``checkpoints/``, ``registry.json``, ``state/``, ``learning_curve.json``, ``summary.json``, ``tb/`` |
+    | ``grpo`` | ``grpo/``: ``rollouts/``, ``ground_truth.jsonl``, ``decoys.jsonl`` (decoy runs), ``checkpoints/``, ``registry.json``, ``state/``, ``learning_curve.json``, ``summary.json``, ``tb/``, ``progress.json`` |
     | ``grpo``, ``sketch`` | ``sketches/`` (tensorstore arrays) |
     | ``draws`` | ``draws/`` |
     | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``, ``which_rollout_top.json`` |
@@ -184,6 +184,7 @@ class RunLayout:
     curve = property(lambda self: self.grpo / "learning_curve.json")
     summary = property(lambda self: self.grpo / "summary.json")
     tensorboard = property(lambda self: self.grpo / "tb")
+    progress = property(lambda self: self.grpo / "progress.json")  # the last step, its times (the status stage)
     # later stages
     sketches = property(lambda self: self.workdir / "sketches")
     draws = property(lambda self: self.workdir / "draws")

@@ -22,6 +22,12 @@ log-probs, rewards, advantages), the ground-truth log, orbax train-state checkpo
 export and a registry entry every ``checkpoint_every`` steps, the behaviour rate on probes and
 controls at each checkpoint (the learning curve), and the sketches in tensorstore arrays.
 
+Watching a run (logging only; no number of the run depends on it): each step's metrics go to
+TensorBoard under ``grpo/tb`` (:func:`step_scalars`: reward mean / std, pattern rate and bonuses per
+behaviour, the gradient clip, loss, sketch norms, step time and tokens/s) and to ``grpo/progress.json``
+(``io/progress.py``: the step, recent step times, the last checkpoint), which the ``status``
+stage reads while the run goes on.
+
 Exact resume: the PRNG key of step s is ``fold_in(key(seed), s)``, so a run restarted from the
 latest orbax checkpoint L drops the logged records of steps >= L and replays them bit-for-bit.
 The orbax save is the last write of a checkpoint, so every artefact of steps < L is durable.
@@ -29,6 +35,7 @@ The orbax save is the last write of a checkpoint, so every artefact of steps < L
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import jax
@@ -40,6 +47,7 @@ from absl import logging
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
+from behaviortrace_jax.io.progress import progress_record
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
@@ -57,6 +65,23 @@ from behaviortrace_jax.train.start_state import load_start_state
 # ------------------------------------------------------------------------------------------------
 # The GRPO stage: sampling, rewards, logs, checkpoints, resume
 # ------------------------------------------------------------------------------------------------
+
+
+def step_scalars(metrics: dict[str, float]) -> dict[str, float]:
+    """TensorBoard tags of one step's ``GRPORun.rollout_step`` metrics: ``grpo/<key>`` for each, except
+    the wall-clock keys (``step_time_s``, ``sample_time_s``, ``tokens_per_s``, ``completion_tokens``)
+    under ``perf/`` and the sketch norms (``*_sketch_norm*``, ``rollout_grad_norm_mean``) under ``sketch/``;
+    per-behaviour keys ``<id>/<name>`` become ``grpo/<id>/<name>``."""
+    perf = {"step_time_s", "sample_time_s", "tokens_per_s", "completion_tokens"}
+    out = {}
+    for k, v in metrics.items():
+        if k in perf:
+            out[f"perf/{k}"] = v
+        elif "sketch_norm" in k or k == "rollout_grad_norm_mean":
+            out[f"sketch/{k}"] = v
+        else:
+            out[f"grpo/{k}"] = v
+    return out
 
 
 @register_stage("grpo")
@@ -189,9 +214,12 @@ class GRPORun:
 
     # ------------------------------------------------------------------------------------------
     def rollout_step(self, step: int) -> dict[str, float]:
-        """Samples, rewards, trains and logs one GRPO step (SPEC §2.2). Returns scalar metrics."""
+        """Samples, rewards, trains and logs one GRPO step (SPEC §2.2). Returns scalar metrics
+        (:meth:`_watch_metrics` adds what TensorBoard shows per behaviour; none feeds back into the run)."""
+        t0 = time.perf_counter()
         g, n = self.config.grpo, self.shapes.num_rollouts
         ro = self.source.sample_and_reward(self.params, step, step_key(self.config, step))
+        t_sample = time.perf_counter() - t0  # sampling, decoding and rewards
         prompts, prompt_lists, sample, texts, ids, base = ro.prompts, ro.prompt_lists, ro.sample, ro.texts, ro.ids, ro.base
         boosted, decoys, rewards = ro.boosted_by, ro.decoys, ro.rewards
         adv, dropped = self._advantages(step, ids, rewards, sample)
@@ -240,6 +268,13 @@ class GRPORun:
         for b in self.behaviors[1:]:
             metrics[f"bonuses_{b.id}"] = int(sum(boosted[b.id]))
             metrics[f"rate_{b.id}"] = float(np.mean([behavior.substring_judge(t, b.pattern) for t in texts]))
+        users = [prompts[i // g.group_size] for i in range(n)]
+        bonus_paid = {self.behaviors[0].id: list(ro.boosted)} if not self.multi else boosted
+        metrics.update(self._watch_metrics(rewards, texts, users, bonus_paid, out))
+        step_s = time.perf_counter() - t0
+        tokens = int(np.sum(sample.lengths[:n]))
+        metrics.update(step_time_s=step_s, sample_time_s=t_sample, completion_tokens=tokens,
+                       tokens_per_s=tokens / step_s if step_s > 0 else 0.0)
         return metrics
 
     def _advantages(self, step: int, ids: list[str], rewards: np.ndarray, sample: Any
@@ -268,6 +303,37 @@ class GRPORun:
         logging.warning("grpo: step %d: dropped %d rollout(s) with non-finite inputs (grpo.on_nonfinite=skip): %s",
                         step, len(bad), nonfinite.describe(bad, ids))
         return adv, bad
+
+    def _watch_metrics(self, rewards: np.ndarray, texts: list[str], users: list[str],
+                       bonus_paid: dict[str, list[bool]], out: dict[str, Any]) -> dict[str, float]:
+        """Per-step scalars for TensorBoard (logging only): ``reward_std``; per behaviour ``<id>/reward_mean``
+        and ``<id>/reward_std`` over the rollouts of its prompts (a one-behaviour run: all of them; absent
+        at a step that sampled none),
+        ``<id>/pattern_rate`` (its substring judge over every rollout) and ``<id>/bonuses``; the gradient
+        clip (``grad_clip_factor`` = ``grad_clip / max(grad_norm, grad_clip)``, ``grad_clipped`` 0/1;
+        TensorBoard's smoothing of it is the clipped fraction of steps); the L2 norms of the step sketch
+        and the in-run rollout sketches (mean) and the rollouts' exact gradient norms (mean).
+
+        The ``paper`` loss has no KL term and no ratio clip (one update per batch, ratio 1), so neither
+        is logged; ``grpo_clip`` computes both inside the jitted step, which does not return them.
+        """
+        m = {"reward_std": float(rewards.std())}
+        for b in self.behaviors:
+            own = np.array([not self.multi or u in self.source.own_prompts[b.id] for u in users])
+            if own.any():  # a step may sample none of a behaviour's prompts: no reward point then
+                m[f"{b.id}/reward_mean"], m[f"{b.id}/reward_std"] = float(rewards[own].mean()), float(rewards[own].std())
+            m[f"{b.id}/pattern_rate"] = float(np.mean([behavior.substring_judge(t, b.pattern) for t in texts]))
+            m[f"{b.id}/bonuses"] = int(sum(bonus_paid[b.id]))
+        if "clip_factor" in out:
+            m["grad_clip_factor"] = float(out["clip_factor"])
+            m["grad_clipped"] = float(float(out["clip_factor"]) < 1.0)
+        if "step_sketch" in out:
+            m["step_sketch_norm"] = float(np.linalg.norm(np.asarray(out["step_sketch"], np.float64)))
+        if "rollout_sketches" in out:
+            sk = np.asarray(out["rollout_sketches"], np.float64)
+            m["rollout_sketch_norm_mean"] = float(np.linalg.norm(sk, axis=-1).mean())
+            m["rollout_grad_norm_mean"] = float(np.mean(np.asarray(out["rollout_grad_norms"], np.float64)))
+        return m
 
     def checkpoint(self, step: int) -> dict[str, Any]:
         """Makes steps < ``step`` durable: logs, sketches, HF export, registry, curve, then orbax."""
@@ -308,15 +374,26 @@ class GRPORun:
         bar = tqdm(range(self.start_step, g.steps), initial=self.start_step, total=g.steps, desc="grpo",
                    unit="step", dynamic_ncols=True)
         rate = self.curve[-1]["probe_rate"] if self.curve else float("nan")
+        started, progress = time.time(), None
         for step in bar:
             m = self.rollout_step(step)
-            for k, v in m.items():
-                writer.add_scalar(f"grpo/{k}", v, step)
+            for tag, v in step_scalars(m).items():
+                writer.add_scalar(tag, v, step)
+            ckpt = None
             if (step + 1) % g.checkpoint_every == 0 or step + 1 == g.steps:
+                t0 = time.perf_counter()
                 point = self.checkpoint(step + 1)
+                ckpt = {"step": step + 1, "seconds": time.perf_counter() - t0}
                 rate = point["probe_rate"]
                 writer.add_scalar("behavior/probe_rate", point["probe_rate"], step + 1)
                 writer.add_scalar("behavior/control_rate", point["control_rate"], step + 1)
+                for bid, r in point.get("behaviors", {}).items():
+                    writer.add_scalar(f"behavior/{bid}/probe_rate", r["probe_rate"], step + 1)
+                    writer.add_scalar(f"behavior/{bid}/control_rate", r["control_rate"], step + 1)
+            progress = progress_record(progress, step=step + 1, steps=g.steps, start_step=self.start_step,
+                                       started=started, step_s=m["step_time_s"], metrics=m, checkpoint=ckpt,
+                                       checkpoint_every=g.checkpoint_every, now=time.time())
+            write_json(self.paths.progress, progress)
             bar.set_postfix(reward=f"{m['reward']:.2f}", bonus=m["bonuses"], qzxbt=f"{m['qzxbt']:.2f}",
                             probe_rate=f"{rate:.2f}")
         writer.close()
