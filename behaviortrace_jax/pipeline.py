@@ -69,7 +69,7 @@ def resolve_config_paths(config: ml_collections.ConfigDict) -> ml_collections.Co
 
 
 def run_digest(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
-    """sha256 of a run's key outputs, to compare runs across machines (README "Reproducibility").
+    """sha256 of a run's key outputs, to compare runs across machines (docs/reproducibility.md).
 
     Returns:
         ``{"base_weights": hex, "results_table.csv": hex}`` for whichever exist: the starting

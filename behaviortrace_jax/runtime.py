@@ -138,7 +138,7 @@ DISTRIBUTED_ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "J
                    "process_id": "JAX_PROCESS_ID"}
 HEARTBEAT_TIMEOUT_S = 20  # a killed process is declared lost after this long; the others then exit
 # On an overloaded host (load far above the core count) a live process can miss 20 s of heartbeats
-# during a long XLA compile and end the run (README "Multi-process runs"): raise it there.
+# during a long XLA compile and end the run (docs/reproducibility.md "Multi-process runs"): raise it there.
 HEARTBEAT_ENV = "BEHAVIORTRACE_HEARTBEAT_TIMEOUT_S"
 
 

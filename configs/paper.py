@@ -10,8 +10,8 @@
     # check that every program fits a TPU slice, on any CPU machine with the tpu extra (nothing is allocated):
     python main.py --config=configs/seed0.py --config.stages=compile --config.compile.target=tpu:v5e:2x4 --workdir=W
 
-Expect 16,000 rollouts, 10 checkpoints and sketches of D = 65,536. Hardware and time: README,
-"Paper scale". The layout below is chosen from the attached devices, so one config runs on one
+Expect 16,000 rollouts, 10 checkpoints and sketches of D = 65,536. Hardware and time: docs/results.md,
+"Paper scale: what was measured". The layout below is chosen from the attached devices, so one config runs on one
 GPU, a GPU node or a TPU slice; only the layout differs from configs/common.py, so the results are
 the SPEC's up to float summation order.
 """

@@ -1,7 +1,7 @@
 """The machine a run ran on: its CPU type, library versions and kernel-selecting variables.
 
-A run's numbers depend on these besides its config and seed (README "Reproducibility",
-docs/reproducibility.md): XLA:CPU's matmul libraries pick kernels and split sums by the host CPU
+A run's numbers depend on these besides its config and seed (docs/reproducibility.md): XLA:CPU's
+matmul libraries pick kernels and split sums by the host CPU
 and the number of CPUs the process may use. ``pipeline.run`` appends :func:`run_info` to
 ``W/run_info.json`` (left out of the digests that tests/test_readme_command.py compares, so a run
 whose numbers match on two CPU types also matches there); tests key their recorded digests by
@@ -21,7 +21,7 @@ NUMERIC_FLAGS = ("sse4_2", "avx", "fma", "f16c", "avx2", "avx512f", "avx512dq", 
 
 
 def cpu_identity(cpuinfo: str | None = None, cpus: int | None = None) -> dict:
-    """What identifies this machine's CPU type for numerics (README "Reproducibility").
+    """What identifies this machine's CPU type for numerics (docs/reproducibility.md).
 
     Args:
         cpuinfo: the text of /proc/cpuinfo (read when None; empty where there is none).

@@ -45,7 +45,7 @@ prompts minus over the control prompts (continuous, no sampling, low variance), 
 probe / control rates of SPEC §1.8 (``behavior.probes.BehaviorProbe``) and, with ``sampled=n``,
 sampled rates from ``n`` completions per prompt at the GRPO temperature (one fixed key).
 
-Library use (README "Test your estimator's rankings by replay")::
+Library use (docs/guide.md "Test your estimator's rankings by replay")::
 
     rp = Replayer(tiny.get_config(), "runs/tiny")             # build once (~10 s), replay many times
     w = np.ones(rp.num_rollouts); w[my_top_k_indices] = 0.0   # log order: index step * N + i
