@@ -43,7 +43,8 @@ def test_compile_metagradient_step_is_the_run_forward(mode):
     tx = train_state.make_optimizer(c.optim, differentiable=True)
     floor = float(c.grpo.adv_std_floor)
     shardings = (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data, None, a.rep)
-    run_forward = MG.make_run_forward(a.graphdef, a.abstract_params, tx, spec, sketcher.hf_param_order(a.cfg), mesh,
+    run_tx = train_state.make_optimizer(c.optim)  # the forward steps with the run's own optimizer (eps_root 0)
+    run_forward = MG.make_run_forward(a.graphdef, a.abstract_params, run_tx, spec, sketcher.hf_param_order(a.cfg), mesh,
                                       advantages=mode, std_floor=floor)
     batched = MG.make_weighted_step(a.graphdef, tx, spec, advantages=mode, std_floor=floor)
     want = _meta_lowered(a, MG.MetaStep(batched, shardings, opt_state=a.state.opt_state, forward=run_forward), batch)

@@ -100,7 +100,7 @@ def _untied_setup():
         prompts = [list(rng.integers(1, USED_VOCAB, sh.prompt_len)) for _ in range(sh.num_rollouts)]
         comp = rng.integers(1, USED_VOCAB, (sh.num_rollouts, sh.completion_len)).astype(np.int32)
         adv = grpo_loss.group_advantages(rng.normal(size=sh.num_rollouts).astype(np.float32), sh.group_size)
-        b = grpo_step.build_batch(prompts, comp, np.full(sh.num_rollouts, sh.completion_len), adv, (0,), sh, 0)
+        b = grpo_step.build_batch(prompts, comp, np.full(sh.num_rollouts, sh.completion_len), adv, (0,), sh, 0, vocab_size=cfg.vocab_size)
         batches.append({k: jnp.asarray(v) for k, v in b.items()})
     probe = batches[0]
     # as the SFT warm-up does for a run, the first steps populate Adam's moments (Adam's first update

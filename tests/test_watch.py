@@ -204,8 +204,8 @@ def test_watch_metrics_per_behaviour_of_a_two_behaviour_step():
 
     behaviors = [types.SimpleNamespace(id="a", pattern="AAA"), types.SimpleNamespace(id="b", pattern="BBB"),
                  types.SimpleNamespace(id="c", pattern="CCC")]
-    fake = types.SimpleNamespace(behaviors=behaviors, multi=True,
-                                 own_prompts={"a": {"pa"}, "b": {"pb"}, "c": {"pc"}})
+    fake = types.SimpleNamespace(behaviors=behaviors, multi=True, source=types.SimpleNamespace(
+        own_prompts={"a": {"pa"}, "b": {"pb"}, "c": {"pc"}}))
     rewards = np.array([1.0, 3.0, 8.0, 0.0], np.float32)
     texts = ["AAA", "x", "BBB AAA", "y"]
     out = {"clip_factor": np.float32(1.0), "step_sketch": np.array([3.0, 4.0], np.float32),

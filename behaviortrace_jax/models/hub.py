@@ -17,24 +17,25 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import pathlib
 from typing import Mapping
 
 import ml_collections
 from absl import logging
 
+from behaviortrace_jax.io.layout import as_path
 
-def hub_cache_dir(environ: Mapping[str, str] = os.environ) -> pathlib.Path:
+
+def hub_cache_dir(environ: Mapping[str, str] = os.environ) -> "epath.Path":
     """The hub cache folder as ``huggingface_hub`` finds it, read from ``environ`` now (not at import):
     ``HF_HUB_CACHE``, else the legacy ``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub``, else
     ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub`` (huggingface_hub.constants)."""
     for key in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if environ.get(key):
-            return pathlib.Path(environ[key]).expanduser()
+            return as_path(environ[key]).expanduser()
     if environ.get("HF_HOME"):
-        return pathlib.Path(environ["HF_HOME"]).expanduser() / "hub"
+        return as_path(environ["HF_HOME"]).expanduser() / "hub"
     xdg = environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return pathlib.Path(xdg).expanduser() / "huggingface" / "hub"
+    return as_path(xdg).expanduser() / "huggingface" / "hub"
 
 
 def download_command(hf_id: str) -> str:
@@ -50,7 +51,7 @@ def download_command(hf_id: str) -> str:
 
 
 def resolve_hf_id(hf_id: str, *, allow_download: bool = False, revision: str | None = None,
-                  environ: Mapping[str, str] = os.environ) -> pathlib.Path:
+                  environ: Mapping[str, str] = os.environ) -> "epath.Path":
     """The local snapshot folder of the hub model ``hf_id`` (``"org/name"``) at ``revision``
     (None = ``main``), from the hub cache (:func:`hub_cache_dir` of ``environ``).
 
@@ -73,7 +74,7 @@ def resolve_hf_id(hf_id: str, *, allow_download: bool = False, revision: str | N
                          "(e.g. Qwen/Qwen2.5-1.5B-Instruct)")
     cache = hub_cache_dir(environ)
     try:
-        path = pathlib.Path(snapshot_download(hf_id, revision=revision, cache_dir=str(cache),
+        path = as_path(snapshot_download(hf_id, revision=revision, cache_dir=str(cache),
                                               local_files_only=not allow_download))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(

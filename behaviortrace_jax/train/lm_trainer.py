@@ -366,7 +366,7 @@ class LMTrainer:
         self.graphdef, self.config, self.optimizer, self.mesh = graphdef, config, optimizer, mesh
         self.trace_count = 0
         self._replicated = NamedSharding(mesh, P()) if mesh is not None else None
-        tok_lib.check_token_ids(prefix, config.vocab_size, "LMTrainer: prefix")
+        tok_lib.check_token_ids(prefix, self.config.vocab_size, "LMTrainer: prefix")
         self._host_prefix, self._prefix = np.asarray(prefix, np.int32), None
         out_sh = None if mesh is None else (state_shardings, self._replicated)
         self.step_program = programs.jit("lm_step", self._step_impl, mesh=mesh, donate_argnums=0, out_shardings=out_sh)
