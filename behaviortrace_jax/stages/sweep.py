@@ -134,9 +134,9 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
                               max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
                               rollouts_per_step=n_per_step)
     rows = list(rep.rows)
-    for seed in summaries:  # the which-rollout (and counterfactual, when that stage ran) rows of each run
+    for seed in summaries:  # the which-rollout (and counterfactual / causal, when that stage ran) rows of each run
         run_rows = formats.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
-        rows += [r for r in run_rows if r.table.startswith(("which_rollout", "counterfactual_topk", "lds"))]
+        rows += [r for r in run_rows if r.table.startswith(("which_rollout", "counterfactual_topk", "lds", "causal"))]
     rules, check = evaluate_verdicts(rows, rep, config)
     formats.write_results_csv(top.results_table, rows)
     write_json(top.verdicts, verdicts.verdicts_json(rules, check))

@@ -1,0 +1,29 @@
+"""Causal truth over three tiny seeds: what replays say taught the behaviour (issue 31).
+
+    python main.py --config=configs/tiny_causal.py --workdir=runs/tiny_causal
+
+The tiny default (configs/tiny.py) for seeds 0, 1, 2 under one shared base model
+(``runs/tiny_causal/seed{S}/``), with the ``metagradient`` stage after ``grpo`` and the
+``counterfactual`` stage run for its causal ground truth only (``counterfactual.causal = "only"``):
+single-step replays of the contamination window, both interventions (remove, withhold-bonus), with
+the logged rollouts and with rollouts regenerated from the replayed policy over two sampler
+streams. The aggregate ``results_table.csv`` holds every seed's ``causal_*`` rows beside the label
+tables (which-rollout, with the log, text and length controls). docs/counterfactual.md gives the
+design, the cost and the measured tables.
+
+Seeds can run as separate processes on one workdir once ``base/`` is complete (each seed's stages
+skip finished work; the last command aggregates):
+
+    python main.py --config=configs/tiny_causal.py --config.sweep.seeds=1 --workdir=runs/tiny_causal
+"""
+from configs import tiny_sweep
+
+
+def get_config():
+    c = tiny_sweep.get_config()
+    c.sweep.diagnostic_draws = ""  # Not needed for causal truth; the tiny_sweep config makes them.
+    cf = c.counterfactual
+    cf.causal = "only"  # The causal replays alone; the leave-top-k-out/LDS replays are configs/tiny_sweep.py's.
+    cf.rollouts = "regenerated"  # Fixed and regenerated tracks (stream 0 = the run's keys, stream 1 resampled).
+    cf.causal_streams = 2
+    return c
