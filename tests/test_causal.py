@@ -67,6 +67,30 @@ def test_tables_score_the_label_and_rank_the_ground_truth_units():
     assert gt_all.value == 1.5 and gt_all.n == 2 and by[("causal_label_fixed", "withhold-all-gt")].value == 4.0
 
 
+def test_seed_summary_puts_each_seeds_spearman_beside_the_mean_and_the_label_checks():
+    """Two seeds of the same toy tables (C1-dot ranks the units as measured in one, backwards in the
+    other): its cells are 1.00 and -1.00, the mean 0.00; the label checks get one column a seed."""
+    units = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5]), np.array([6, 7])]
+    is_gt = np.zeros(8, bool)
+    is_gt[[0, 6]] = True
+    effects = {("withhold-bonus", "regenerated"): np.array([[0.0, 1.0, 2.0, 3.0], [0.2, 1.2, 1.8, 3.2]])}
+    deltas = {("regenerated", "withhold-all-gt"): np.array([1.0, 2.0])}
+    rows = []
+    for seed, sign in (("0", 1.0), ("1", -1.0)):
+        rows += C.tables(seed, unit_names=["s0", "s1", "s2", "s3"], unit_rollouts=units, effects=effects,
+                         label_deltas=deltas, scores={"C1-dot": sign * np.arange(8, dtype=float)}, is_gt=is_gt,
+                         k_fraction=0.25, nboot=20)
+    lines = C.seed_summary_lines(rows, methods=["C1-dot"])
+    row = next(line for line in lines if line.startswith("| C1-dot |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1].startswith("1.00 [") and cells[2].startswith("-1.00 [") and cells[3] == "0.00"
+    assert cells[4] == "0.50 (0.25)"  # P@k 1 and 0, chance k / U = 1/4
+    assert not any(line.startswith(f"| {C.LABEL} |") for line in lines)  # filtered by ``methods``
+    gt = next(line for line in lines if "withhold-all-gt" in line)
+    assert gt.count("1.500 [") == 2
+    assert C.seed_summary_lines([r for r in rows if not r.table.startswith("causal_spearman")]) == []
+
+
 def test_units_and_tracks():
     from behaviortrace_jax.train import causal as TC
     from configs import tiny

@@ -245,3 +245,56 @@ def report_lines(rows: Sequence[formats.Row]) -> list[str]:
                   f"{'' if r.lo is None else f'[{r.lo:.4f}, {r.hi:.4f}]'} | "
                   f"{'' if r.chance is None else f'{r.chance:.3f}'} | {r.n} |" for r in label]
     return lines
+
+
+def _ci(r: formats.Row, fmt: str) -> str:
+    return "" if r.lo is None or r.hi is None else f" [{r.lo:{fmt}}, {r.hi:{fmt}}]"
+
+
+def seed_summary_lines(rows: Sequence[formats.Row], methods: Sequence[str] = ()) -> list[str]:
+    """Markdown tables over seeds (the ``sweep`` stage's aggregate report; issue 31 item 5).
+
+    Per intervention and rollout mode: one row per method, one column per seed with its Spearman
+    against the measured unit effects (95 % bootstrap CI over units), the mean Spearman over
+    seeds, and the mean P@k with its chance. Then the label's checks (``causal_label_*``), one
+    column per seed. ``methods`` orders and filters the method rows ("" keeps every method, in the
+    order first seen). Returns [] without ``causal_spearman_*`` rows.
+    """
+    sp = [r for r in rows if r.table.startswith("causal_spearman_")]
+    if not sp:
+        return []
+    seeds = sorted({r.seed for r in sp}, key=str)
+    pk = {(r.table[len("causal_p@k_"):], r.method, r.seed): r for r in rows if r.table.startswith("causal_p@k_")}
+    by = {(r.table[len("causal_spearman_"):], r.method, r.seed): r for r in sp}
+    suffixes = list(dict.fromkeys(r.table[len("causal_spearman_"):] for r in sp))
+    names = list(methods) or list(dict.fromkeys(r.method for r in sp))
+    head = "| method | " + " | ".join(f"seed {s}: Spearman [95% CI]" for s in seeds) + " | mean | mean P@k (chance) |"
+    lines: list[str] = []
+    for suffix in suffixes:
+        lines += ["", f"**{suffix.replace('_', ', ')}** (units: {next(r.n for r in sp if r.table.endswith(suffix))})", "",
+                  head, "|---" * (len(seeds) + 3) + "|"]
+        for m in names:
+            got = [by.get((suffix, m, s)) for s in seeds]
+            if not any(got):
+                continue
+            cells = ["" if r is None else f"{r.value:.2f}{_ci(r, '.2f')}" for r in got]
+            mean = np.mean([r.value for r in got if r is not None])
+            ps = [pk[(suffix, m, s)] for s in seeds if (suffix, m, s) in pk]
+            p = f"{np.mean([r.value for r in ps]):.2f} ({np.mean([r.chance for r in ps]):.2f})" if ps else ""
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {mean:.2f} | {p} |")
+    label = [r for r in rows if r.table.startswith("causal_label_")]
+    if label:
+        lab = {(r.table[len("causal_label_"):], r.method, r.seed): r for r in label}
+        checks = list(dict.fromkeys((r.table[len("causal_label_"):], r.method) for r in label))
+        lines += ["", "**The label against the replays** (Δ of withholding every ground-truth bonus / every bonus, "
+                  "CI over streams; gt-unit-rank: mean percentile of the units holding ground truth, 1 = most causal, "
+                  "chance in brackets)", "",
+                  "| rollouts | check | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---" * (len(seeds) + 2) + "|"]
+        for ro, m in checks:
+            cells = []
+            for s in seeds:
+                r = lab.get((ro, m, s))
+                cells.append("" if r is None else f"{r.value:.3f}" + (f" ({r.chance:.3f})" if r.chance is not None
+                                                                     else _ci(r, ".3f")))
+            lines.append(f"| {ro} | {m} | " + " | ".join(cells) + " |")
+    return lines

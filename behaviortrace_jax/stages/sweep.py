@@ -20,7 +20,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from behaviortrace_jax.attribution import formats, release as reproduce, report, verdicts
+from behaviortrace_jax.attribution import causal as causal_tables, formats, release as reproduce, report, verdicts
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io import files
@@ -150,7 +150,10 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
     intro = (f"Sweep over seeds {sorted(summaries)} (`{config.run_name}` family), with the diagnostic draws "
              f"`{config.sweep.diagnostic_draws}` (ckpt:gen). Each seed's own report is in `seed{{S}}/report.md`.\n\n"
              + gates)
+    extra = [("Instability across seeds and draws (C6)", instability_section(rules))]
+    causal = causal_tables.seed_summary_lines(rows)
+    if causal:  # the counterfactual stage's causal ground truth, when it ran (configs/tiny_causal.py)
+        extra.append(("Causal ground truth over seeds (single-unit replays)", "\n".join(causal)))
     report.write_report(top.report, rows, title="BehaviorTrace-JAX: seeds and draws", intro=intro, rules=rules,
-                   checklist=check, figures=figs,
-                   extra=[("Instability across seeds and draws (C6)", instability_section(rules))])
+                        checklist=check, figures=figs, extra=extra)
     logging.info("sweep: aggregate report %s", top.report)
