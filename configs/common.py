@@ -227,6 +227,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.causal = "on"  # Causal ground truth (single-unit replays, causal_* tables): "on", "off", "only".
     c.counterfactual.causal_units = "steps"  # Causal units: "steps" (window steps) or "groups" (GRPO groups).
     c.counterfactual.causal_streams = 2  # Sampler streams of the regenerated causal replays (their CI; stream 0 = the run's keys).
+    # What the regenerated tracks replay: "units" (every unit's branches, ~at**2 / 2 regenerated steps per
+    # stream and intervention) or "label" (only the withhold-all-GT / withhold-all-bonuses checks, ~3 x at steps).
+    c.counterfactual.causal_regenerated = "units"
     c.counterfactual.causal_k = 0.25  # Causal P@k: k = this fraction of the units (>= 1).
 
     # --- the `reproduce` stage and `info` stage ---------------------------------------------------

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.attribution import causal as C
+from behaviortrace_jax.train import causal as TC
 
 
 def test_unit_scores_sum_each_units_rollouts_and_ignore_non_finite():
@@ -89,6 +90,30 @@ def test_seed_summary_puts_each_seeds_spearman_beside_the_mean_and_the_label_che
     gt = next(line for line in lines if "withhold-all-gt" in line)
     assert gt.count("1.500 [") == 2
     assert C.seed_summary_lines([r for r in rows if not r.table.startswith("causal_spearman")]) == []
+
+
+def test_label_only_regenerated_tracks_give_label_deltas_but_no_unit_effects():
+    """``counterfactual.causal_regenerated = "label"``: the regenerated tracks hold only their baseline
+    and the withhold-all replays, so ``effects`` has the fixed track alone and ``label_deltas`` every
+    track; an unknown value is refused naming the key."""
+    units = TC.Units(["s0", "s1"], [np.array([0]), np.array([1])], [0, 1])
+    res = {"fixed__base": {"value": 3.0}, "fixed__s0__remove": {"value": 1.0}, "fixed__s1__remove": {"value": 2.5},
+           "fixed__s0__withhold-bonus": {"value": None}, "fixed__s1__withhold-bonus": {"value": 2.0}}
+    for track, base in (("fixed", 3.0), ("regenerated0", 3.0), ("regenerated1", 2.0)):
+        res[f"{track}__base"] = {"value": base}
+        res[f"{track}__{TC.ALL_GT}"] = {"value": base - 0.5}
+        res[f"{track}__{TC.ALL_BONUSES}"] = {"value": base - 1.0}
+    eff = TC.effects(res, units, "regenerated", 2, "label")
+    assert set(eff) == {("remove", "fixed"), ("withhold-bonus", "fixed")}
+    np.testing.assert_allclose(eff[("remove", "fixed")], [[2.0, 0.5]])
+    np.testing.assert_allclose(eff[("withhold-bonus", "fixed")], [[0.0, 1.0]])
+    lab = TC.label_deltas(res, "regenerated", 2)
+    np.testing.assert_allclose(lab[("regenerated", TC.ALL_GT)], [0.5, 0.5])
+    with pytest.raises(KeyError):  # "units" needs every regenerated unit replay
+        TC.effects(res, units, "regenerated", 2, "units")
+    with pytest.raises(ValueError, match="causal_regenerated"):
+        TC.run_causal(None, None, None, units=units, gt=np.array([0]), at=2, rollouts="regenerated", streams=2,
+                      recompute=False, regenerated="some")
 
 
 def test_units_and_tracks():

@@ -436,11 +436,12 @@ def causal_rows(config: ml_collections.ConfigDict, rp, w: RunLayout, scores: dic
     index = {r: i for i, r in enumerate(rp.rollout_ids)}
     gt = np.array(sorted(index[g] for g in gt_ids if g in index), np.int64)
     results = TC.run_causal(rp, config, w.counterfactual / "causal", units=units, gt=gt, at=at, rollouts=cf.rollouts,
-                            streams=int(cf.causal_streams), recompute=bool(cf.recompute_advantages))
+                            streams=int(cf.causal_streams), recompute=bool(cf.recompute_advantages),
+                            regenerated=cf.causal_regenerated)
     is_gt = np.zeros(rp.num_rollouts, bool)
     is_gt[gt] = True
     return causal_tables.tables(seed, unit_names=units.names, unit_rollouts=units.rollouts,
-                                effects=TC.effects(results, units, cf.rollouts, int(cf.causal_streams)),
+                                effects=TC.effects(results, units, cf.rollouts, int(cf.causal_streams), cf.causal_regenerated),
                                 label_deltas=TC.label_deltas(results, cf.rollouts, int(cf.causal_streams)),
                                 scores=scores, is_gt=is_gt, k_fraction=float(cf.causal_k), nboot=nboot,
                                 rng_seed=int(config.seed))

@@ -41,6 +41,7 @@ from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.train import replay as R
 
 UNITS = ("steps", "groups")
+REGENERATED = ("units", "label")  # counterfactual.causal_regenerated: what the regenerated tracks replay
 ALL_GT, ALL_BONUSES = "withhold-all-gt", "withhold-all-bonuses"
 
 
@@ -117,7 +118,7 @@ def _kwargs(intervention: str, rollouts_idx: np.ndarray, n: int, recompute: bool
 
 
 def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, gt: np.ndarray, at: int,
-               rollouts: str, streams: int, recompute: bool) -> dict[str, dict]:
+               rollouts: str, streams: int, recompute: bool, regenerated: str = "units") -> dict[str, dict]:
     """Runs (or reads back) every causal replay; returns ``{file key: record}``.
 
     Keys: ``<track>__base`` (the baseline), ``<track>__<unit>__<intervention>`` and
@@ -130,7 +131,15 @@ def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, 
         units: :func:`causal_units`; gt: int64 indices of the ground-truth rollouts (log order).
         at: the measure step (the replays stop there); rollouts / streams: :func:`tracks`.
         recompute: the remove intervention's advantages (``counterfactual.recompute_advantages``).
+        regenerated: ``counterfactual.causal_regenerated``: "units" (every unit's branches on every
+            regenerated track, as on the fixed one) or "label" (regenerated tracks replay only their
+            baseline and the two withhold-all replays: the label's check with a CI over streams, at
+            ~3 x ``at`` regenerated steps per stream instead of ~``at**2``).
+    Raises:
+        ValueError: ``regenerated`` not in :data:`REGENERATED` (naming the config key).
     """
+    if regenerated not in REGENERATED:
+        raise ValueError(f"counterfactual.causal_regenerated={regenerated!r}; expected one of {REGENERATED}")
     out_dir.mkdir(parents=True, exist_ok=True)
     identity, n = rp.identity(), rp.num_rollouts
     per_step = rp.shapes.num_rollouts
@@ -143,8 +152,9 @@ def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, 
         base_mode = "fixed" if stream == 0 else mode
         todo: list[tuple[str, dict, dict, int]] = []  # (file key, cache key, replay kwargs, branch step)
         jobs = [(f"{track}__base", None, None, 0)]
-        jobs += [(f"{track}__{name}__{iv}", u, iv, st) for name, u, st in zip(units.names, units.rollouts, units.steps)
-                 for iv in R.INTERVENTIONS]
+        if mode == "fixed" or regenerated == "units":
+            jobs += [(f"{track}__{name}__{iv}", u, iv, st)
+                     for name, u, st in zip(units.names, units.rollouts, units.steps) for iv in R.INTERVENTIONS]
         jobs += [(f"{track}__{ALL_GT}", gt[gt < window.size], "withhold-bonus", 0),
                  (f"{track}__{ALL_BONUSES}", window, "withhold-bonus", 0)]
         for key, u, iv, st in jobs:
@@ -184,11 +194,15 @@ def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, 
     return results
 
 
-def effects(results: dict[str, dict], units: Units, rollouts: str, streams: int) -> dict[tuple[str, str], np.ndarray]:
+def effects(results: dict[str, dict], units: Units, rollouts: str, streams: int,
+            regenerated: str = "units") -> dict[tuple[str, str], np.ndarray]:
     """``{(intervention, rollouts): float64 [tracks of that mode, U]}``: Δ_u = baseline - replay
-    per track (a skipped replay: 0)."""
+    per track (a skipped replay: 0). With ``regenerated = "label"`` only the fixed track has unit
+    effects."""
     out: dict[tuple[str, str], list] = {}
     for mode, stream in tracks(rollouts, streams):
+        if mode != "fixed" and regenerated == "label":
+            continue
         track = "fixed" if mode == "fixed" else f"regenerated{stream}"
         base = results[f"{track}__base"]["value"]
         for iv in R.INTERVENTIONS:
