@@ -21,7 +21,8 @@ ALLOWED = {
     "behavior": {"io", "models"},
     "sketch": {"io", "models", "behavior", "attribution"},
     "train": {"io", "models", "behavior", "sketch"},
-    "stages": {"io", "models", "attribution", "behavior", "sketch", "train"},
+    "aot": {"models", "sketch", "train"},
+    "stages": {"io", "models", "attribution", "behavior", "sketch", "train", "aot"},
 }
 
 
