@@ -474,6 +474,28 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
 
+def masked_mean_logprob(graphdef: nnx.GraphDef, params: nnx.State, input_ids: jax.Array, attention_mask: jax.Array,
+                        mask: jax.Array, taps: Any = None) -> jax.Array:
+    """Each sequence's masked mean token log-prob, float32 [B]: ``sum_t lp_t m_t / max(sum_t m_t, 1)``
+    with ``lp_t = log p(input_ids[t] | input_ids[:t])`` and ``m = mask[:, 1:]`` (token t scored where
+    ``mask[t]`` = 1; the first token is never scored). The one home of this formula: SPEC §3.2's
+    rollout loss is its negative (``sketch.sketcher.completion_loss``), the forced targets' fluency
+    and the replay's behaviour measure are it (``sketch.targets.ForcedSketcher.mean_logprob``,
+    ``train.replay.BehaviorMeasure``). A sequence with no scored token gets 0.
+
+    The GRPO loss's masked mean (``train.grpo_loss.masked_mean``, ``sum / (sum(mask) + 1e-8)`` over the
+    completion positions only, SPEC §2.2 f) is another formula and stays there.
+
+    Args:
+        input_ids: int32 [B, T]; attention_mask: int [B, T] (1 = real token, left or right padding);
+        mask: [B, T] float weights of the scored tokens (cast to float32); taps: as :func:`forward`.
+    """
+    logits = forward(graphdef, params, input_ids, positions_from_mask(attention_mask), attention_mask, taps=taps)
+    lp = token_logprobs(logits[:, :-1], input_ids[:, 1:])
+    m = mask[:, 1:].astype(jnp.float32)
+    return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+
+
 def abstract_model(config: DecoderConfig, remat: bool = False) -> DecoderForCausalLM:
     """The family's model with ``jax.ShapeDtypeStruct`` leaves (``nnx.eval_shape``); allocates nothing."""
     cls = config.module_class()

@@ -57,6 +57,7 @@ or one-shot: ``replay("runs/tiny", w, config=...) -> {step: behaviour dict}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -76,7 +77,8 @@ from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
-from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite, rollouts as rollouts_lib
+from behaviortrace_jax.train import grpo_step, nonfinite, rollouts as rollouts_lib
+from behaviortrace_jax.train.grpo_loss import recomputed_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -117,12 +119,7 @@ class BehaviorMeasure:
             self.ids[i, :e.ids.size], self.attn[i, :e.ids.size], self.w[i, :e.ids.size] = e.ids, 1, e.weights
         self.n_probes = len(probes)
 
-        def mean_lp(params, ids, attn, w):
-            logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(attn), attn)
-            lp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
-            m = w[:, 1:]
-            return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-
+        mean_lp = functools.partial(decoder.masked_mean_logprob, graphdef)
         self.mean_logprob = programs.jit("replay_measure", mean_lp, mesh=mesh)
         self.probe = BehaviorProbe(graphdef, model_cfg, tok, beh, options, mesh) if rates or sampled else None
         self.greedy, self.sampled = bool(rates), int(sampled)
@@ -189,19 +186,6 @@ def step_spec_digest(spec: grpo_step.GRPOStepSpec) -> str:
     """sha256 of every field of a :class:`grpo_step.GRPOStepSpec` (shapes and loss config included):
     two specs with one digest build the same train step."""
     return _digest(dataclasses.asdict(spec))
-
-def recomputed_advantages(rewards: np.ndarray, weights: np.ndarray, group_size: int, std_floor: float) -> np.ndarray:
-    """Group advantages of one step over the kept rollouts only (``weights > 0``); removed rollouts
-    and groups with fewer than 2 kept rollouts get 0. With every weight > 0 this equals
-    ``grpo_loss.group_advantages``."""
-    r = np.asarray(rewards, np.float32).reshape(-1, group_size)
-    keep = np.asarray(weights).reshape(-1, group_size) > 0
-    out = np.zeros_like(r)
-    for g in range(r.shape[0]):
-        k = keep[g]
-        if k.sum() >= 2:
-            out[g, k] = grpo_loss.group_advantages(r[g, k], int(k.sum()), std_floor)
-    return out.reshape(-1)
 
 
 def checkpoint_steps(config: ml_collections.ConfigDict) -> list[int]:
