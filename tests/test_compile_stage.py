@@ -179,8 +179,10 @@ def test_loop_counted_cost_equals_the_unrolled_program():
     # XLA:TPU annotates no trip counts: the same counts from the loops' conditions alone
     import re
 
+    from behaviortrace_jax.aot import cost
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(compile_stage, "_TRIPS", re.compile("no annotation"))
+        mp.setattr(cost, "_TRIPS", re.compile("no annotation"))
         assert compile_stage.loop_counted_cost(looped) == counted
         assert grad_program(True, None) == scanned
     mapped, flat = grad_program(False, "map"), grad_program(False, "unrolled")

@@ -247,8 +247,8 @@ _ALLOWED = {
     ("stages/draws.py", "np.savez"): "into an io.BytesIO, written by files.atomic_write_text",
     ("stages/draws.py", "np.load"): "from an io.BytesIO of as_path(path).read_bytes()",
     ("models/hf_io.py", "np.memmap"): "of files.local_dir(hf_dir) (a local copy of a gs:// checkpoint)",
-    ("models/decoder.py", "os.path.isdir"): "read_hf_config of files.local_dir(...) (loader, hf_io, compile)",
-    ("models/decoder.py", "os.path.isfile"): "read_hf_config of files.local_dir(...) (loader, hf_io, compile)",
+    ("models/decoder_config.py", "os.path.isdir"): "read_hf_config of files.local_dir(...) (loader, hf_io, compile)",
+    ("models/decoder_config.py", "os.path.isfile"): "read_hf_config of files.local_dir(...) (loader, hf_io, compile)",
 }
 # behavior/ reads its input files (probes, controls, package data under third_party/) and owns the
 # ground-truth log (the known gap: test_ground_truth_log_keeps_the_gs_scheme above).

@@ -1,5 +1,7 @@
 """Layer 1 (beside ``models``), ``attribution``: scoring and judging, numpy/scipy/matplotlib only,
-never jax. Attribution estimators (``estimators``) and the per-rollout scores of a run read from
+never jax. Attribution estimators (``estimators``: their API, the rollout-level ones and the runners;
+the registry and shared similarities in ``estimator_registry``, the step-level estimators in
+``step_estimators``, the log controls in ``controls``) and the per-rollout scores of a run read from
 its sketch stores (``scores``), precision/recall/bootstrap metrics (``metrics``), the result files
 (``formats``: results_table.csv, score files, ground truth, minimal-pair rows, rollout ids), the
 step, which-rollout and rollout-level tables (``tables``), the decision rules and checklist

@@ -1,6 +1,6 @@
 """The named jitted programs of a run: every program a stage jits is made by :func:`jit` under one of
 the names in :data:`PROGRAMS`, and the ``compile`` stage compiles each of them from the same
-constructors (``stages/compile.py``; each of its report rows names its program), all but the
+constructors (``aot/builders.py``, which the stage runs; each report row names its program), all but the
 replay measure's two, whose shapes come from the tokenized probes (the compile stage has no
 tokenizer).
 

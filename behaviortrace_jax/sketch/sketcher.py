@@ -167,11 +167,8 @@ def completion_loss(graphdef: Any) -> DecoderLoss:
 
     def per_example(params: PyTree, batch: dict, taps: Any = None) -> jax.Array:
         fused_lib.check_batch_ids(batch, fused_lib.vocab_rows(params), "completion_loss: batch input_ids")
-        ids, am = batch["input_ids"], batch["attention_mask"]
-        logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(am), am, taps=taps)
-        logp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
-        m = batch["loss_mask"][:, 1:].astype(jnp.float32)
-        return -jnp.sum(logp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+        return -decoder.masked_mean_logprob(graphdef, params, batch["input_ids"], batch["attention_mask"],
+                                            batch["loss_mask"], taps=taps)
 
     return DecoderLoss(per_example)
 

@@ -161,10 +161,7 @@ class ForcedSketches:
 
 
 def _mean_logprob_chunk(graphdef: Any, params: Any, ids: jax.Array, attn: jax.Array, w: jax.Array) -> jax.Array:
-    logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(attn), attn)
-    lp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
-    m = w[:, 1:]
-    return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+    return decoder.masked_mean_logprob(graphdef, params, ids, attn, w)
 
 
 class ForcedSketcher:

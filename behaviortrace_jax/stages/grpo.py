@@ -55,7 +55,7 @@ from behaviortrace_jax.models import hf_io, sharding
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.train import nonfinite, replay
+from behaviortrace_jax.train import grpo_loss, nonfinite
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec, make_train_step
 from behaviortrace_jax.train.rollouts import (RolloutSource, advantages, first_contamination_spec,
                                               generation_defaults, step_key)
@@ -295,7 +295,7 @@ class GRPORun:
             nonfinite.raise_inputs("grpo", step, bad, ids, hint=self._resume_hint)
         keep = np.ones(len(rewards), np.float32)
         keep[list(bad)] = 0.0
-        adv = replay.recomputed_advantages(np.where(keep > 0, rewards, 0.0), keep, g.group_size, g.adv_std_floor)
+        adv = grpo_loss.recomputed_advantages(np.where(keep > 0, rewards, 0.0), keep, g.group_size, g.adv_std_floor)
         still = nonfinite.nonfinite_rollouts(advantages=adv)
         if still:
             nonfinite.raise_inputs("grpo", step, still, ids, hint=self._resume_hint)

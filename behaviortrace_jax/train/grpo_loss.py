@@ -1,5 +1,9 @@
 """GRPO advantages and the policy-loss registry (SPEC §2.1, §2.2).
 
+The one home of the group advantages: :func:`group_advantages` (the run's), :func:`recomputed_advantages`
+(over the kept rollouts of a step: the counterfactual replay, the "skip" of non-finite rollouts) and
+:func:`weighted_group_advantages` (differentiable in per-rollout weights: the metagradient).
+
 Every registered loss returns **per-rollout terms** ``[N]`` whose sum is the step's loss. That
 makes the in-run per-rollout sketch (the gradient of one term) add up exactly to the step's
 pre-clip batch gradient, whatever loss is chosen.
@@ -58,6 +62,59 @@ def group_advantages(rewards: np.ndarray, group_size: int, std_floor: float = 0.
     adv = (g - g.mean(axis=1, keepdims=True)) / (np.maximum(std, np.float32(std_floor)) + np.float32(1e-8))
     adv = np.where(g.max(axis=1, keepdims=True) == g.min(axis=1, keepdims=True), np.float32(0.0), adv)
     return adv.reshape(-1).astype(np.float32)
+
+
+def recomputed_advantages(rewards: np.ndarray, weights: np.ndarray, group_size: int, std_floor: float) -> np.ndarray:
+    """Group advantages of one step over the kept rollouts only (``weights > 0``); removed rollouts
+    and groups with fewer than 2 kept rollouts get 0. With every weight > 0 this equals
+    :func:`group_advantages` (whose formula it applies to each group's kept rewards). The counterfactual
+    replay's recomputed advantages (``train/replay.py``, which re-exports it) and the grpo stage's
+    "skip" of non-finite rollouts.
+
+    Args:
+        rewards: float [N] (cast to float32), groups contiguous. weights: float [N], >= 0.
+        group_size: G. std_floor: ``grpo.adv_std_floor``.
+    Returns:
+        float32 [N].
+    """
+    r = np.asarray(rewards, np.float32).reshape(-1, group_size)
+    keep = np.asarray(weights).reshape(-1, group_size) > 0
+    out = np.zeros_like(r)
+    for g in range(r.shape[0]):
+        k = keep[g]
+        if k.sum() >= 2:
+            out[g, k] = group_advantages(r[g, k], int(k.sum()), std_floor)
+    return out.reshape(-1)
+
+
+def weighted_group_advantages(rewards: jax.Array, weights: jax.Array, group_size: int,
+                              std_floor: float = 0.0) -> jax.Array:
+    """Group advantages with per-rollout frequency weights, differentiable in ``weights`` (SPEC §2.1).
+
+    ``mu = sum w r / sum w``, ``var = sum w (r - mu)^2 / (sum w - 1)``,
+    ``A = (r - mu) / (max(sqrt(var), floor) + 1e-8)``; 0 for every rollout of a group whose rewards
+    are all equal (as :func:`group_advantages`, which this equals at ``w = 1`` up to
+    float32 rounding, and :func:`recomputed_advantages` at ``w in {0, 1}`` on the kept
+    rollouts of a group with >= 2 of them).
+
+    A jnp formula of its own, not :func:`group_advantages` applied to the kept rewards: it must be
+    differentiable in the weights (the metagradient's ``"recomputed"`` advantages,
+    ``train/metagradient.py``, which re-exports it), so its mean and variance are weighted sums.
+
+    Args:
+        rewards: float32 [N], groups contiguous (N = B * G). weights: float [N], >= 0.
+    Returns:
+        float [N] (the weights' dtype).
+    """
+    r = rewards.astype(weights.dtype).reshape(-1, group_size)
+    w = weights.reshape(-1, group_size)
+    sw = jnp.sum(w, axis=1, keepdims=True)
+    mu = jnp.sum(w * r, axis=1, keepdims=True) / sw
+    var = jnp.sum(w * (r - mu) ** 2, axis=1, keepdims=True) / (sw - 1.0)
+    flat = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
+    std = jnp.sqrt(jnp.where(flat | (var <= 0), 1.0, var))  # no sqrt'(0) = inf in the derivative
+    adv = (r - mu) / (jnp.maximum(std, std_floor) + 1e-8)
+    return jnp.where(flat, 0.0, adv).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -250,21 +250,20 @@ def train_step_function(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.
     terms = functools.partial(step_terms, graphdef, spec, weighted)
 
     def step(params, opt_state, batch, ref_params, tables=None):
-        rb = _with_policy_logprobs(graphdef, spec, params, batch, ref_params)
+        rb = with_policy_logprobs(graphdef, spec, params, batch, ref_params)
         coef = _rollout_coefficients(spec, rb, weighted)
         res = summed = None
         if spec.update_from_sketcher:
             res, summed = _summed_update(rollout_sketcher, spec, params, rb, tables, coef)
-        out, start_params = {}, params
-        for it in range(spec.inner_iterations):
+        def value_and_grad(it, p):
             if it == 0 and summed is not None:
-                loss_value, grads = summed
-            else:
-                loss_value, grads = jax.value_and_grad(lambda p: jnp.sum(terms(p, rb)))(params)
-            if it == 0:
-                out = _first_iteration_outputs(spec, order, loss_value, grads, coef, res)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+                return summed
+            return jax.value_and_grad(lambda q: jnp.sum(terms(q, rb)))(p)
+
+        start_params = params
+        params, opt_state, out = optimizer_iterations(
+            tx, spec.inner_iterations, params, opt_state, value_and_grad,
+            lambda loss_value, grads: _first_iteration_outputs(spec, order, loss_value, grads, coef, res))
         if rollout_sketcher is not None:
             res = res if res is not None else _in_run_sketches(rollout_sketcher, start_params, rb, tables)
             out["rollout_sketches"], out["rollout_grad_norms"] = res.sketches, res.norms
@@ -272,6 +271,25 @@ def train_step_function(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.
         return params, opt_state, out
 
     return step, rollout_sketcher
+
+
+def optimizer_iterations(tx: optax.GradientTransformation, iterations: int, params: Any, opt_state: Any,
+                         value_and_grad: Callable[[int, Any], tuple[jax.Array, Any]],
+                         first_outputs: Callable[[jax.Array, Any], dict]) -> tuple[Any, Any, dict]:
+    """The GRPO step's body (SPEC §2.2 step 4): ``iterations`` times (``grpo.inner_iterations``; PPO's
+    mu) the loss and gradient ``value_and_grad(iteration, params)`` at the current parameters, then
+    ``tx`` (the run's optax chain: global-norm clip + AdamW) applied. Returns ``(params, opt_state,
+    first_outputs(loss, grads))`` of the first iteration. The one home of the update loop: the run's
+    step (:func:`train_step_function`) and the metagradient's batched weighted step
+    (``train.metagradient.make_weighted_step``) both run it."""
+    out: dict = {}
+    for it in range(iterations):
+        loss_value, grads = value_and_grad(it, params)
+        if it == 0:
+            out = first_outputs(loss_value, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, opt_state, out
 
 
 def _loss_inputs(spec: GRPOStepSpec, lp: jax.Array, old_lp: jax.Array, ref_lp: jax.Array, mask: jax.Array,
@@ -285,7 +303,7 @@ def step_terms(graphdef: nnx.GraphDef, spec: GRPOStepSpec, weighted: bool, param
                taps: Any = None) -> jax.Array:
     """Each rollout's own term of the step loss, float32 [N]; the step loss is their sum (SPEC §2.2).
 
-    ``rb``: a :func:`build_batch` batch with ``old_lp`` / ``ref_lp`` (:func:`_with_policy_logprobs`);
+    ``rb``: a :func:`build_batch` batch with ``old_lp`` / ``ref_lp`` (:func:`with_policy_logprobs`);
     with ``weighted`` each term is multiplied by ``rb["weights"]``. ``taps``: as ``decoder.forward``.
     """
     lp = completion_logprobs(graphdef, params, rb["input_ids"], rb["attention_mask"], spec.shapes.prompt_len,
@@ -328,13 +346,17 @@ def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: G
                                        mesh=mesh, fused=spec.fused, hash_name=spec.sketch_hash)
 
 
-def _with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
-                         ref_params: Any) -> dict:
+def with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
+                         ref_params: Any, *, constant_old: bool = True) -> dict:
     """``batch`` plus ``old_lp`` (the completion log-probs at the step's own ``params``) and
     ``ref_lp`` (at ``ref_params``), float32 [N, T], both held constant (``stop_gradient``); zeros
-    where the loss declares no need for them (``needs_old_logprobs`` / ``needs_reference``)."""
+    where the loss declares no need for them (``needs_old_logprobs`` / ``needs_reference``).
+    ``constant_old=False`` (the metagradient's differentiated step) leaves ``old_lp`` a function of
+    ``params``: its dependence on earlier weights is part of the metagradient."""
     loss, ids, attn, p = spec.loss_spec, batch["input_ids"], batch["attention_mask"], spec.shapes.prompt_len
-    if loss.needs_old_logprobs:
+    if loss.needs_old_logprobs and not constant_old:
+        old_lp = completion_logprobs(graphdef, params, ids, attn, p)
+    elif loss.needs_old_logprobs:
         old_lp = jax.lax.stop_gradient(completion_logprobs(graphdef, params, ids, attn, p))
     else:
         old_lp = jnp.zeros(batch["loss_mask"].shape)

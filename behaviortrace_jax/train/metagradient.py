@@ -66,7 +66,8 @@ import optax
 
 from behaviortrace_jax.models import programs, sharding
 from behaviortrace_jax.sketch import sketcher
-from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite, train_state
+from behaviortrace_jax.train import grpo_step, nonfinite, train_state
+from behaviortrace_jax.train.grpo_loss import weighted_group_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
 
 ADVANTAGE_MODES = ("logged", "recomputed")
 # Version of what a metagradient computes: bump it when a change to this module (the step, its vjp,
@@ -77,34 +78,8 @@ PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[A
 
 
 # ------------------------------------------------------------------------------------------------
-# The differentiable pieces: group advantages and the weighted GRPO step
+# The differentiable pieces: the weighted GRPO step and its advantages
 # ------------------------------------------------------------------------------------------------
-def weighted_group_advantages(rewards: jax.Array, weights: jax.Array, group_size: int,
-                              std_floor: float = 0.0) -> jax.Array:
-    """Group advantages with per-rollout frequency weights, differentiable in ``weights`` (SPEC §2.1).
-
-    ``mu = sum w r / sum w``, ``var = sum w (r - mu)^2 / (sum w - 1)``,
-    ``A = (r - mu) / (max(sqrt(var), floor) + 1e-8)``; 0 for every rollout of a group whose rewards
-    are all equal (as :func:`grpo_loss.group_advantages`, which this equals at ``w = 1`` up to
-    float32 rounding, and :func:`replay.recomputed_advantages` at ``w in {0, 1}`` on the kept
-    rollouts of a group with >= 2 of them).
-
-    Args:
-        rewards: float32 [N], groups contiguous (N = B * G). weights: float [N], >= 0.
-    Returns:
-        float [N] (the weights' dtype).
-    """
-    r = rewards.astype(weights.dtype).reshape(-1, group_size)
-    w = weights.reshape(-1, group_size)
-    sw = jnp.sum(w, axis=1, keepdims=True)
-    mu = jnp.sum(w * r, axis=1, keepdims=True) / sw
-    var = jnp.sum(w * (r - mu) ** 2, axis=1, keepdims=True) / (sw - 1.0)
-    flat = jnp.max(r, axis=1, keepdims=True) == jnp.min(r, axis=1, keepdims=True)
-    std = jnp.sqrt(jnp.where(flat | (var <= 0), 1.0, var))  # no sqrt'(0) = inf in the derivative
-    adv = (r - mu) / (jnp.maximum(std, std_floor) + 1e-8)
-    return jnp.where(flat, 0.0, adv).reshape(-1)
-
-
 def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: grpo_step.GRPOStepSpec, *,
                        advantages: str = "logged", std_floor: float = 0.0) -> PureStep:
     """The GRPO update of ``spec`` as a pure function of the per-rollout weights (SPEC §2.2 step 4).
@@ -112,7 +87,9 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
     ``step(params, opt_state, batch, weights, ref_params) -> (params, opt_state, out)``: the loss
     ``sum_i weights_i * term_i`` of the registered loss (``spec.loss``), ``jax.value_and_grad``,
     then ``tx`` (the run's optax chain: global-norm clip + AdamW), ``spec.inner_iterations`` times,
-    as :func:`grpo_step.make_train_step` computes its update (without the sketch side outputs).
+    as :func:`grpo_step.make_train_step` computes its update (without the sketch side outputs): the
+    run's own pieces, ``grpo_step.with_policy_logprobs``, ``grpo_step.step_terms`` (weighted) and the
+    update loop ``grpo_step.optimizer_iterations``.
     ``out`` holds float32 ``loss`` and ``grad_norm`` of the first iteration and the bool ``finite``
     (``nonfinite.step_finite``), as the run's step returns them: XLA fuses the forward by what the program outputs, and only with these outputs
     does the jitted step round exactly as the run's (tests/test_metagradient.py).
@@ -126,30 +103,19 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
         ValueError: an unknown ``advantages`` mode.
     """
     _check_advantages(advantages)
-    loss, shapes = spec.loss_spec, spec.shapes
-
-    def lp_fn(p, batch):
-        return grpo_step.completion_logprobs(graphdef, p, batch["input_ids"], batch["attention_mask"],
-                                             shapes.prompt_len)
 
     def step(params, opt_state, batch, weights, ref_params):
-        adv = _step_advantages(batch, weights, advantages, shapes.group_size, std_floor)
-        mask = batch["loss_mask"]
-        old_lp = lp_fn(params, batch) if loss.needs_old_logprobs else jnp.zeros(mask.shape)
-        ref_lp = jax.lax.stop_gradient(lp_fn(ref_params, batch)) if loss.needs_reference else jnp.zeros_like(old_lp)
+        adv = _step_advantages(batch, weights, advantages, spec.shapes.group_size, std_floor)
+        b = {k: batch[k] for k in ("input_ids", "attention_mask", "loss_mask")}
+        rb = grpo_step.with_policy_logprobs(graphdef, spec, params, dict(b, advantages=adv, weights=weights),
+                                            ref_params, constant_old=False)
 
-        def total_loss(p):
-            inp = grpo_loss.LossInputs(lp_fn(p, batch), old_lp, ref_lp, mask, adv, shapes.num_prompts,
-                                       shapes.group_size)
-            return jnp.sum(loss(inp, spec.loss_cfg) * weights)
+        def total_loss(p):  # the run's loss terms (grpo_step.step_terms), weighted
+            return jnp.sum(grpo_step.step_terms(graphdef, spec, True, p, rb))
 
-        out = {}
-        for it in range(spec.inner_iterations):
-            value, grads = jax.value_and_grad(total_loss)(params)
-            if it == 0:
-                out = {"loss": value, "grad_norm": optax.tree.norm(grads)}
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+        params, opt_state, out = grpo_step.optimizer_iterations(
+            tx, spec.inner_iterations, params, opt_state, lambda it, p: jax.value_and_grad(total_loss)(p),
+            lambda value, grads: {"loss": value, "grad_norm": optax.tree.norm(grads)})
         out[nonfinite.FINITE_KEY] = nonfinite.step_finite(out["loss"], out["grad_norm"], params)
         return params, opt_state, out
 

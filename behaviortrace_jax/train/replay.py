@@ -57,6 +57,7 @@ or one-shot: ``replay("runs/tiny", w, config=...) -> {step: behaviour dict}``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -76,7 +77,8 @@ from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
-from behaviortrace_jax.train import grpo_loss, grpo_step, nonfinite, rollouts as rollouts_lib
+from behaviortrace_jax.train import grpo_step, nonfinite, rollouts as rollouts_lib
+from behaviortrace_jax.train.grpo_loss import recomputed_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -117,12 +119,7 @@ class BehaviorMeasure:
             self.ids[i, :e.ids.size], self.attn[i, :e.ids.size], self.w[i, :e.ids.size] = e.ids, 1, e.weights
         self.n_probes = len(probes)
 
-        def mean_lp(params, ids, attn, w):
-            logits = decoder.forward(graphdef, params, ids, decoder.positions_from_mask(attn), attn)
-            lp = decoder.token_logprobs(logits[:, :-1], ids[:, 1:])
-            m = w[:, 1:]
-            return jnp.sum(lp * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-
+        mean_lp = functools.partial(decoder.masked_mean_logprob, graphdef)
         self.mean_logprob = programs.jit("replay_measure", mean_lp, mesh=mesh)
         self.probe = BehaviorProbe(graphdef, model_cfg, tok, beh, options, mesh) if rates or sampled else None
         self.greedy, self.sampled = bool(rates), int(sampled)
@@ -189,19 +186,6 @@ def step_spec_digest(spec: grpo_step.GRPOStepSpec) -> str:
     """sha256 of every field of a :class:`grpo_step.GRPOStepSpec` (shapes and loss config included):
     two specs with one digest build the same train step."""
     return _digest(dataclasses.asdict(spec))
-
-def recomputed_advantages(rewards: np.ndarray, weights: np.ndarray, group_size: int, std_floor: float) -> np.ndarray:
-    """Group advantages of one step over the kept rollouts only (``weights > 0``); removed rollouts
-    and groups with fewer than 2 kept rollouts get 0. With every weight > 0 this equals
-    ``grpo_loss.group_advantages``."""
-    r = np.asarray(rewards, np.float32).reshape(-1, group_size)
-    keep = np.asarray(weights).reshape(-1, group_size) > 0
-    out = np.zeros_like(r)
-    for g in range(r.shape[0]):
-        k = keep[g]
-        if k.sum() >= 2:
-            out[g, k] = grpo_loss.group_advantages(r[g, k], int(k.sum()), std_floor)
-    return out.reshape(-1)
 
 
 def checkpoint_steps(config: ml_collections.ConfigDict) -> list[int]:
@@ -428,6 +412,47 @@ class Replayer:
             ValueError: an unknown ``rollouts``, steps out of range, a negative stream, or a
                 ``start`` after an intervened step.
         """
+        plan = self._plan(weights, stop_step, measure_steps, withhold, rollouts, sampler_stream, start, regenerate_from)
+        if start is None:
+            start = self.initial_state()
+        params, opt_state = start.params, start.opt_state
+        ref = jax.tree.map(jnp.copy, self.start.params) if self.spec.loss_spec.needs_reference else None
+        measure = (lambda p: self.measure.measure(p)) if rates is None else (lambda p: self.measure.measure(p, rates=rates))
+        out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": plan.stop,
+                               "regenerated_bonuses": 0}
+        if plan.first in plan.measure_steps:
+            out["behavior"][plan.first] = measure(params)
+        t0, t_meas, n = time.perf_counter(), 0.0, self.shapes.num_rollouts
+        guard = nonfinite.Guard("replay")
+        for s in range(plan.first, plan.stop):
+            fn, batch, bonuses = self._step_batch(plan, s, params, recompute_advantages)
+            out["regenerated_bonuses"] += bonuses
+            params, opt_state, res = fn(params, opt_state, batch, ref)
+            guard.add(s, res[nonfinite.FINITE_KEY], self.rollout_ids[s * n:(s + 1) * n])
+            if on_step is not None:
+                on_step(s + 1, params, opt_state)
+            if s + 1 in plan.measure_steps:
+                jax.block_until_ready(params)  # dispatch is asynchronous: time the steps, not the measure
+                guard.check()  # the non-finite guard (train/nonfinite.py), read where the replay syncs anyway
+                tm = time.perf_counter()
+                out["behavior"][s + 1] = measure(params)
+                t_meas += time.perf_counter() - tm
+        jax.block_until_ready(params)
+        guard.check()
+        out["seconds"] = time.perf_counter() - t0
+        out["seconds_per_step"] = (out["seconds"] - t_meas) / max(plan.stop - plan.first, 1)
+        out["params"], out["opt_state"] = params, opt_state
+        return out
+
+    def _plan(self, weights: np.ndarray | Mapping[str, float] | None, stop_step: int | None,
+              measure_steps: Sequence[int] | None, withhold: np.ndarray | None, rollouts: str, sampler_stream: int,
+              start: ReplayState | None, regenerate_from: int | None) -> "_RunPlan":
+        """The checked arguments of :meth:`run` as a :class:`_RunPlan` (see there for each argument).
+
+        Raises:
+            ValueError: an unknown ``rollouts``, steps out of range, a negative stream, or a
+                ``start`` after an intervened step.
+        """
         if rollouts not in ROLLOUTS:
             raise ValueError(f"replay: rollouts={rollouts!r}; expected one of {ROLLOUTS}")
         if sampler_stream < 0:
@@ -440,7 +465,7 @@ class Replayer:
         first = start.step if start is not None else 0
         if not first <= stop <= self.steps or any(not first <= s <= stop for s in measure_steps):
             raise ValueError(f"replay: stop_step {stop} / measure_steps {measure_steps} outside {first}..{self.steps}")
-        n, g = self.shapes.num_rollouts, self.config.grpo
+        n = self.shapes.num_rollouts
         touched = np.flatnonzero((w != 1).reshape(-1, n).any(axis=1) | held.reshape(-1, n).any(axis=1))
         if touched.size and touched[0] < first:
             raise ValueError(f"replay: start at step {first} is after the first intervened step {touched[0]}")
@@ -454,60 +479,57 @@ class Replayer:
             regen_from = 0 if sampler_stream else (int(touched[0]) if touched.size else self.steps + 1)
         if rollouts == "fixed" and sampler_stream:
             raise ValueError("replay: sampler_stream needs rollouts='regenerated'")
-        if start is None:
-            start = self.initial_state()
-        params, opt_state = start.params, start.opt_state
-        ref = jax.tree.map(jnp.copy, self.start.params) if self.spec.loss_spec.needs_reference else None
-        measure = (lambda p: self.measure.measure(p)) if rates is None else (lambda p: self.measure.measure(p, rates=rates))
-        out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": stop,
-                               "regenerated_bonuses": 0}
-        if first in measure_steps:
-            out["behavior"][first] = measure(params)
-        t0, t_meas = time.perf_counter(), 0.0
-        guard = nonfinite.Guard("replay")
-        for s in range(first, stop):
-            ws, hs = w[s * n:(s + 1) * n], held[s * n:(s + 1) * n]
-            d, ro = self.data[s], None
-            if s >= regen_from:  # the grpo stage's own sample -> reward -> contaminate
-                ro = self.source.sample_and_reward(params, s, rollouts_lib.step_key(self.config, s, sampler_stream))
-                rewards, base = ro.rewards, ro.base
-            else:
-                rewards, base = d.rewards, d.base
-            if hs.any():
-                rewards = np.where(hs, base, rewards).astype(np.float32)
-            if ro is not None:
-                out["regenerated_bonuses"] += int(np.sum(rewards != base))
-            recompute = recompute_advantages and np.any(ws != 1)
-            if recompute:
-                adv = recomputed_advantages(rewards, ws, g.group_size, g.adv_std_floor)
-            elif ro is not None or hs.any():
-                adv = rollouts_lib.advantages(rewards, self.config)  # the run's own advantage function
-            else:
-                adv = None  # as logged
-            batch = self.source.batch(ro, adv) if ro is not None else dict(d.batch)
-            if adv is not None and ro is None:
-                batch["advantages"] = adv
-            if np.all(ws == 1):
-                fn = self.step_fn
-            else:
-                fn, batch["weights"] = self.weighted_step_fn, kept_count_weights(ws) if recompute else ws
-            batch = jax.device_put(batch, self.data_sharding)
-            params, opt_state, res = fn(params, opt_state, batch, ref)
-            guard.add(s, res[nonfinite.FINITE_KEY], self.rollout_ids[s * n:(s + 1) * n])
-            if on_step is not None:
-                on_step(s + 1, params, opt_state)
-            if s + 1 in measure_steps:
-                jax.block_until_ready(params)  # dispatch is asynchronous: time the steps, not the measure
-                guard.check()  # the non-finite guard (train/nonfinite.py), read where the replay syncs anyway
-                tm = time.perf_counter()
-                out["behavior"][s + 1] = measure(params)
-                t_meas += time.perf_counter() - tm
-        jax.block_until_ready(params)
-        guard.check()
-        out["seconds"] = time.perf_counter() - t0
-        out["seconds_per_step"] = (out["seconds"] - t_meas) / max(stop - first, 1)
-        out["params"], out["opt_state"] = params, opt_state
-        return out
+        return _RunPlan(w, held, measure_steps, first, stop, regen_from, sampler_stream)
+
+    def _step_batch(self, plan: "_RunPlan", s: int, params: Any, recompute_advantages: bool) -> tuple[Any, Any, int]:
+        """(the step program, its device batch, bonuses paid to regenerated rollouts) of replayed step
+        ``s`` at ``params``: the logged rollouts, or from ``plan.regen_from`` on the run's own sample ->
+        reward -> contaminate; bonuses withheld; advantages as logged, recomputed over the kept
+        rollouts (``recompute_advantages`` at a step with a weight != 1) or the run's own function
+        (regenerated or withheld rewards); the weighted program where a weight differs from 1."""
+        n, g = self.shapes.num_rollouts, self.config.grpo
+        ws, hs = plan.weights[s * n:(s + 1) * n], plan.withheld[s * n:(s + 1) * n]
+        d, ro, bonuses = self.data[s], None, 0
+        if s >= plan.regen_from:  # the grpo stage's own sample -> reward -> contaminate
+            ro = self.source.sample_and_reward(params, s, rollouts_lib.step_key(self.config, s, plan.sampler_stream))
+            rewards, base = ro.rewards, ro.base
+        else:
+            rewards, base = d.rewards, d.base
+        if hs.any():
+            rewards = np.where(hs, base, rewards).astype(np.float32)
+        if ro is not None:
+            bonuses = int(np.sum(rewards != base))
+        recompute = recompute_advantages and np.any(ws != 1)
+        if recompute:
+            adv = recomputed_advantages(rewards, ws, g.group_size, g.adv_std_floor)
+        elif ro is not None or hs.any():
+            adv = rollouts_lib.advantages(rewards, self.config)  # the run's own advantage function
+        else:
+            adv = None  # as logged
+        batch = self.source.batch(ro, adv) if ro is not None else dict(d.batch)
+        if adv is not None and ro is None:
+            batch["advantages"] = adv
+        if np.all(ws == 1):
+            fn = self.step_fn
+        else:
+            fn, batch["weights"] = self.weighted_step_fn, kept_count_weights(ws) if recompute else ws
+        return fn, jax.device_put(batch, self.data_sharding), bonuses
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunPlan:
+    """One :meth:`Replayer.run`'s checked arguments: per-rollout ``weights`` float32 [steps * N] and
+    ``withheld`` bool [steps * N] (log order), the sorted ``measure_steps``, the steps replayed
+    (``first`` .. ``stop`` - 1), the first step sampled afresh (``regen_from``; past the run's end
+    for fixed rollouts) and the ``sampler_stream``."""
+
+    weights: np.ndarray
+    withheld: np.ndarray
+    measure_steps: list[int]
+    first: int
+    stop: int
+    regen_from: int
+    sampler_stream: int
 
 
 def replay(run_dir: str | os.PathLike, weights: np.ndarray | Mapping[str, float] | None = None, *,
