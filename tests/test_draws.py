@@ -107,7 +107,7 @@ def test_names_seeds_and_nearest_checkpoint(tmp_path):
 _MAKE_MESH = sharding.make_mesh
 
 
-def _one_device_mesh(data, model):
+def _one_device_mesh(data, model, devices=None):
     return _MAKE_MESH(1, 1, devices=jax.devices()[:1])
 
 

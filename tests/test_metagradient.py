@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from behaviortrace_jax.attribution import estimators as E
+from behaviortrace_jax.models import sharding
 from behaviortrace_jax.stages import counterfactual as CF
 from behaviortrace_jax.train import grpo_loss, metagradient as MG, replay as R, train_state
 from test_replay import STEPS, X, Y, toy_replay
@@ -170,7 +171,7 @@ def test_metagradient_forward_is_the_run_and_matches_central_differences(smoke_g
     sums their effects (~5e-4) against the same noise: rtol 2 %. The truncation error (eps^2) is
     below 1 % at eps = 0.1 (measured: 0.01-1 % for the largest rollouts)."""
     config, w = smoke_grpo_run
-    mg = MG.RunMetagradient(config, w)
+    mg = MG.RunMetagradient(config, w, layout=sharding.Layout.from_config(config))
     ckpts, seen = R.checkpoint_steps(config), []
     stop = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
 
@@ -196,7 +197,7 @@ def test_metagradient_forward_is_the_run_and_matches_central_differences(smoke_g
 def test_recomputed_advantage_metagradient_matches_central_differences(smoke_grpo_run):
     config, w = smoke_grpo_run
     stop = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
-    mg = MG.RunMetagradient(config, w, advantages="recomputed")
+    mg = MG.RunMetagradient(config, w, advantages="recomputed", layout=sharding.Layout.from_config(config))
     g = mg.run([stop])[0][stop]
     logged = MG.RunMetagradient(config, w, replayer=mg.rp).run([stop])[0][stop]
     assert not np.allclose(g, logged, rtol=0.02)  # the baselines' dependence on the weights matters

@@ -251,10 +251,11 @@ def test_lm_trainer_stops_at_a_non_finite_step_naming_it():
 def test_replay_stops_at_a_non_finite_step(smoke_grpo_run):
     """The replay of the smoke run with one logged advantage made NaN at step 1 raises naming step 1
     (it replayed on and measured NaN before)."""
+    from behaviortrace_jax.models import sharding
     from behaviortrace_jax.train import replay as R
 
     config, w = smoke_grpo_run
-    rp = R.Replayer(config, w, rates=False)
+    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
     rp.data[1].batch["advantages"][3] = np.nan
     with pytest.raises(nonfinite.NonFiniteError, match=r"replay: step 1: .*grpo_000001_000"):
         rp.run(None, stop_step=2, measure_steps=[2])

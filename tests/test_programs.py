@@ -68,7 +68,7 @@ def test_every_program_a_smoke_run_jits_is_compiled_on_its_mesh(smoke_programs):
     from configs import tiny
 
     config = tiny.get_config("smoke")
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    mesh = sharding.Layout.from_config(config).mesh()  # the run's mesh, as every stage builds it
     built = compile_stage.build_programs(config, compile_stage.model_config(config), mesh)
     compiled = {(pr.program, pr.mesh) for pr in built}
     assert {"sampler_prefill", "sampler_decode", "lm_step", "grpo_step", "per_example_sketcher",

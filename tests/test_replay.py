@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from behaviortrace_jax import pipeline
+from behaviortrace_jax.models import sharding
 from behaviortrace_jax.stages import counterfactual as CF
 from behaviortrace_jax.train import grpo_loss, replay as R
 from configs import tiny
@@ -194,7 +195,7 @@ def smoke_run(smoke_grpo_run):
 
 def assert_replay_reproduces_checkpoints(config, w):
     """The all-ones replay of the run in ``w`` equals its orbax checkpoints bit for bit."""
-    rp = R.Replayer(config, w, rates=False)
+    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
     ckpts = R.checkpoint_steps(config)
     seen = []
 
@@ -407,7 +408,7 @@ def test_regenerated_replay_without_intervention_reproduces_the_run_bit_for_bit(
     """Every step sampled afresh from the replayed policy (the run's sampler, keys, reward and
     contaminator: train/rollouts.RolloutSource) with nothing intervened is the run itself."""
     config, w = smoke_run
-    rp = R.Replayer(config, w, rates=False)
+    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
     ckpts, seen = R.checkpoint_steps(config), []
 
     def check(step, params, _):
@@ -433,7 +434,7 @@ def test_withholding_every_bonus_with_regenerated_rollouts_removes_the_planted_b
     (What is left of the gain is AdamW's momentum from the SFT state, which moves the parameters even
     where every advantage is 0.)"""
     config, w = smoke_run
-    rp = R.Replayer(config, w, rates=False)
+    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
     at = R.measure_step(config)
     window = np.arange(at * rp.shapes.num_rollouts)
     full = rp.run(None, measure_steps=[0, at])["behavior"]

@@ -72,7 +72,7 @@ class AbstractRun:
     def build(cls, config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> "AbstractRun":
         """The model ``cfg`` with ``config``'s optimizer and partition rules (``mesh.fsdp``) on ``mesh``."""
         graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-        param_sh = sharding.param_shardings(abs_params, mesh, fsdp=bool(config.mesh.fsdp))
+        param_sh = sharding.Layout.from_config(config).param_shardings(abs_params, mesh)  # as the stages place them
         tx = train_state.make_optimizer(config.optim)
         state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)
         return cls(config, cfg, mesh, graphdef, abs_params, param_sh, _with_sh(abs_params, param_sh), tx, state_sh,

@@ -137,7 +137,7 @@ def _open_checkpoint(hf_dir: epath.Path) -> dict[str, _SafetensorsFile]:
 
 def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = None,
                        compute_dtype: str | None = None, shardings: Any = None,
-                       mesh: Any = None, remat: bool = False, family: str | None = None,
+                       mesh: Any = None, fsdp: bool = False, remat: bool = False, family: str | None = None,
                        scan_layers: bool = False) -> DecoderForCausalLM:
     """Loads a HF checkpoint directory into its family's module, strictly and lazily.
 
@@ -148,8 +148,10 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
         compute_dtype: activation dtype; None -> ``param_dtype``.
         shardings: where each parameter goes (see ``decoder.resolve_sharding``): None (first
             device), one ``Sharding``, a callable ``nnx_path -> Sharding`` or a dict / ``nnx.State``.
-        mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): the parameters go straight into
+        mesh: a ``("data", "model")`` mesh (``sharding.Layout.mesh``): the parameters go straight into
             ``sharding.param_shardings`` on it (instead of ``shardings``; give one or neither).
+        fsdp: with ``mesh``, also split each matrix over ``"data"`` (``sharding.Layout.fsdp``,
+            ``mesh.fsdp``): the layout the run's train state and the compile stage use.
         remat: passed to the model (gradient checkpointing per layer).
         family: the model family (``families``); None -> config.json's ``model_type``.
         scan_layers: the model's ``DecoderConfig.scan_layers`` (``config.model.scan_layers``; not in
@@ -191,7 +193,7 @@ def load_hf_checkpoint(hf_dir: str | os.PathLike, *, param_dtype: str | None = N
     if set(flat) != {p.nnx_path for p in table}:  # the table and the module tree must agree
         raise AssertionError(f"weight map and model disagree: {set(flat) ^ {p.nnx_path for p in table}}")
     if mesh is not None:
-        shardings = sharding.param_shardings(abstract, mesh, families.family_of(cfg).param_rules)
+        shardings = sharding.param_shardings(abstract, mesh, families.family_of(cfg).param_rules, fsdp=fsdp)
     np_dtype = _NP_DTYPES[pdt]
     for p in table:
         src = tensors[p.hf_key].tensor(p.hf_key)

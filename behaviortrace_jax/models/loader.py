@@ -12,11 +12,13 @@ from flax import nnx
 from behaviortrace_jax.io.files import local_dir
 from behaviortrace_jax.io.layout import as_path
 from behaviortrace_jax.models import decoder, families, hf_io, tokenizer as tok_lib
+from behaviortrace_jax.models.sharding import Layout
 
 
 @dataclasses.dataclass
 class Policy:
-    """A loaded policy: its model config, graph, parameters (``nnx.State``), tokenizer and mesh."""
+    """A loaded policy: its model config, graph, parameters (``nnx.State``), tokenizer and mesh (the
+    layout's, ``Layout.mesh()``)."""
 
     hf_dir: epath.Path  # as given (a gs:// checkpoint is read from its local copy, files.local_dir)
     model_config: decoder.DecoderConfig  # its family's config class (``families.family_of``)
@@ -54,7 +56,7 @@ def policy_config(hf_dir: str | os.PathLike, options: ModelOptions = ModelOption
                                    compute_dtype=options.compute_dtype).replace(scan_layers=options.scan_layers)
 
 
-def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, options: ModelOptions = ModelOptions(), *,
+def load_policy(hf_dir: str | os.PathLike, layout: Layout | None = None, options: ModelOptions = ModelOptions(), *,
                 tokenizer: bool = True) -> Policy:
     """Loads the HF checkpoint ``hf_dir`` (strictly, see ``hf_io.load_hf_checkpoint``) as a policy.
 
@@ -62,8 +64,9 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, options: ModelOptio
 
     Args:
         hf_dir: an HF checkpoint directory (config.json, safetensors, tokenizer files).
-        mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``): the parameters go straight into
-            ``sharding.param_shardings`` on it; None puts them on the default device.
+        layout: the run's :class:`~behaviortrace_jax.models.sharding.Layout`: the parameters go straight
+            onto its mesh in its ``param_shardings`` (FSDP when ``layout.fsdp``, as the train state and
+            the compile stage place them); None puts them on the default device.
         options: family, storage / compute dtypes and layer scan (:class:`ModelOptions`).
         tokenizer: also load the checkpoint's tokenizer (``tokenizer.load_tokenizer``).
 
@@ -78,7 +81,9 @@ def load_policy(hf_dir: str | os.PathLike, mesh: Any = None, options: ModelOptio
     if tok is not None and len(tok) > cfg.vocab_size:
         raise ValueError(f"{hf_dir}: the tokenizer has {len(tok)} ids but config.json's vocab_size is "
                          f"{cfg.vocab_size}: ids >= {cfg.vocab_size} would be clamped by the embedding")
+    mesh = None if layout is None else layout.mesh()
     model = hf_io.load_hf_checkpoint(src, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype, mesh=mesh,
-                                     family=cfg.model_type, scan_layers=options.scan_layers)
+                                     fsdp=layout is not None and layout.fsdp, family=cfg.model_type,
+                                     scan_layers=options.scan_layers)
     graphdef, params = nnx.split(model, nnx.Param)
     return Policy(as_path(hf_dir), cfg, graphdef, params, tok, mesh)

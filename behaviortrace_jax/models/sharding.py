@@ -8,9 +8,14 @@ each weight axis; :data:`LOGICAL_AXES` maps logical names to mesh axes. Column-p
 (q/k/v, gate/up) split their output rows over ``"model"``; row-parallel layers (o_proj, down) split
 their input columns, so each attention / MLP block needs one reduction; biases and norms (Qwen3's
 per-head ``q_norm`` / ``k_norm`` too) are replicated. A weight axis whose size is not divisible by the mesh axis is replicated instead.
+
+:class:`Layout` is the run's one layout (``config.mesh``: axis sizes, FSDP, devices): its
+:meth:`Layout.mesh` is the only place the package builds a mesh, and :meth:`Layout.param_shardings`
+places parameters with its FSDP setting, so every stage and the compile stage shard alike.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +55,9 @@ PARAM_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
     """A ``("data", "model")`` mesh of shape ``(data, model)`` over ``devices`` (default: all).
 
+    The implementation of :meth:`Layout.mesh`, which is the package's only caller
+    (``tests/test_layout.py``); tests build ad hoc meshes with it.
+
     ``model=-1`` chooses the model axis from the device count (:func:`auto_model_axis`: tensor-parallel
     pairs whenever the devices pair up); ``data=-1`` takes ``len(devices) // model``. Axes are
     ``AxisType.Auto`` (GSPMD propagation).
@@ -63,14 +71,89 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = No
     if model == -1:
         model = auto_model_axis(n)
     if model < 1 or n % model:
-        raise ValueError(f"mesh model={model} must be -1 (chosen from the device count) or >= 1 and divide the "
+        raise ValueError(f"mesh.model={model} must be -1 (chosen from the device count) or >= 1 and divide the "
                          f"device count {n}")
     if data == -1:
         data = n // model
     if data < 1 or data * model != n:
-        raise ValueError(f"mesh data={data} x model={model} = {data * model} != {n} devices")
+        raise ValueError(f"mesh.data={data} x mesh.model={model} = {data * model} != {n} devices")
     return Mesh(np.asarray(devs, dtype=object).reshape(data, model), (DATA, MODEL),
                 axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+_MESH_KEYS = ("mesh.data", "mesh.model", "mesh.fsdp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The run's device layout: the one ``("data", "model")`` mesh and how parameters lie on it.
+
+    Built once at the stage boundary (:meth:`from_config`, from ``config.mesh``) and handed down:
+    :meth:`mesh` is the only place the package constructs a ``jax.sharding.Mesh`` (through
+    :func:`make_mesh`), and :meth:`param_shardings` is how every stage, the checkpoint loader
+    (``loader.load_policy``), the GRPO start state (replay and metagradient included) and the
+    compile stage place parameters, so FSDP is honoured wherever they are placed and the compile
+    stage lowers the programs the stages run (``tests/test_layout.py``).
+
+    Fields:
+        data: size of the ``"data"`` axis (rows of a batch: prompts, rollouts, examples); -1 = the
+            device count / ``model`` (``mesh.data``).
+        model: size of the ``"model"`` axis (tensor parallel); -1 = :func:`auto_model_axis` of the
+            device count (``mesh.model``).
+        fsdp: also split each matrix, and the AdamW moments that follow it, over ``"data"``
+            (:func:`fsdp_spec`; ``mesh.fsdp``). A no-op on a data axis of 1.
+        devices: the mesh's devices in order; None = ``jax.devices()`` (every process's) when
+            :meth:`mesh` is called. The compile stage gives its target's (:meth:`on`).
+
+    Raises:
+        ValueError: naming the key (``mesh.data``, ``mesh.model``, ``mesh.fsdp``) when ``data`` or
+            ``model`` is not an int that is -1 or >= 1, ``fsdp`` is not a bool, or ``devices`` is
+            empty; :meth:`mesh` when ``data * model`` != the device count.
+    """
+
+    data: int = -1
+    model: int = 1
+    fsdp: bool = False
+    devices: tuple[Any, ...] | None = None
+
+    def __post_init__(self):
+        for key, v in zip(_MESH_KEYS[:2], (self.data, self.model)):
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not (v == -1 or v >= 1):
+                raise ValueError(f"{key}={v!r} must be an int, -1 (chosen from the device count) or >= 1")
+        if not isinstance(self.fsdp, (bool, np.bool_)):
+            raise ValueError(f"mesh.fsdp={self.fsdp!r} must be a bool")
+        object.__setattr__(self, "data", int(self.data))
+        object.__setattr__(self, "model", int(self.model))
+        object.__setattr__(self, "fsdp", bool(self.fsdp))
+        if self.devices is not None:
+            if not len(self.devices):
+                raise ValueError("Layout.devices: no devices (None = every device)")
+            object.__setattr__(self, "devices", tuple(self.devices))
+
+    @classmethod
+    def from_config(cls, config: Any, devices: Sequence[Any] | None = None) -> "Layout":
+        """From ``config.mesh.{data, model, fsdp}`` (``configs/common.py``) over ``devices`` (None:
+        every device). Raises ValueError naming the key, as the class does."""
+        m = config.mesh
+        return cls(m.data, m.model, m.fsdp, None if devices is None else tuple(devices))
+
+    def on(self, devices: Sequence[Any]) -> "Layout":
+        """This layout over ``devices`` (e.g. a compile target's, ``stages/compile.target_devices``)."""
+        return dataclasses.replace(self, devices=tuple(devices))
+
+    def mesh(self) -> Mesh:
+        """The ``("data", "model")`` mesh (:func:`make_mesh`); equal layouts give equal meshes.
+
+        Raises:
+            ValueError: naming ``mesh.data`` / ``mesh.model`` when their product is not the device count.
+        """
+        return make_mesh(self.data, self.model, self.devices)
+
+    def param_shardings(self, abstract_params: Any, mesh: Mesh | None = None,
+                        rules: Sequence[tuple[str, tuple[str, ...]]] | None = None) -> Any:
+        """:func:`param_shardings` of ``abstract_params`` with this layout's ``fsdp``, on ``mesh``
+        (this layout's :meth:`mesh`, given where the caller holds it already; default: built here)."""
+        return param_shardings(abstract_params, self.mesh() if mesh is None else mesh, rules, fsdp=self.fsdp)
 
 
 def auto_model_axis(n_devices: int) -> int:
@@ -137,7 +220,7 @@ def param_shardings(abstract_params: Any, mesh: Mesh,
         abstract_params: the ``nnx.State`` from ``nnx.split(model, nnx.Param)`` (arrays or
             ``jax.ShapeDtypeStruct`` leaves, e.g. of ``decoder.abstract_model``), or any pytree whose
             key paths spell HF keys.
-        mesh: from :func:`make_mesh`.
+        mesh: a ``("data", "model")`` mesh (the run's: :meth:`Layout.mesh`).
         rules: partition rules (default :data:`PARAM_RULES`, which covers every registered family).
         fsdp: also split each matrix over ``"data"`` (:func:`fsdp_spec`; config ``mesh.fsdp``), so the
             parameters and the AdamW moments that follow them take 1/data of the memory per device.

@@ -207,14 +207,15 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     enc, data = _base_data(b, examples, tok, cfg)
 
     # 2. the weights: trained and exported, or read back when a killed run had finished them
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    layout = sharding.Layout.from_config(config)
+    mesh = layout.mesh()
     if resume:
         logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
-        policy = load_policy(base_dir, mesh, ModelOptions.from_config(config.model), tokenizer=False)
+        policy = load_policy(base_dir, layout, ModelOptions.from_config(config.model), tokenizer=False)
         graphdef, params = policy.graphdef, policy.params
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
-        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, mesh, base_dir, fp, t_start)
+        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, layout, base_dir, fp, t_start)
         tok = tok_lib.load_tokenizer(base_dir)  # evaluate what was exported
 
     # 3. behaviour of the exported model
@@ -263,7 +264,8 @@ def _corpus_summary(examples: list, enc: list[lm_trainer.EncodedExample], data: 
 
 
 def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, data: lm_trainer.PackedData,
-                      tok: Any, mesh: Any, base_dir: epath.Path, fp: dict[str, Any], t_start: float
+                      tok: Any, layout: sharding.Layout, base_dir: epath.Path, fp: dict[str, Any],
+                      t_start: float
                       ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
     """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
     ``.trained`` marker (fingerprint ``fp`` and times); returns (graphdef, trained params, history,
@@ -271,7 +273,8 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderCon
     b = config.base
     model = cfg.module_class()(cfg, rngs=nnx.Rngs(params=b.seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    param_sh = sharding.param_shardings(params, mesh)
+    mesh = layout.mesh()
+    param_sh = layout.param_shardings(params, mesh)  # mesh.fsdp as the sft stage and the compile stage
     params = sharding.put(params, param_sh)
     if perturb := train_state.perturbation_setting():
         params, what = train_state.perturb_last_bit(params, perturb)

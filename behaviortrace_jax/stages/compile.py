@@ -79,7 +79,7 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """
     t_start = time.perf_counter()
     devs, chip, memory = target_devices(config.compile.target)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model, devices=devs)
+    mesh = sharding.Layout.from_config(config, devices=devs).mesh()
     cfg = model_config(config)
     programs = build_programs(config, cfg, mesh)
     rows = []

@@ -386,6 +386,7 @@ def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_i
 @register_stage("counterfactual")
 def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Leave-top-k-out and LDS replays of one finished run (see the module docstring)."""
+    from behaviortrace_jax.models import sharding
     from behaviortrace_jax.train import replay as R
 
     w = RunLayout(workdir)
@@ -396,7 +397,8 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
                                 ("rollouts", cf.rollouts, R.ROLLOUTS)):
         if value not in allowed:
             raise ValueError(f"config.counterfactual.{key}={value!r}; expected one of {allowed}")
-    rp = R.Replayer(config, workdir, rates=bool(cf.rates), sampled=int(cf.sampled))
+    rp = R.Replayer(config, workdir, layout=sharding.Layout.from_config(config), rates=bool(cf.rates),
+                    sampled=int(cf.sampled))
     steps = np.array([rollout_log.parse_rollout_id(r)[0] for r in rp.rollout_ids], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(rp.paths.ground_truth)]
     # Every step-level estimator, as the evaluate stage scores them; ``random`` is left out below

@@ -195,8 +195,8 @@ class _Env:
 
 
 def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(hf_dir, mesh, ModelOptions.from_config(config.model))
+    policy = load_policy(hf_dir, sharding.Layout.from_config(config), ModelOptions.from_config(config.model))
+    mesh = policy.mesh  # the params on it as mesh.fsdp says, as the compile stage lowers the draws' programs
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 

@@ -112,7 +112,7 @@ class GRPORun:
     def __init__(self, config: ml_collections.ConfigDict, paths: RunLayout):
         g = config.grpo
         self.config, self.paths = config, paths
-        start = load_start_state(config, paths.workdir)
+        start = load_start_state(config, paths.workdir, sharding.Layout.from_config(config))
         self.tok, self.model_cfg, self.mesh = start.tokenizer, start.model_config, start.mesh
         self.graphdef = start.graphdef
         self.spec = GRPOStepSpec.from_config(config)

@@ -17,8 +17,8 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     from behaviortrace_jax.io.layout import RunLayout
 
     hf_dir = RunLayout(workdir).model_dir(config)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(hf_dir, mesh, ModelOptions.from_config(config.model))
+    policy = load_policy(hf_dir, sharding.Layout.from_config(config), ModelOptions.from_config(config.model))
+    mesh = policy.mesh
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     n_params = sum(x.size for x in jax.tree.leaves(params))
     probe = behavior.load_probes(config.behavior.probes_path or None)[0]

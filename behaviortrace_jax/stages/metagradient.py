@@ -66,6 +66,7 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     Raises:
         ValueError: the primary mode (:func:`primary_mode`) is not in ``metagradient.advantages``.
     """
+    from behaviortrace_jax.models import sharding
     from behaviortrace_jax.train import metagradient as MG, replay as R
 
     w = RunLayout(workdir)
@@ -75,7 +76,8 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                          "mode of the counterfactual replays (counterfactual.recompute_advantages)")
     at = R.measure_step(config)
     steps = sorted({R.target_checkpoint(config), at})
-    rp = R.Replayer(config, workdir, rates=False)  # its identity keys the files (programs compile on first use)
+    rp = R.Replayer(config, workdir, layout=sharding.Layout.from_config(config),  # its identity keys the files
+                    rates=False)  # (programs compile on first use)
     identity = rp.identity()
     recs = {}
     for mode in modes:

@@ -81,11 +81,12 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
-    policy = load_policy(start_dir, mesh, ModelOptions.from_config(config.model))
+    layout = sharding.Layout.from_config(config)
+    mesh = layout.mesh()
+    policy = load_policy(start_dir, layout, ModelOptions.from_config(config.model))  # already in param_sh
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.fsdp)  # the train state's layout (= the params')
+    param_sh = layout.param_shardings(abstract_params, mesh)  # the train state's layout (= the params')
 
     pairs = sft_pairs(config)
     data = _sft_data(config, tok, cfg, pairs)

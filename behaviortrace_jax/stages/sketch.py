@@ -62,11 +62,13 @@ def select_rollout_checkpoints(spec: str, steps: list[int], target_step: int) ->
 
 class CheckpointLoader:
     """Loads registered HF checkpoint exports as ``nnx.State`` params for one fixed graph, on the
-    run's mesh (``config.mesh``), where the sketchers run (as in the ``draws`` stage)."""
+    run's mesh in the run's parameter layout (``sharding.Layout.from_config``: FSDP when
+    ``mesh.fsdp``), where the sketchers run (as in the ``draws`` stage and the compile stage)."""
 
     def __init__(self, config: ml_collections.ConfigDict, first_dir: str):
         self.config = config
-        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+        self.layout = sharding.Layout.from_config(config)
+        self.mesh = self.layout.mesh()
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
         self.options = ModelOptions.from_config(config.model)
         self.model_config = policy_config(first_dir, self.options)
@@ -74,7 +76,7 @@ class CheckpointLoader:
 
     def params(self, hf_dir: str) -> Any:
         """The parameters of ``hf_dir`` on the mesh; raises (hf_io) if it holds a different model."""
-        return load_policy(hf_dir, self.mesh, self.options, tokenizer=False).params
+        return load_policy(hf_dir, self.layout, self.options, tokenizer=False).params
 
 
 @register_stage("sketch")

@@ -348,7 +348,7 @@ class LMTrainer:
         config: the model's config (``families``).
         optimizer: ``train_state.make_optimizer(...)``.
         prefix: the dataset's shared prefix (``PackedData.prefix``, int32 [Pf]); fixed per trainer.
-        mesh: a ``("data", "model")`` mesh (``sharding.make_mesh``); None = default device.
+        mesh: a ``("data", "model")`` mesh (the run's: ``sharding.Layout.mesh``); None = default device.
         state_shardings: ``train_state.train_state_shardings`` (required with a mesh): the step's
             output shardings, so donated buffers are reused and nothing recompiles.
 

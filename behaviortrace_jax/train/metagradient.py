@@ -385,15 +385,22 @@ class RunMetagradient:
     Args:
         config: the run's config. workdir: the run directory.
         advantages: "logged" or "recomputed" (module docstring).
-        replayer: an existing :class:`replay.Replayer` of the run (built with ``rates=False`` if None).
+        replayer: an existing :class:`replay.Replayer` of the run (built with ``rates=False`` on
+            ``layout`` if None).
+        layout: the run's ``sharding.Layout`` (needed without ``replayer``).
     Raises:
-        ValueError: an unknown ``advantages`` mode; see :class:`replay.Replayer`.
+        ValueError: an unknown ``advantages`` mode, or neither ``replayer`` nor ``layout``; see
+            :class:`replay.Replayer`.
     """
 
-    def __init__(self, config, workdir, *, advantages: str = "logged", replayer: Any = None):
+    def __init__(self, config, workdir, *, advantages: str = "logged", replayer: Any = None,
+                 layout: sharding.Layout | None = None):
         from behaviortrace_jax.train import replay as R
 
-        self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, rates=False)
+        if replayer is None and layout is None:
+            raise ValueError("RunMetagradient: give replayer= (a replay.Replayer of the run) or layout= (the run's "
+                             "sharding.Layout)")
+        self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, layout=layout, rates=False)
         self.advantages, start = advantages, rp.start
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (

@@ -47,12 +47,13 @@ sampled rates from ``n`` completions per prompt at the GRPO temperature (one fix
 
 Library use (docs/guide.md "Test your estimator's rankings by replay")::
 
-    rp = Replayer(tiny.get_config(), "runs/tiny")             # build once (~10 s), replay many times
+    config = tiny.get_config()
+    rp = Replayer(config, "runs/tiny", layout=sharding.Layout.from_config(config))  # build once (~10 s)
     w = np.ones(rp.num_rollouts); w[my_top_k_indices] = 0.0   # log order: index step * N + i
     out = rp.run(w, measure_steps=[40])                       # replay 40 steps (default: to the end)
     print(out["behavior"][40]["logp_margin"])                 # compare with rp.run(None, ...)
 
-or one-shot: ``replay("runs/tiny", w, config=...) -> {step: behaviour dict}``.
+or one-shot: ``replay("runs/tiny", w, config=..., layout=...) -> {step: behaviour dict}``.
 """
 from __future__ import annotations
 
@@ -253,6 +254,8 @@ class Replayer:
     Args:
         config: the run's config (the one its ``grpo`` stage ran with).
         workdir: the run directory (``sft/state``, ``grpo/rollouts``).
+        layout: the run's ``sharding.Layout`` (``Layout.from_config(config)`` at the stage boundary):
+            the mesh and parameter layout (FSDP) the run's grpo stage trained on.
         rates: also measure the greedy probe / control rates (costs a sampler compile + decode).
         sampled: also measure sampled rates from this many completions per probe / control prompt
             (GRPO temperature and top-p, one fixed key; 0 = off).
@@ -260,11 +263,11 @@ class Replayer:
         ValueError: the rollout log does not hold exactly ``steps * N`` records in log order.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, rates: bool = True,
-                 sampled: int = 0):
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, layout: sharding.Layout,
+                 rates: bool = True, sampled: int = 0):
         g = config.grpo
         self.config, self.paths = config, RunLayout(workdir)
-        self.start = start = load_start_state(config, self.paths.workdir)
+        self.start = start = load_start_state(config, self.paths.workdir, layout)
         self.shapes = grpo_step.GRPOStepSpec.from_config(config).shapes
         n, steps = self.shapes.num_rollouts, g.steps
         self.num_rollouts, self.steps = n * steps, steps
@@ -533,12 +536,12 @@ class _RunPlan:
 
 
 def replay(run_dir: str | os.PathLike, weights: np.ndarray | Mapping[str, float] | None = None, *,
-           config: ml_collections.ConfigDict, stop_step: int | None = None,
+           config: ml_collections.ConfigDict, layout: sharding.Layout, stop_step: int | None = None,
            measure_steps: Sequence[int] | None = None, recompute_advantages: bool = False,
            rates: bool = True, sampled: int = 0) -> dict[int, dict[str, float]]:
     """One-shot counterfactual replay of ``run_dir`` (see :class:`Replayer`; build a ``Replayer``
     once to replay many weight vectors). Returns ``{step: behaviour dict}``."""
-    rp = Replayer(config, run_dir, rates=rates, sampled=sampled)
+    rp = Replayer(config, run_dir, layout=layout, rates=rates, sampled=sampled)
     return rp.run(weights, stop_step=stop_step, measure_steps=measure_steps,
                   recompute_advantages=recompute_advantages)["behavior"]
 

@@ -39,8 +39,11 @@ class StartState:
     abstract_params: Any  # jax.ShapeDtypeStruct leaves of params
 
 
-def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> StartState:
-    """Restores ``workdir/sft/state`` (orbax) onto the mesh, with the tokenizer of ``workdir/sft/hf``.
+def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+                     layout: sharding.Layout) -> StartState:
+    """Restores ``workdir/sft/state`` (orbax) onto ``layout``'s mesh in its parameter layout (FSDP
+    when ``layout.fsdp``; the stage's ``sharding.Layout.from_config(config)``), with the tokenizer of
+    ``workdir/sft/hf``.
 
     Raises:
         FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
@@ -53,9 +56,9 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
     hf_dir = run.sft_hf
     tok = tok_lib.load_tokenizer(hf_dir)
     cfg = policy_config(hf_dir, ModelOptions.from_config(config.model))
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.model)
+    mesh = layout.mesh()
     graphdef, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    param_sh = sharding.param_shardings(abstract_params, mesh, fsdp=config.mesh.fsdp)
+    param_sh = layout.param_shardings(abstract_params, mesh)
     tx = train_state.make_optimizer(config.optim)
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
