@@ -28,14 +28,16 @@ from behaviortrace_jax.io import checkpoints, rollout_log  # noqa: E402
 from behaviortrace_jax.io.layout import RunLayout  # noqa: E402
 from behaviortrace_jax.models import tokenizer as tok_lib  # noqa: E402
 from behaviortrace_jax.sketch import countsketch, targets  # noqa: E402
+from behaviortrace_jax.sketch.hash_families import hash_family  # noqa: E402
+from behaviortrace_jax.sketch.param_layout import ParamLayout  # noqa: E402
 from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order  # noqa: E402
 from behaviortrace_jax.stages.sketch import CheckpointLoader  # noqa: E402
 from configs import tiny  # noqa: E402
 
-FAMILIES = ("splitmix64", "block")
+FAMILIES = ("splitmix64", "block")  # config sketch.hash values
 
 
-def rollout_gradients(run: str, step: int, n: int) -> tuple[list[np.ndarray], countsketch.ParamLayout]:
+def rollout_gradients(run: str, step: int, n: int) -> tuple[list[np.ndarray], ParamLayout]:
     """Exact per-rollout gradients (float32, one array [n, *shape] per parameter in HF order) of the
     first ``n`` logged rollouts of ``run`` at its checkpoint ``step``, and their layout."""
     config = tiny.get_config()
@@ -55,14 +57,14 @@ def rollout_gradients(run: str, step: int, n: int) -> tuple[list[np.ndarray], co
     order = hf_param_order(loader.model_config)
     grads = jax.jit(jax.vmap(jax.grad(completion_loss(loader.graphdef)), in_axes=(None, 0)))(params, batch)
     arrs = [np.asarray(a, np.float32) for a in order.arrays(grads)]
-    return arrs, countsketch.ParamLayout(order.names, tuple(a.shape[1:] for a in arrs))
+    return arrs, ParamLayout(order.names, tuple(a.shape[1:] for a in arrs))
 
 
-def pair_errors(arrs: list[np.ndarray], layout: countsketch.ParamLayout, dim: int, seed: int,
+def pair_errors(arrs: list[np.ndarray], layout: ParamLayout, dim: int, seed: int,
                 hash_name: str) -> np.ndarray:
     """float64 [n(n-1)/2]: the relative inner-product error of every pair i < j (module docstring)."""
-    sk = np.asarray(jax.jit(lambda g: countsketch.sketch_batch(g, layout, dim, seed, hash_name=hash_name))(arrs),
-                    np.float64)
+    family = hash_family(hash_name)
+    sk = np.asarray(jax.jit(lambda g: countsketch.sketch_batch(g, layout, dim, seed, hash_family=family))(arrs), np.float64)
     flat = np.concatenate([a.reshape(a.shape[0], -1).astype(np.float64) for a in arrs], axis=1)
     exact, approx = flat @ flat.T, sk @ sk.T
     norms = np.linalg.norm(flat, axis=1)
@@ -72,9 +74,9 @@ def pair_errors(arrs: list[np.ndarray], layout: countsketch.ParamLayout, dim: in
     return rel[keep]
 
 
-def sketch_times(arrs: list[np.ndarray], layout: countsketch.ParamLayout, dim: int, reps: int) -> dict:
+def sketch_times(arrs: list[np.ndarray], layout: ParamLayout, dim: int, reps: int) -> dict:
     """Minimum seconds of ``sketch_batch`` of the gradients per family (compiled first, reps interleaved)."""
-    fns = {h: jax.jit(lambda g, h=h: countsketch.sketch_batch(g, layout, dim, 0, hash_name=h)) for h in FAMILIES}
+    fns = {h: jax.jit(lambda g, h=h: countsketch.sketch_batch(g, layout, dim, 0, hash_family=hash_family(h))) for h in FAMILIES}
     dev = jax.device_put(arrs)
     for f in fns.values():
         f(dev).block_until_ready()

@@ -50,7 +50,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from behaviortrace_jax.models import decoder, qwen2  # noqa: E402
-from behaviortrace_jax.sketch.countsketch import numpy_bucket_sign  # noqa: E402
+from behaviortrace_jax.sketch.hash_families import hash_family  # noqa: E402
+from behaviortrace_jax.sketch.splitmix64 import numpy_bucket_sign  # noqa: E402
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order  # noqa: E402
 
 CONFIGS = {
@@ -105,7 +106,8 @@ def jax_sketch(cfg: qwen2.Qwen2Config, graphdef: Any, params: Any, batch: dict, 
                dim: int, fused: bool = False, hash_name: str = "splitmix64"
                ) -> tuple[Callable[[], Any], Any, PerExampleSketcher]:
     sk = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=0, chunk_size=chunk,
-                            param_order=hf_param_order(cfg), use_tables=tables, fused=fused, hash_name=hash_name)
+                            param_order=hf_param_order(cfg), use_tables=tables, fused=fused,
+                            hash_family=hash_family(hash_name))
     return (lambda: jax.block_until_ready(sk(params, batch))), sk.lower(params, batch), sk
 
 

@@ -147,7 +147,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.sketch.seed = 0  # SPEC §3.1: grad_sample_seed.
     # Bucket hash: "splitmix64" (SPEC §3.1, paper-exact: a splitmix64 bucket per coordinate, summed with a scatter) or
     # "block" (scatter-free: each D-sized block of a parameter rolled by a random offset; same signs, unbiased, variance
-    # <= the splitmix64 bound; needs sketch.in_run_tables and targets.use_tables off). Stores record the family.
+    # <= the splitmix64 bound; needs sketch.in_run_tables and targets.use_tables off). Stores record the family. Any name
+    # registered in behaviortrace_jax/sketch/hash_families.py (docs/architecture.md, "Add a hash family").
     c.sketch.hash = "splitmix64"
     c.sketch.chunk_size = 4  # Examples per sketcher chunk: one vmap(grad) (peak memory ~ chunk x params) or one fused backward.
     # Per-example sketches from ONE backward of the batched loss per chunk (sketch/fused.py) in every sketcher (in-run

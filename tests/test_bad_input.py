@@ -67,7 +67,7 @@ TEXT = st.text(st.sampled_from("abcdeglorstmwin,.0123456789 -"), max_size=20)
 @given(TEXT)
 def test_config_value_parsers_name_their_key(text):
     """Every parser of a string config value returns a valid value or a ValueError naming its key."""
-    from behaviortrace_jax.sketch import countsketch
+    from behaviortrace_jax.sketch import hash_families
     from behaviortrace_jax.stages import counterfactual as CF, metagradient as MGS
     from behaviortrace_jax.train import replay as R
 
@@ -75,7 +75,7 @@ def test_config_value_parsers_name_their_key(text):
     c = tiny.get_config("smoke")
     cases = [("metagradient.advantages", lambda: MGS.parse_modes(text), lambda v: set(v) <= {"logged", "recomputed"}),
              ("counterfactual.lds_fractions", lambda: CF.lds_fractions(text), lambda v: all(0 < f < 1 for f in v)),
-             ("sketch.hash", lambda: countsketch.check_hash(text), lambda v: v in ("splitmix64", "block"))]
+             ("sketch.hash", lambda: hash_families.hash_family(text), lambda v: v.name == text)]
     c.counterfactual.measure = text
     cases.append(("counterfactual.measure", lambda: R.measure_step(c), lambda v: 0 <= v <= c.grpo.steps))
     for key, parse, ok in cases:
@@ -90,7 +90,7 @@ def test_config_value_parsers_name_their_key(text):
 @FAST
 @given(st.sampled_from(["sketch.in_run_tables", "targets.use_tables"]), st.booleans(), st.booleans())
 def test_hash_table_keys_are_honoured_or_refused(key, on, fused):
-    from behaviortrace_jax.sketch import countsketch
+    from behaviortrace_jax.sketch import tables
 
     TRIED["config value"] += 1
     c = tiny.get_config("smoke")
@@ -99,9 +99,9 @@ def test_hash_table_keys_are_honoured_or_refused(key, on, fused):
     c.sketch.fused = fused
     if on and fused:
         with pytest.raises(ValueError, match=rf"config\.{key}=True.*config\.sketch\.fused"):
-            countsketch.tables_from_config(c, key)
+            tables.tables_from_config(c, key)
     else:
-        assert countsketch.tables_from_config(c, key) is on
+        assert tables.tables_from_config(c, key) is on
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from behaviortrace_jax.sketch import countsketch as cs
-from behaviortrace_jax.sketch.countsketch import ParamLayout, numpy_bucket_sign, numpy_countsketch, sketch_batch, sketch_tree
+from behaviortrace_jax.sketch import countsketch as cs, splitmix64 as sm
+from behaviortrace_jax.sketch.countsketch import numpy_countsketch, sketch_batch, sketch_tree
+from behaviortrace_jax.sketch.param_layout import ParamLayout, StackedLayout
+from behaviortrace_jax.sketch.splitmix64 import numpy_bucket_sign
+from behaviortrace_jax.sketch.tables import layout_tables
 
 
 def _rel(a, b) -> float:
@@ -44,7 +47,7 @@ def test_jax_hash_bit_exact_with_numpy(seed):
     lo = jnp.asarray((idx & np.uint64(0xFFFFFFFF)).astype(np.uint32))
     for dim in (2, 2**14, 2**16):
         b, s = numpy_bucket_sign(idx, dim, seed)
-        bj, sj = jax.jit(lambda h, l: cs.bucket_sign_u32(h, l, dim, seed))(hi, lo)
+        bj, sj = jax.jit(lambda h, l: sm.bucket_sign_u32(h, l, dim, seed))(hi, lo)
         np.testing.assert_array_equal(np.asarray(bj), b)
         np.testing.assert_array_equal(np.asarray(sj), s)
         assert bj.dtype == jnp.int32 and sj.dtype == jnp.float32
@@ -54,7 +57,7 @@ def test_jax_hash_bit_exact_with_numpy(seed):
 def test_segment_offsets_beyond_2_32(offset):
     """Global indices cross/exceed 2**32: JAX segment sketch == numpy reference at that offset."""
     v = np.random.default_rng(2).standard_normal(4000).astype(np.float32)
-    b, s = jax.jit(lambda: cs.segment_bucket_sign(offset, v.size, 2**12, 3))()
+    b, s = jax.jit(lambda: sm.segment_bucket_sign(offset, v.size, 2**12, 3))()
     got = jnp.zeros(2**12, jnp.float32).at[b].add(jnp.asarray(v) * s)
     ref = numpy_countsketch(v, 2**12, 3, offset=offset)
     assert _rel(got, ref) < 1e-6
@@ -70,7 +73,7 @@ def test_sketch_tree_equals_numpy_of_concatenation_and_tables():
     got = jax.jit(lambda g: sketch_tree(g, layout, 2**12, 0))([jnp.asarray(g) for g in grads])
     assert got.dtype == jnp.float32 and got.shape == (2**12,)
     assert _rel(got, ref) < 1e-6
-    tables = cs.layout_tables(layout, 2**12, 0)
+    tables = layout_tables(layout, 2**12, 0)
     assert [t.shape for t in tables] == list(layout.shapes) and tables[0].dtype == jnp.int32
     got_t = jax.jit(lambda g, t: sketch_tree(g, layout, 2**12, 0, t))([jnp.asarray(g) for g in grads], tables)
     assert _rel(got_t, ref) < 1e-6
@@ -93,7 +96,7 @@ def test_no_64_bit_types_and_x64_stays_off():
 def test_bad_inputs_raise():
     for d in (0, 1, 3, 1000, 2.5):
         with pytest.raises(ValueError, match="power of two"):
-            cs.check_dim(d)
+            sm.check_dim(d)
     with pytest.raises(ValueError, match="duplicate parameter name 'w'"):
         ParamLayout.from_entries([("w", (2,)), ("w", (3,))])
     layout = ParamLayout.from_entries([("w", (2, 3)), ("b", (3,))])
@@ -176,11 +179,11 @@ def test_traced_offset_hash_bit_exact(seed):
     """segment_bucket_sign_at (offset as traced (hi, lo) uint32, e.g. a lax.scan input) gives the
     same hashes as the static-offset segment_bucket_sign and numpy, across the 2**32 carry."""
     offsets = [0, 77, 2**32 - 5, 2**32, 2**33 + 3, 2**64 - 10]
-    hi, lo = cs.split_u64(offsets)
-    fn = jax.jit(lambda h, l: jax.lax.map(lambda x: cs.segment_bucket_sign_at(x[0], x[1], 9, 2**16, seed), (h, l)))
+    hi, lo = sm.split_u64(offsets)
+    fn = jax.jit(lambda h, l: jax.lax.map(lambda x: sm.segment_bucket_sign_at(x[0], x[1], 9, 2**16, seed), (h, l)))
     b, s = fn(jnp.asarray(hi), jnp.asarray(lo))
     for r, off in enumerate(offsets):
-        b0, s0 = cs.segment_bucket_sign(off, 9, 2**16, seed)
+        b0, s0 = sm.segment_bucket_sign(off, 9, 2**16, seed)
         np.testing.assert_array_equal(b[r], b0)
         np.testing.assert_array_equal(s[r], s0)
         with np.errstate(over="ignore"):
@@ -202,7 +205,7 @@ def test_sketch_batch_stacked_bit_identical_to_sketch_batch(dim, seed):
     """Layer leaves stacked [C, L, ...] and sketched in a lax.scan over the layers: bit-identical to
     sketch_batch (same hashes, same scatter order per example) and close to numpy's float64 sum."""
     entries, lay = _stacked_case()
-    sl = cs.StackedLayout.from_prefix(lay)
+    sl = StackedLayout.from_prefix(lay)
     assert sl.pre == (0,) and sl.post == (10, 11) and sl.leaf_names == ("a.weight", "b", "z")
     assert sl.block_offsets.tolist() == [[lay.offsets[k] for k in b] for b in sl.blocks]
     rng = np.random.default_rng(0)
@@ -221,10 +224,10 @@ def test_sketch_batch_stacked_bit_identical_to_sketch_batch(dim, seed):
 
 def test_stacked_layout_rejects_irregular_blocks():
     with pytest.raises(ValueError, match="block model.layers.1 differs"):
-        cs.StackedLayout.from_prefix(ParamLayout.from_entries(
+        StackedLayout.from_prefix(ParamLayout.from_entries(
             [("model.layers.0.w", (2, 2)), ("model.layers.1.w", (2, 3))]))
     with pytest.raises(ValueError, match="after non-block"):
-        cs.StackedLayout.from_prefix(ParamLayout.from_entries(
+        StackedLayout.from_prefix(ParamLayout.from_entries(
             [("model.layers.0.w", (2,)), ("model.norm", (2,)), ("model.layers.1.w", (2,))]))
     with pytest.raises(ValueError, match="no parameter name"):
-        cs.StackedLayout.from_prefix(ParamLayout.from_entries([("w", (2,))]))
+        StackedLayout.from_prefix(ParamLayout.from_entries([("w", (2,))]))

@@ -132,7 +132,7 @@ def test_lds_of_an_estimator_without_scores_on_the_window_is_not_evaluable(seed)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["sketch.in_run_tables", "targets.use_tables"])
 def test_hash_tables_under_the_fused_sketcher_are_refused_by_both_keys(key):
-    from behaviortrace_jax.sketch import countsketch, targets
+    from behaviortrace_jax.sketch import tables, targets
     from behaviortrace_jax.train import grpo_step
 
     c = tiny.get_config("smoke")
@@ -143,16 +143,16 @@ def test_hash_tables_under_the_fused_sketcher_are_refused_by_both_keys(key):
     with pytest.raises(ValueError, match=rf"config\.{key}=True is ignored .*config\.sketch\.fused=True"):
         build()
     c.sketch.fused = False  # the vmap(grad) sketcher reads the tables: honoured
-    assert countsketch.tables_from_config(c, key) is True
+    assert tables.tables_from_config(c, key) is True
     if key == "sketch.in_run_tables":
         assert grpo_step.GRPOStepSpec.from_config(c).use_tables
 
 
 def test_tiny_config_sets_no_ignored_key():
     """configs/tiny.py claimed ~2.7x from targets.use_tables, which the fused default ignores."""
-    from behaviortrace_jax.sketch import countsketch
+    from behaviortrace_jax.sketch import tables
 
     for variant in ("", "smoke"):
         c = tiny.get_config(variant)
-        for key in countsketch.TABLE_KEYS:
-            countsketch.tables_from_config(c, key)  # raises for an ignored key
+        for key in tables.TABLE_KEYS:
+            tables.tables_from_config(c, key)  # raises for an ignored key

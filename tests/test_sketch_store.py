@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.io.sketch_store import SketchStore
-from behaviortrace_jax.sketch.countsketch import HASH_FAMILY
+from behaviortrace_jax.sketch.hash_families import SPLITMIX64
+
+HASH_FAMILY = SPLITMIX64.metadata_name
 
 META = {"hash_family": HASH_FAMILY, "seed": 0, "dim": 64, "param_fingerprint": "ab" * 32,
         "model_fingerprint": "step_00000100", "dtype": "float32"}

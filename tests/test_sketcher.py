@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from behaviortrace_jax.sketch.countsketch import ParamLayout, numpy_countsketch, sketch_tree
+from behaviortrace_jax.sketch.countsketch import numpy_countsketch, sketch_tree
+from behaviortrace_jax.sketch.param_layout import ParamLayout
 from behaviortrace_jax.sketch.sketcher import (PerExampleSketcher, flat_params, sketch_vector, tree_param_order)
 
 DIM = 2**12

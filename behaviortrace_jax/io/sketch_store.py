@@ -22,7 +22,7 @@ The kvstore follows the path (:func:`kvstore_spec`): ``file`` locally, ``gcs`` f
 
 Example::
 
-    meta = {"hash_family": HASH_FAMILY, "seed": 0, "dim": 65536, "param_fingerprint": layout.fingerprint,
+    meta = {"hash_family": "splitmix64-countsketch-v3", "seed": 0, "dim": 65536, "param_fingerprint": layout.fingerprint,
             "model_fingerprint": "...", "dtype": "float32"}
     store = SketchStore.open_or_create(run / "sketches/rollouts", (n, 65536), 16, meta)
     todo = store.missing_rows()              # after a kill: only the unfinished rows

@@ -29,13 +29,14 @@ cotangent ``sum_i c_i dW_i`` for given
 coefficients c [B]: c = 1 gives the batch gradient of ``sum_i l_i``, so one backward yields the
 update and every sketch. Per-example gradients exist one parameter use at a time (large weights in
 row tiles of at most ``tile_elements`` values for the whole batch) and are dropped after hashing.
-The hash is the one of ``countsketch`` (splitmix64 of the HF-order global index), so the sketches
-equal ``vmap(grad)``'s up to float rounding; under a scan over the layers the per-layer offsets
-are looked up with the traced layer index. With the block family (``FusedPlan(hash_name="block")``)
-every weight, bias and scale block is rolled in, with no scatter (``countsketch.block_sketch_at``;
-a row tile that starts inside a block is placed at its position in a zero-padded window). The
-embedding rows still scatter, because they sit at the data-dependent coordinates of the example's
-tokens; that is B x T x d values per chunk, against the parameters' P per example.
+The hash is the plan's hash family (``hash_families``: by default splitmix64 of the HF-order
+global index, ``HashFamily.index_bucket_sign``), so the sketches equal ``vmap(grad)``'s up to float
+rounding; under a scan over the layers the per-layer offsets are looked up with the traced layer
+index. With a scatter-free family (``hash_families.BLOCK``) every weight, bias and scale block is
+rolled in, with no scatter (its ``block_sketch``, ``block_hash.block_sketch_at``; a row tile that
+starts inside a block is placed at its position in a zero-padded window). The embedding rows still
+scatter, because they sit at the data-dependent coordinates of the example's tokens; that is
+B x T x d values per chunk, against the parameters' P per example.
 
 The losses it applies to are :class:`DecoderLoss` objects (e.g. ``sketcher.completion_loss``, the
 GRPO step's rollout terms); any other ``loss(params, example)`` goes through ``vmap(grad)``.
@@ -51,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from behaviortrace_jax.models import decoder, tokenizer as tok_lib
-from behaviortrace_jax.sketch.countsketch import (block_sketch_at, check_dim, check_hash, index_bucket_sign,
-                                                  segment_bucket_sign_at, split_u64)
+from behaviortrace_jax.sketch.hash_families import DEFAULT_HASH_FAMILY, HashFamily
+from behaviortrace_jax.sketch.splitmix64 import check_dim, split_u64
 
 PyTree = Any
 F32 = jnp.float32
@@ -112,7 +113,7 @@ class _Cfg:
     dtype: str = "float32"  # the use's compute dtype
     tied: bool = False  # embedding: the head uses the same weight (carrier output); head: reads it
     head: bool = False  # the logits (decoder.head_apply) rather than a linear layer (decoder.linear_apply)
-    hash_name: str = "splitmix64"  # the hash family (countsketch.HASH_FAMILIES; config sketch.hash)
+    hash_family: HashFamily = DEFAULT_HASH_FAMILY  # the hash family (hash_families; config sketch.hash)
 
 
 class FusedPlan:
@@ -123,16 +124,15 @@ class FusedPlan:
         offsets: global index of each parameter's first coordinate (``ParamLayout.offsets``).
         groups: the group index of each parameter; n_groups: their number.
         dim, seed: CountSketch width and hash seed; tile_elements: see the module docstring.
-        hash_name: the hash family, "splitmix64" or "block" (``countsketch.HASH_FAMILIES``).
+        hash_family: the hash family (a ``hash_families.HashFamily``; config ``sketch.hash``).
     Raises:
-        ValueError: a decoder layer leaf missing from some layer (the layers must share leaves), an
-            unknown hash family.
+        ValueError: a decoder layer leaf missing from some layer (the layers must share leaves).
     """
 
     def __init__(self, paths, offsets, groups, n_groups: int, *, dim: int, seed: int,
-                 tile_elements: int = TILE_ELEMENTS, hash_name: str = "splitmix64"):
+                 tile_elements: int = TILE_ELEMENTS, hash_family: HashFamily = DEFAULT_HASH_FAMILY):
         self.dim, self.seed, self.n_groups = check_dim(dim), int(seed), int(n_groups)
-        self.hash_name = check_hash(hash_name)
+        self.hash_family = hash_family
         self.tile_elements = int(tile_elements)
         self.static = {tuple(p): (int(o), int(g)) for p, o, g in zip(paths, offsets, groups)}
         n = len(decoder.LAYERS_PATH)
@@ -150,7 +150,7 @@ class FusedPlan:
         self.tied = ("lm_head", "weight") not in self.static
 
     def cfg(self, weights: bool) -> _Cfg:
-        return _Cfg(self.dim, self.seed, self.n_groups, self.tile_elements, bool(weights), hash_name=self.hash_name)
+        return _Cfg(self.dim, self.seed, self.n_groups, self.tile_elements, bool(weights), hash_family=self.hash_family)
 
     def where(self, path: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(offset hi uint32, offset lo uint32, group int32) scalars of the parameter at ``path``; a
@@ -238,12 +238,6 @@ class Taps:
 # ------------------------------------------------------------------------------------------------
 
 
-def _add_u32(hi: jax.Array, lo: jax.Array, inc: Any) -> tuple[jax.Array, jax.Array]:
-    """(hi, lo) + inc for a uint32 increment (traced or int < 2**32), carrying into hi."""
-    new_lo = lo + jnp.asarray(inc).astype(_U32)
-    return hi + (new_lo < lo).astype(_U32), new_lo
-
-
 SMALL_BLOCK = 4096  # per-example blocks up to this size are hashed in one scatter over the batch
 
 
@@ -251,16 +245,20 @@ def _sketch_into(acc: jax.Array, g: jax.Array, hi: jax.Array, lo: jax.Array, cfg
                  aligned: bool | None = None) -> jax.Array:
     """``acc`` float32 [B, D] plus, in row b, the sketch of ``g[b]`` (float32 [B, n]): coordinates
     ``first .. first + n - 1`` (int or traced uint32) of the parameter whose first coordinate has
-    global index ``offset`` = (hi, lo). splitmix64: the hash is computed once for the B rows; a
-    small block is one scatter over the batch, a large one is scattered row by row in place (each
-    row's random writes stay within its D buckets). block: ``countsketch.block_sketch_at`` for the
-    whole batch (``aligned``: ``first`` is a multiple of D), no scatter."""
-    if cfg.hash_name == "block":
-        return acc + block_sketch_at(g, hi, lo, first, cfg.dim, cfg.seed, aligned=aligned)
-    if not (isinstance(first, int) and first == 0):
-        hi, lo = _add_u32(hi, lo, first)
+    global index ``offset`` = (hi, lo). A family summed with a scatter: the hash
+    (``index_bucket_sign``) is computed once for the B rows; a small block is one scatter over the
+    batch, a large one is scattered row by row in place (each row's random writes stay within its D
+    buckets). A scatter-free family: its ``block_sketch`` for the whole batch (``aligned``:
+    ``first`` is a multiple of D), no scatter."""
+    family = cfg.hash_family
+    if family.scatter_free:
+        return acc + family.block_sketch(g, hi, lo, first, cfg.dim, cfg.seed, aligned=aligned)
     bsz, n = g.shape
-    bucket, sign = segment_bucket_sign_at(hi, lo, n, cfg.dim, cfg.seed)
+    local = jax.lax.iota(_U32, n)
+    if not (isinstance(first, int) and first == 0):
+        start = jnp.asarray(np.uint32(first)) if isinstance(first, int) else jnp.asarray(first).astype(_U32)
+        local = local + start  # first + n < 2**32 (checked by the callers)
+    bucket, sign = family.index_bucket_sign(hi, lo, local, cfg.dim, cfg.seed)
     if n <= SMALL_BLOCK:
         return acc.at[jnp.arange(bsz)[:, None], bucket[None, :]].add(g * sign)
     return jax.lax.fori_loop(0, bsz, lambda b, a: a.at[b].set(a[b].at[bucket].add(g[b] * sign)), acc)
@@ -408,8 +406,8 @@ def _embed_bwd(cfg, res, cts):
     bsz, d = r.shape[0], r.shape[-1]
     local = ids.astype(_U32)[..., None] * jnp.asarray(d, _U32) + jax.lax.iota(_U32, d)
     # the rows sit at data-dependent coordinates, so both families scatter these B x T x d values
-    # (the block family's buckets: its block offset + position, countsketch.index_bucket_sign)
-    bucket, sign = index_bucket_sign(hi, lo, local, cfg.dim, cfg.seed, cfg.hash_name)
+    # (a scatter-free family's too: its index_bucket_sign, e.g. the block family's block offset + position)
+    bucket, sign = cfg.hash_family.index_bucket_sign(hi, lo, local, cfg.dim, cfg.seed)
     acc = acc.at[jnp.arange(bsz)[:, None, None], bucket].add(r * sign)
     same = (ids[:, :, None] == ids[:, None, :]).astype(F32)  # a token's rows add up in one row of E
     norms2 = jnp.einsum("bts,btd,bsd->b", same, r, r)

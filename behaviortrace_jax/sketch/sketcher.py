@@ -50,8 +50,11 @@ import jax
 import jax.numpy as jnp
 
 from behaviortrace_jax.models import programs, sharding
-from behaviortrace_jax.sketch.countsketch import (ParamLayout, StackedLayout, check_dim, check_tables, layout_tables,
-                                                  sketch_batch, sketch_batch_stacked, sketch_tree)
+from behaviortrace_jax.sketch.countsketch import sketch_batch, sketch_batch_stacked, sketch_tree
+from behaviortrace_jax.sketch.hash_families import DEFAULT_HASH_FAMILY, HashFamily
+from behaviortrace_jax.sketch.param_layout import ParamLayout, StackedLayout
+from behaviortrace_jax.sketch.splitmix64 import check_dim
+from behaviortrace_jax.sketch.tables import check_tables, layout_tables
 from behaviortrace_jax.sketch import fused as fused_lib
 from behaviortrace_jax.sketch.fused import DecoderLoss
 
@@ -281,10 +284,11 @@ class PerExampleSketcher:
             requires it; False forces ``vmap(grad)``.
         tile_elements: fused path: per-example gradient values held at once per parameter use
             (the batch's rows of a large weight are formed in tiles of this many values).
-        hash_name: the hash family (config ``sketch.hash``): "splitmix64" (SPEC §3.1, default) or
-            "block" (scatter-free buckets, ``countsketch.block_sketch_at``; no hash tables).
+        hash_family: the hash family (a ``hash_families.HashFamily``, config ``sketch.hash``):
+            default splitmix64 (SPEC §3.1); a scatter-free one (``hash_families.BLOCK``) takes no
+            hash tables.
     Raises:
-        ValueError: bad dim/chunk_size/hash_name; ``use_tables`` with ``hash_name="block"``;
+        ValueError: bad dim/chunk_size; ``use_tables`` with a scatter-free ``hash_family``;
             ``scan_layers`` with ``use_tables`` (``vmap(grad)`` path) or
             with an order that is not a decoder's; ``fused=True`` for a loss that is not a
             ``fused.DecoderLoss``; at call time, batch leaves without a common leading axis.
@@ -298,11 +302,11 @@ class PerExampleSketcher:
                  param_order: ParamOrder | None = None, use_tables: bool = False,
                  mesh: jax.sharding.Mesh | None = None, scan_layers: bool | None = None,
                  fused: bool | None = None, tile_elements: int = fused_lib.TILE_ELEMENTS,
-                 hash_name: str = "splitmix64"):
+                 hash_family: HashFamily = DEFAULT_HASH_FAMILY):
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
-        self.hash_name = check_tables(hash_name, bool(use_tables))
+        self.hash_family = check_tables(hash_family, bool(use_tables))
         self.order = param_order if param_order is not None else tree_param_order(params)
         self.layout = self.order.layout(params)
         self.group_names, self._group_idx = self.order.groups()
@@ -314,7 +318,7 @@ class PerExampleSketcher:
         if is_decoder_loss and fused is not False:
             self._plan = fused_lib.FusedPlan(self.order.paths, self.layout.offsets, self._group_idx,
                                              len(self.group_names), dim=self.dim, seed=self.seed,
-                                             tile_elements=tile_elements, hash_name=self.hash_name)
+                                             tile_elements=tile_elements, hash_family=self.hash_family)
         self.use_tables = bool(use_tables) and self._plan is None
         self.mesh = mesh if mesh is not None and dict(mesh.shape).get(DATA_AXIS, 1) > 1 else None
         scan = self.order.scan_layers if scan_layers is None else bool(scan_layers)
@@ -336,7 +340,7 @@ class PerExampleSketcher:
     def tables(self) -> list[jax.Array] | None:
         """The device hash tables (``use_tables``), made on first use; replicated on ``mesh``."""
         if self.use_tables and self._tables is None:
-            t = layout_tables(self.layout, self.dim, self.seed)
+            t = layout_tables(self.layout, self.dim, self.seed, self.hash_family)
             if self.mesh is not None:
                 t = sharding.put(t, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
             self._tables = t
@@ -391,10 +395,11 @@ class PerExampleSketcher:
     def _sketch_norms(self, grads: PyTree, tables: Any) -> tuple[jax.Array, jax.Array]:
         if self._scan is not None:
             pre, blocks, post = self._scan.stacked_arrays(grads)
-            sk = sketch_batch_stacked(pre, blocks, post, self._scan.slayout, self.dim, self.seed, self.hash_name)
+            sk = sketch_batch_stacked(pre, blocks, post, self._scan.slayout, self.dim, self.seed,
+                                      self.hash_family)
             return sk, self._scan.square_norms(pre, blocks, post)
         arrs = self.order.arrays(grads)
-        sk = sketch_batch(arrs, self.layout, self.dim, self.seed, tables, self.hash_name)
+        sk = sketch_batch(arrs, self.layout, self.dim, self.seed, tables, self.hash_family)
         sq = jnp.stack([jnp.sum(jnp.square(a.astype(jnp.float32)).reshape(a.shape[0], -1), axis=1)
                         for a in arrs], axis=1)
         return sk, sq
@@ -494,22 +499,23 @@ class PerExampleSketcher:
 
 
 def sketch_vector(grads: PyTree | Sequence[jax.Array], order: ParamOrder | ParamLayout, dim: int = 65536,
-                  seed: int = 0, tables: Sequence[jax.Array] | None = None, hash_name: str = "splitmix64"
-                  ) -> jax.Array:
+                  seed: int = 0, tables: Sequence[jax.Array] | None = None,
+                  hash_family: HashFamily = DEFAULT_HASH_FAMILY) -> jax.Array:
     """CountSketch float32[D] of ONE gradient (e.g. the clipped GRPO step gradient, SPEC §3.2); jittable.
 
     ``grads`` is a gradient pytree flattened by ``order`` (a :class:`ParamOrder`), or a list of
     arrays already in the order of ``order`` (a :class:`ParamLayout`). With ``order.scan_layers``
     (and no tables) the layer gradients are stacked and sketched in a scan over the layers
-    (``countsketch.sketch_batch_stacked``; the same sketch). ``hash_name``: the hash family
+    (``countsketch.sketch_batch_stacked``; the same sketch). ``hash_family``: the hash family
     (``countsketch.sketch_tree``). Raises ValueError on a shape/length mismatch (naming the
-    parameter), an unknown family or tables with "block", and KeyError on a missing path.
+    parameter) or tables with a scatter-free family, and KeyError on a missing path.
     """
     if isinstance(order, ParamOrder) and order.scan_layers and tables is None:
         layer_scan = _LayerScan(order, order.layout(grads))
         pre, blocks, post = layer_scan.tree_arrays(grads)
         one = lambda xs: [x[None] for x in xs]  # noqa: E731 - a batch of one
-        return sketch_batch_stacked(one(pre), one(blocks), one(post), layer_scan.slayout, dim, seed, hash_name)[0]
+        return sketch_batch_stacked(one(pre), one(blocks), one(post), layer_scan.slayout, dim, seed,
+                                    hash_family)[0]
     if isinstance(order, ParamOrder):
         arrs = order.arrays(grads)
         layout = ParamLayout(order.names, tuple(tuple(a.shape) for a in arrs))
@@ -518,4 +524,4 @@ def sketch_vector(grads: PyTree | Sequence[jax.Array], order: ParamOrder | Param
     else:
         raise ValueError("sketch_vector: pass a ParamOrder to flatten a gradient pytree, "
                          "or a list of arrays in ParamLayout order")
-    return sketch_tree(arrs, layout, dim, seed, tables, hash_name)
+    return sketch_tree(arrs, layout, dim, seed, tables, hash_family)

@@ -18,15 +18,18 @@ The in-run stores of the ``grpo`` stage (rollout row = ``step * N + index``, log
 from __future__ import annotations
 
 import dataclasses
+import os
+from typing import Sequence
 
 import ml_collections
 
 from behaviortrace_jax.io import sketch_store
-from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.io.files import read_json
+from behaviortrace_jax.io.layout import RunLayout, as_path
 # the kinds of rollout sketch, defined with the store format so the attribution layer reads them too
 from behaviortrace_jax.io.sketch_store import ROLLOUT_DIRECTION, ROLLOUT_SKETCH_KINDS
 from behaviortrace_jax.models import decoder, hf_io
-from behaviortrace_jax.sketch import countsketch
+from behaviortrace_jax.sketch import hash_families
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,30 +41,64 @@ class SketchOptions:
         dim (int): the sketch width D (``sketch.dim``; SPEC §3.1: 65,536).
         seed (int): the CountSketch hash seed (``sketch.seed``; SPEC §3.1: 0).
         run_seed (int): the run's seed (``config.seed``).
-        hash (str): the hash family (``sketch.hash``: "splitmix64", SPEC §3.1, or "block",
-            :mod:`countsketch`); the metadata records its versioned name.
+        hash_family (HashFamily): the hash family (``sketch.hash``, resolved by
+            ``hash_families.hash_family``); the metadata records its versioned name
+            (``HashFamily.store_metadata``).
     """
 
     dim: int
     seed: int
     run_seed: int
-    hash: str = "splitmix64"
+    hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> "SketchOptions":
-        """From ``config.sketch.dim``, ``config.sketch.seed``, ``config.sketch.hash`` and ``config.seed``."""
+        """From ``config.sketch.dim``, ``config.sketch.seed``, ``config.sketch.hash`` and ``config.seed``.
+
+        Raises:
+            ValueError: an unknown ``sketch.hash``, naming the key and the known families.
+        """
         return cls(dim=int(config.sketch.dim), seed=int(config.sketch.seed), run_seed=int(config.seed),
-                   hash=str(config.sketch.hash))
+                   hash_family=hash_families.hash_family(str(config.sketch.hash)))
 
 
 def sketch_metadata(options: SketchOptions, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
     """Metadata every sketch array carries (sketch_store raises when a reopened store differs):
-    ``kind``, the hash family, ``options``' seed / dim / run seed, the model's parameter-order and
-    model fingerprints, and the dtype."""
-    return {"kind": kind, "hash_family": countsketch.hash_family(options.hash), "seed": options.seed,
+    ``kind``, the hash family's (``HashFamily.store_metadata``), ``options``' seed / dim / run seed,
+    the model's parameter-order and model fingerprints, and the dtype."""
+    return {"kind": kind, **options.hash_family.store_metadata(), "seed": options.seed,
             "dim": options.dim, "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
             "model_fingerprint": hf_io.model_fingerprint(model_cfg), "dtype": "float32",
             "run_seed": options.run_seed}
+
+
+def open_store(options: SketchOptions, path: str | os.PathLike, shape: Sequence[int], chunk_rows: int,
+               metadata: dict) -> sketch_store.SketchStore:
+    """``sketch_store.SketchStore.open_or_create(path, shape, chunk_rows, metadata)`` of a sketch
+    array made with ``options``. A store that exists with another hash family is refused first,
+    naming both families (``HashFamily.check_store_metadata``); the store then checks every other
+    metadata key itself.
+
+    Raises:
+        ValueError: a store of another hash family; any other metadata key, shape or chunking that
+            differs (``sketch_store``).
+    """
+    meta_path = as_path(path) / "metadata.json"
+    if meta_path.exists():
+        options.hash_family.check_store_metadata(read_json(meta_path), str(meta_path))
+    return sketch_store.SketchStore.open_or_create(path, shape, chunk_rows, metadata)
+
+
+def read_store(options: SketchOptions, path: str | os.PathLike) -> sketch_store.SketchStore:
+    """``sketch_store.SketchStore.open(path)`` of a store read as sketches made with ``options``.
+
+    Raises:
+        FileNotFoundError: no completed store at ``path``. ValueError: the store was written with
+            another hash family, naming both (``HashFamily.check_store_metadata``).
+    """
+    store = sketch_store.SketchStore.open(path)
+    options.hash_family.check_store_metadata(store.metadata, f"{store.path}/metadata.json")
+    return store
 
 
 def open_sketch_stores(options: SketchOptions, model_cfg: decoder.DecoderConfig, paths: RunLayout, *, steps: int,
@@ -89,7 +126,7 @@ def open_sketch_stores(options: SketchOptions, model_cfg: decoder.DecoderConfig,
     if rollout_sketch == ROLLOUT_DIRECTION:
         specs["rollout_coefficients"] = (steps * n,)
     extra = {"rollout_sketches": {"rollout_sketch": rollout_sketch}}
-    return {name: sketch_store.SketchStore.open_or_create(
-                paths.sketch_store(name), shape, chunk_rows=n if shape[0] == steps * n else 1,
+    return {name: open_store(
+                options, paths.sketch_store(name), shape, chunk_rows=n if shape[0] == steps * n else 1,
                 metadata=dict(sketch_metadata(options, model_cfg, name), **extra.get(name, {})))
             for name, shape in specs.items()}

@@ -31,7 +31,7 @@ from behaviortrace_jax.attribution.estimators import ROLLOUT_COS_EPS
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.target_texts import NEUTRAL_WORDS, context_prompts, minimal_pair_texts
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
-from behaviortrace_jax.sketch import countsketch
+from behaviortrace_jax.sketch import hash_families, tables
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
 # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)); one constant with the estimators.
@@ -183,9 +183,10 @@ class ForcedSketcher:
             (``PerExampleSketcher(mesh=)``; needed to compile at paper scale).
         fused: the fused one-backward sketcher (``sketch.fused``; ``sketch/fused.py``) instead of
             ``vmap(grad)``; False (the default) keeps ``vmap(grad)``.
-        hash_name: the hash family (``sketch.hash``): "splitmix64" (SPEC §3.1) or "block".
+        hash_family: the hash family (``hash_families.HashFamily``; config ``sketch.hash``).
     Raises:
-        ValueError: bad sizes (and as ``PerExampleSketcher``: e.g. ``use_tables`` with "block").
+        ValueError: bad sizes (and as ``PerExampleSketcher``: e.g. ``use_tables`` with a
+            scatter-free family).
 
     ``__call__(params, examples)`` returns :class:`ForcedSketches`; its two programs are ``sketcher``
     (``per_example_sketcher``) and ``mean_logprob`` (``forced_mean_logprob``: ``(params, input_ids,
@@ -198,13 +199,13 @@ class ForcedSketcher:
     def __init__(self, graphdef: Any, model_config: decoder.DecoderConfig, params: Any, *, dim: int,
                  seed: int = 0, chunk_size: int = 4, block_size: int = 64, length_bucket: int = 32,
                  pad_id: int = 0, use_tables: bool = False, mesh: Any = None, fused: bool = False,
-                 hash_name: str = "splitmix64"):
+                 hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
         self.graphdef, self.vocab_size = graphdef, int(model_config.vocab_size)
         self.sketcher = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=seed,
                                            chunk_size=chunk_size, param_order=hf_param_order(model_config),
-                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_name=hash_name)
+                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_family=hash_family)
         self.dim, self.seed, self.chunk_size = self.sketcher.dim, self.sketcher.seed, self.sketcher.chunk_size
         self.block_size = -(-int(block_size) // self.chunk_size) * self.chunk_size
         self.length_bucket, self.pad_id = int(length_bucket), int(pad_id)
@@ -225,14 +226,15 @@ class ForcedSketcher:
         length_bucket, use_tables}``.
 
         Raises:
-            ValueError: ``targets.use_tables`` with ``sketch.fused`` (``countsketch.tables_from_config``).
+            ValueError: ``targets.use_tables`` with ``sketch.fused`` (``tables.tables_from_config``); an
+                unknown ``sketch.hash`` (naming the key and the known families).
         """
         t = config.targets
         return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
                    chunk_size=config.sketch.chunk_size, block_size=t.block_size,
                    length_bucket=t.length_bucket, pad_id=pad_id, mesh=mesh,
-                   use_tables=countsketch.tables_from_config(config, "targets.use_tables"),
-                   fused=bool(config.sketch.fused), hash_name=str(config.sketch.hash))
+                   use_tables=tables.tables_from_config(config, "targets.use_tables"),
+                   fused=bool(config.sketch.fused), hash_family=hash_families.hash_family(str(config.sketch.hash)))
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

@@ -50,14 +50,15 @@ from etils import epath
 
 from behaviortrace_jax.attribution import estimators
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as behavior, target_texts
-from behaviortrace_jax.io import checkpoints, sketch_store
+from behaviortrace_jax.io import checkpoints
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.io.layout import DrawPaths, RunLayout, as_path
 from behaviortrace_jax.models.loader import ModelOptions, load_policy
-from behaviortrace_jax.sketch.stores import SketchOptions, sketch_metadata
+from behaviortrace_jax.sketch.hash_families import SPLITMIX64
+from behaviortrace_jax.sketch.stores import SketchOptions, open_store, read_store, sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
 
 HEADER_KEYS = ("ckpt_seed", "gen_seed", "checkpoint_step", "n", "qzxbt_rate", "norm_ratio", "fluency_gap")
@@ -119,8 +120,9 @@ def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: i
         "ctx_top_p": float(t.ctx_top_p), "ctx_max_new_tokens": _ctx_new_tokens(config),
         "param_dtype": str(config.model.param_dtype), "compute_dtype": str(config.model.compute_dtype),
         "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
-        # the hash family, recorded only when it is not the default (so earlier draws still match)
-        **({"sketch_hash": h} if (h := str(config.sketch.hash)) != "splitmix64" else {}),
+        # the hash family, recorded unless it is splitmix64, the only family before the key existed
+        # (so earlier draws still match)
+        **({"sketch_hash": f.name} if (f := SketchOptions.from_config(config).hash_family) is not SPLITMIX64 else {}),
     }
 
 
@@ -294,7 +296,7 @@ def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPath
                             (paths.grad_norms, cat["grad_norms"], "draw_grad_norms")):
         meta = dict(sketch_metadata(options, env.model_cfg, kind), ckpt_seed=settings["ckpt_seed"],
                     gen_seed=settings["gen_seed"], checkpoint_step=settings["checkpoint_step"])
-        store = sketch_store.SketchStore.open_or_create(path, arr.shape, chunk_rows=rows_per_rep, metadata=meta)
+        store = open_store(options, path, arr.shape, rows_per_rep, meta)
         store.write_rows(0, np.asarray(arr, np.float32))
         store.flush()
     _atomic_npz(paths.rollouts, tokens=cat["tokens"], lengths=cat["lengths"], groups=cat["groups"],
@@ -313,7 +315,8 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
         "target_stats": dict, "settings": dict}``.
     Raises:
         FileNotFoundError: naming the missing file (the draw did not finish, or
-            ``draws.save_sketches`` was off).
+            ``draws.save_sketches`` was off). ValueError: the draw's sketch stores were written with
+            another hash family than ``sketch.hash`` (naming both, ``stores.read_store``).
     """
     c_seed, g_seed = resolve_seeds(config, ckpt_seed, gen_seed)
     paths = draw_paths(config, workdir, c_seed, g_seed, beh)
@@ -322,8 +325,9 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
         if not p.exists():
             raise FileNotFoundError(f"draw file not found: {p}")
     out: dict[str, Any] = dict(_load_npz(paths.rollouts))
-    out["sketches"] = sketch_store.SketchStore.open(paths.sketches).read()
-    out["grad_norms"] = sketch_store.SketchStore.open(paths.grad_norms).read()
+    options = SketchOptions.from_config(config)
+    out["sketches"] = read_store(options, paths.sketches).read()
+    out["grad_norms"] = read_store(options, paths.grad_norms).read()
     out["targets"] = _load_npz(paths.targets_npz)
     out["target_stats"] = read_json(paths.targets_json)
     out["settings"] = read_json(paths.settings)

@@ -27,12 +27,12 @@ from absl import logging
 from flax import nnx
 
 from behaviortrace_jax.behavior import behaviors as behaviors_lib
-from behaviortrace_jax.io import checkpoints, rollout_log, sketch_store
+from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.sketch.stores import SketchOptions, sketch_metadata
+from behaviortrace_jax.sketch.stores import SketchOptions, open_store, sketch_metadata
 from behaviortrace_jax.models.loader import ModelOptions, load_policy, policy_config
 from behaviortrace_jax.stages.registry import register_stage
 
@@ -108,10 +108,10 @@ def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, lo
     ``targets_continuation_<id>.zarr`` and ``targets_<id>.json`` (metadata ``behavior`` = its id)
     for another."""
     steps = [e.step for e in entries]
-    meta = dict(sketch_metadata(SketchOptions.from_config(config), loader.model_config, "targets_continuation"),
+    options = SketchOptions.from_config(config)
+    meta = dict(sketch_metadata(options, loader.model_config, "targets_continuation"),
                 checkpoint_steps=steps, **({} if beh.first else {"behavior": beh.id}))
-    t_store = sketch_store.SketchStore.open_or_create(paths.behavior_targets(beh.suffix),
-                                                      (len(steps), config.sketch.dim), 1, meta)
+    t_store = open_store(options, paths.behavior_targets(beh.suffix), (len(steps), config.sketch.dim), 1, meta)
     stats_path = paths.behavior_target_stats(beh.suffix)
     stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
     probes = beh.probe_sets()[0]
@@ -136,16 +136,17 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout
         raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
     r, d = len(records), config.sketch.dim
     eos = tok_lib.mask_eos_ids(loader.tokenizer, config.model.mask_eos)  # as the GRPO loss mask
-    meta = dict(sketch_metadata(SketchOptions.from_config(config), loader.model_config, "checkpoint_rollout_sketches"),
+    options = SketchOptions.from_config(config)
+    meta = dict(sketch_metadata(options, loader.model_config, "checkpoint_rollout_sketches"),
                 checkpoint_steps=[e.step for e in entries], n_rollouts=r)
     block = forced.block_size
     stores = {
-        "sketches": sketch_store.SketchStore.open_or_create(
-            paths.sketch_store("checkpoint_rollout_sketches"), (len(entries), r, d), block, meta),
-        "fluency": sketch_store.SketchStore.open_or_create(
-            paths.sketch_store("checkpoint_rollout_fluency"), (len(entries), r, 1), block, meta),
-        "norms": sketch_store.SketchStore.open_or_create(
-            paths.sketch_store("checkpoint_rollout_norms"), (len(entries), r, 1), block, meta),
+        "sketches": open_store(options, paths.sketch_store("checkpoint_rollout_sketches"), (len(entries), r, d),
+                               block, meta),
+        "fluency": open_store(options, paths.sketch_store("checkpoint_rollout_fluency"), (len(entries), r, 1),
+                              block, meta),
+        "norms": open_store(options, paths.sketch_store("checkpoint_rollout_norms"), (len(entries), r, 1),
+                            block, meta),
     }
     qset = frozenset()
     for c, e in enumerate(entries):

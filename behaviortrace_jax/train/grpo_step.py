@@ -23,7 +23,8 @@ from flax import nnx
 
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
-from behaviortrace_jax.sketch import countsketch, sketcher
+from behaviortrace_jax.sketch import hash_families, sketcher
+from behaviortrace_jax.sketch.tables import tables_from_config
 from behaviortrace_jax.train import grpo_loss, nonfinite, train_state
 
 
@@ -114,7 +115,7 @@ class GRPOStepSpec:
     Fields: ``shapes``; ``loss`` (a ``grpo_loss`` registry name) and ``loss_cfg``; ``grad_clip``
     (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
     1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed`` /
-    ``sketch_hash`` (hash family, ``sketch.hash``);
+    ``sketch_hash`` (the ``hash_families.HashFamily`` named by ``sketch.hash``);
     ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
     sketcher chunk), ``use_tables`` (hash tables as a step argument); ``fused`` (``sketch.fused``:
     the in-run sketches come from the fused per-example sketcher, ``sketch/fused.py``, whose one
@@ -132,7 +133,7 @@ class GRPOStepSpec:
     inner_iterations: int = 1
     sketch_dim: int = 65536
     sketch_seed: int = 0
-    sketch_hash: str = "splitmix64"
+    sketch_hash: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
     in_run_rollouts: bool = True
     chunk_size: int = 4
     use_tables: bool = False
@@ -172,7 +173,8 @@ class GRPOStepSpec:
         and, for the FLOP ratio, the step without in-run sketches).
 
         Raises:
-            ValueError: ``sketch.in_run_tables`` with ``sketch.fused`` (``countsketch.tables_from_config``).
+            ValueError: ``sketch.in_run_tables`` with ``sketch.fused`` (``tables.tables_from_config``); an
+                unknown ``sketch.hash`` (naming the key and the known families).
         """
         g, sk = config.grpo, config.sketch
         name = g.loss if loss is None else loss
@@ -182,9 +184,9 @@ class GRPOStepSpec:
         return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
                    inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed),
-                   sketch_hash=countsketch.check_hash(str(sk.hash)), in_run_rollouts=in_run,
+                   sketch_hash=hash_families.hash_family(str(sk.hash)), in_run_rollouts=in_run,
                    chunk_size=int(sk.chunk_size), fused=bool(sk.fused),
-                   use_tables=countsketch.tables_from_config(config, "sketch.in_run_tables"))
+                   use_tables=tables_from_config(config, "sketch.in_run_tables"))
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
@@ -343,7 +345,7 @@ def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: G
     loss = sketcher.DecoderLoss(functools.partial(rollout_losses, graphdef, spec, weighted))
     return sketcher.PerExampleSketcher(loss, abstract_params, dim=spec.sketch_dim, seed=spec.sketch_seed,
                                        chunk_size=spec.chunk_size, param_order=order, use_tables=spec.use_tables,
-                                       mesh=mesh, fused=spec.fused, hash_name=spec.sketch_hash)
+                                       mesh=mesh, fused=spec.fused, hash_family=spec.sketch_hash)
 
 
 def with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
@@ -417,7 +419,7 @@ def _first_iteration_outputs(spec: GRPOStepSpec, order: sketcher.ParamOrder | No
         out["step_sketch"] = jnp.sum(rs, axis=0) * scale
     else:
         out["step_sketch"] = sketcher.sketch_vector(grads, order, spec.sketch_dim, spec.sketch_seed,
-                                                    hash_name=spec.sketch_hash) * scale
+                                                    hash_family=spec.sketch_hash) * scale
     return out
 
 

@@ -185,8 +185,10 @@ def _digest(obj: Any) -> str:
 
 def step_spec_digest(spec: grpo_step.GRPOStepSpec) -> str:
     """sha256 of every field of a :class:`grpo_step.GRPOStepSpec` (shapes and loss config included):
-    two specs with one digest build the same train step."""
-    return _digest(dataclasses.asdict(spec))
+    two specs with one digest build the same train step. The hash family enters by its name (the
+    config's ``sketch.hash``), as it did when the field was that string, so earlier replay caches
+    keep their key."""
+    return _digest(dict(dataclasses.asdict(spec), sketch_hash=spec.sketch_hash.name))
 
 
 def checkpoint_steps(config: ml_collections.ConfigDict) -> list[int]:
