@@ -69,7 +69,7 @@ def test_load_refuses_corrupt_files_by_name(tmp_path):
 class _FakeReplayer:
     identity_value = {"replay_version": 1, "step_spec": "s", "optimizer": "o", "rollout_log": "", "measure": "m"}
 
-    def __init__(self, config, workdir, rates=True, sampled=0):
+    def __init__(self, config, workdir, rates=True, sampled=0, *, layout=None):  # Replayer's signature
         n = int(config.grpo.prompts_per_step) * int(config.grpo.group_size)
         self.rollout_ids = [f"{s}-{i}" for s in range(int(config.grpo.steps)) for i in range(n)]
         self.log_digest = ""  # rollout_log.digest of the (absent) log: what the scores reader checks
