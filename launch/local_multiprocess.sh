@@ -5,21 +5,22 @@
 # stopped and the script exits with its status; running the same command again resumes.
 #   launch/local_multiprocess.sh N [CONFIG] [WORKDIR] [flags...]
 #   launch/local_multiprocess.sh 2 configs/tiny.py runs/tiny2
-# Holds no hyperparameters: those live in the config file.
+# Holds no hyperparameters: those live in the config file. PYTHON picks the interpreter (default python3).
 set -euo pipefail
 N=${1:?usage: launch/local_multiprocess.sh N [CONFIG] [WORKDIR] [flags...]}
 CONFIG=${2:-configs/tiny.py}
 WORKDIR=${3:-runs/tiny}
 shift $(( $# > 3 ? 3 : $# ))
+PY=${PYTHON:-python3}
 [[ "$N" =~ ^[1-9][0-9]*$ ]] || { echo "N must be a positive integer, got '$N'" >&2; exit 1; }
-command -v python3 >/dev/null || { echo "python3 not found" >&2; exit 1; }
-python3 -c "import behaviortrace_jax" 2>/dev/null || { echo "behaviortrace_jax is not installed: pip install -e '.[test]'" >&2; exit 1; }
-python3 -c "from jax._src.lib import _jax; assert hasattr(_jax, 'make_gloo_tcp_collectives')" 2>/dev/null \
+command -v "$PY" >/dev/null || { echo "$PY not found (set PYTHON)" >&2; exit 1; }
+"$PY" -c "import jax, behaviortrace_jax" 2>/dev/null || { echo "behaviortrace_jax or jax is not installed for $PY: pip install -e '.[test]'" >&2; exit 1; }
+"$PY" -c "from jax._src.lib import _jax; assert hasattr(_jax, 'make_gloo_tcp_collectives')" 2>/dev/null \
   || { echo "this jaxlib has no gloo CPU collectives; multi-process CPU runs need them" >&2; exit 1; }
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 # one CPU device per process: drop a --xla_force_host_platform_device_count the caller may have set
 export XLA_FLAGS=$(echo "${XLA_FLAGS:-}" | sed -E 's/--xla_force_host_platform_device_count=[0-9]+//g')
-PORT=${COORDINATOR_PORT:-$(python3 -c "import socket; s=socket.socket(); s.bind(('localhost', 0)); print(s.getsockname()[1])")}
+PORT=${COORDINATOR_PORT:-$("$PY" -c "import socket; s=socket.socket(); s.bind(('localhost', 0)); print(s.getsockname()[1])")}
 PIDS=()
 # SIGTERM first; jax.distributed catches it (a preemption notice), so SIGKILL whatever is left after 5 s
 cleanup() {
@@ -30,7 +31,7 @@ cleanup() {
 }
 trap cleanup INT TERM
 for ((i = 0; i < N; i++)); do
-  python3 main.py --config="$CONFIG" --workdir="$WORKDIR" --coordinator_address="localhost:$PORT" \
+  "$PY" main.py --config="$CONFIG" --workdir="$WORKDIR" --coordinator_address="localhost:$PORT" \
     --num_processes="$N" --process_id="$i" "$@" &
   PIDS+=($!)
 done

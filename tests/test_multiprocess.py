@@ -46,6 +46,7 @@ def _gloo_available() -> bool:
 
 def _env(devices: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHON"] = sys.executable  # the launcher runs this interpreter, not whatever python3 is on PATH
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return env
