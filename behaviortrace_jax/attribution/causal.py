@@ -270,8 +270,9 @@ def seed_summary_lines(rows: Sequence[formats.Row], methods: Sequence[str] = ())
     names = list(methods) or list(dict.fromkeys(r.method for r in sp))
     head = "| method | " + " | ".join(f"seed {s}: Spearman [95% CI]" for s in seeds) + " | mean | mean P@k (chance) |"
     lines: list[str] = []
+    units = {r.table[len("causal_spearman_"):]: r.n for r in sp}
     for suffix in suffixes:
-        lines += ["", f"**{suffix.replace('_', ', ')}** (units: {next(r.n for r in sp if r.table.endswith(suffix))})", "",
+        lines += ["", f"**{suffix.replace('_', ', ')}** (units: {units[suffix]})", "",
                   head, "|---" * (len(seeds) + 3) + "|"]
         for m in names:
             got = [by.get((suffix, m, s)) for s in seeds]

@@ -387,14 +387,15 @@ def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_i
 def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Leave-top-k-out and LDS replays of one finished run (see the module docstring)."""
     from behaviortrace_jax.models import sharding
-    from behaviortrace_jax.train import replay as R
+    from behaviortrace_jax.train import causal as TC, replay as R
 
     w = RunLayout(workdir)
     out_dir = w.counterfactual_replays
     out_dir.mkdir(parents=True, exist_ok=True)
     cf = config.counterfactual
     for key, value, allowed in (("causal", cf.causal, CAUSAL), ("intervention", cf.intervention, R.INTERVENTIONS),
-                                ("rollouts", cf.rollouts, R.ROLLOUTS)):
+                                ("rollouts", cf.rollouts, R.ROLLOUTS),
+                                ("causal_regenerated", cf.causal_regenerated, TC.REGENERATED)):
         if value not in allowed:
             raise ValueError(f"config.counterfactual.{key}={value!r}; expected one of {allowed}")
     rp = R.Replayer(config, workdir, layout=sharding.Layout.from_config(config), rates=bool(cf.rates),
