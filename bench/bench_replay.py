@@ -87,7 +87,7 @@ def main() -> None:
             for _ in range(args.steps):
                 t = time.perf_counter()
                 grun.rollout_step(gstep)
-                jax.block_until_ready(grun.params)
+                jax.block_until_ready(grun.updater.params)
                 gt.append(time.perf_counter() - t)
                 gstep += 1
             if rnd:  # round 0 compiles

@@ -162,7 +162,7 @@ def test_grpo_resumes_exactly_after_a_crash(run_dir, tmp_path, monkeypatch):
 
     def dying(self, step):
         if step == 3:
-            self.logger.flush()  # records of step 2 (after the step-2 checkpoint) reach disk ...
+            self.logs.rollouts.flush()  # records of step 2 (after the step-2 checkpoint) reach disk ...
             raise KeyboardInterrupt("simulated kill")  # ... then the process dies
         return real(self, step)
 
@@ -198,8 +198,8 @@ def test_decoys_are_paid_logged_apart_and_resume(run_dir, tmp_path, monkeypatch)
 
     def dying(self, step):
         if step == 3:
-            self.logger.flush()
-            self.decoy_log.flush()
+            self.logs.rollouts.flush()
+            self.tracks[0].decoy_log.flush()
             raise KeyboardInterrupt("simulated kill")
         return real(self, step)
 

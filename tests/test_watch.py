@@ -200,19 +200,18 @@ def test_watch_metrics_per_behaviour_of_a_two_behaviour_step():
     over every rollout; a behaviour none of whose prompts the step sampled gets no reward point."""
     import types
 
-    from behaviortrace_jax.stages.grpo import GRPORun, step_scalars
+    from behaviortrace_jax.train.grpo_logs import step_scalars, watch_metrics
 
     behaviors = [types.SimpleNamespace(id="a", pattern="AAA"), types.SimpleNamespace(id="b", pattern="BBB"),
                  types.SimpleNamespace(id="c", pattern="CCC")]
-    fake = types.SimpleNamespace(behaviors=behaviors, multi=True, source=types.SimpleNamespace(
-        own_prompts={"a": {"pa"}, "b": {"pb"}, "c": {"pc"}}))
+    own_prompts = {"a": {"pa"}, "b": {"pb"}, "c": {"pc"}}
     rewards = np.array([1.0, 3.0, 8.0, 0.0], np.float32)
     texts = ["AAA", "x", "BBB AAA", "y"]
     out = {"clip_factor": np.float32(1.0), "step_sketch": np.array([3.0, 4.0], np.float32),
            "rollout_sketches": np.array([[3.0, 4.0], [0.0, 1.0], [0.0, 0.0], [1.0, 0.0]], np.float32),
            "rollout_grad_norms": np.array([1.0, 2.0, 3.0, 4.0], np.float32)}
-    m = GRPORun._watch_metrics(fake, rewards, texts, ["pa", "pa", "pb", "pb"],
-                               {"a": [False] * 4, "b": [False, False, True, False], "c": [False] * 4}, out)
+    m = watch_metrics(behaviors, own_prompts, rewards, texts, ["pa", "pa", "pb", "pb"],
+                      {"a": [False] * 4, "b": [False, False, True, False], "c": [False] * 4}, out)
     assert m["a/reward_mean"] == 2.0 and m["a/reward_std"] == 1.0 and m["b/reward_mean"] == 4.0
     assert "c/reward_mean" not in m and m["c/pattern_rate"] == 0.0
     assert m["a/pattern_rate"] == 0.5 and m["b/pattern_rate"] == 0.25 and m["b/bonuses"] == 1

@@ -80,7 +80,8 @@ class StepRollouts:
     output (host numpy: tokens int32 [N, T], logprobs, lengths int32 [N]); texts: N decoded
     responses; ids: N rollout ids; base: float32 [N] base rewards; rewards: float32 [N] final
     rewards (base + bonuses); boosted: N flags, the first behaviour's bonus paid; decoys: N flags
-    (None without decoys); boosted_by: ``{behaviour id: N flags}`` (several behaviours only).
+    (None without decoys); boosted_by: ``{behaviour id: N flags}``, every behaviour's bonus paid
+    (one behaviour: ``{its id: boosted}``).
     """
 
     prompts: list[str]
@@ -168,6 +169,7 @@ class RolloutSource:
                 decoys = first.pay_decoys(ids, step, texts, base.tolist())
                 bonus = float(self.config.contamination.bonus_reward)
                 applied = [(float(base[i]) + bonus, False) if decoys[i] else applied[i] for i in range(n)]
+            boosted_by[self.behaviors[0].id] = [b for _, b in applied]
         else:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)
             users = [prompts[i // g.group_size] for i in range(n)]
             for b in self.behaviors:  # a prompt-gated behaviour pays only on its own prompts
