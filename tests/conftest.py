@@ -33,13 +33,14 @@ CACHE_ROOT = pathlib.Path(tempfile.gettempdir()) / "behaviortrace_jax_tests"
 
 
 def _test_run_id(config) -> str:
-    """One id per test run, the same in every xdist worker (xdist's ``testrunuid``)."""
+    """One id per test run, the same in the xdist controller and every worker (xdist's
+    ``testrunuid``, chosen here when the command line gives none)."""
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:
         return workerinput["testrunuid"]
-    if not hasattr(config, "_behaviortrace_run_id"):
-        config._behaviortrace_run_id = uuid.uuid4().hex
-    return config._behaviortrace_run_id
+    if getattr(config.option, "testrunuid", None) is None:
+        config.option.testrunuid = uuid.uuid4().hex  # xdist's controller hands it to its workers
+    return config.option.testrunuid
 
 
 def pytest_configure(config):
