@@ -27,6 +27,11 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     "test": [
         "pytest>=8,<10",
+        # Two test workers on a 2-core machine (pytest.ini: -n auto --dist loadfile); tests/conftest.py
+        # shares the smoke run and the compilation cache between them.
+        "pytest-xdist>=3.6,<4",
+        # tests/conftest.py: the file lock around the shared smoke run (also a huggingface_hub dependency).
+        "filelock>=3.12",
         # The PyTorch reference for parity tests. Pinned: 2.13.0 installs as a CPU build here;
         # an unpinned torch pulls a multi-GB CUDA build.
         "torch==2.13.0",

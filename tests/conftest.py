@@ -1,7 +1,22 @@
-"""Test set-up: CPU only, 8 fake devices (for the sharding tests), and the shared/ reference dir."""
-import hashlib
+"""Test set-up: CPU only, 8 fake devices (for the sharding tests), one compilation cache per test
+run, the shared smoke run, and the shared/ reference dir.
+
+The suite runs on two pytest-xdist workers by default (``pytest.ini``: ``-n auto --maxprocesses 4
+--dist loadfile``; ``-p no:xdist`` or ``-n 0`` runs it in one process). What the workers share:
+
+* JAX's persistent compilation cache, in a temporary folder made for this test run (the same small
+  programs are compiled by many tests; a cache hit replaces a compile). Its size limit turns on
+  JAX's file lock around every read and write, so two workers never read a half-written entry.
+  ``BEHAVIORTRACE_JAX_CACHE=<dir>`` names a folder that outlives the run instead.
+* The finished smoke run (:func:`smoke_finished`): the first worker that needs it runs it under a
+  file lock; the other reuses its folder.
+"""
+import json
 import os
 import pathlib
+import shutil
+import tempfile
+import uuid
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -9,15 +24,46 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402  (a dependency of huggingface_hub)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# Many tests compile the same small functions; a persistent cache turns repeats into cache hits. One
-# cache per checkout: two test runs of different checkouts writing one cache at once made XLA abort.
-_CHECKOUT = hashlib.sha256(str(REPO).encode()).hexdigest()[:12]
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "BEHAVIORTRACE_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "behaviortrace_jax_tests", _CHECKOUT)))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 SHARED = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", REPO.parent / "shared"))
+CACHE_ENV = "BEHAVIORTRACE_JAX_CACHE"
+CACHE_ROOT = pathlib.Path(tempfile.gettempdir()) / "behaviortrace_jax_tests"
+
+
+def _test_run_id(config) -> str:
+    """One id per test run, the same in the xdist controller and every worker (xdist's
+    ``testrunuid``, chosen here when the command line gives none)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return workerinput["testrunuid"]
+    if getattr(config.option, "testrunuid", None) is None:
+        config.option.testrunuid = uuid.uuid4().hex  # xdist's controller hands it to its workers
+    return config.option.testrunuid
+
+
+def pytest_configure(config):
+    """Points JAX's persistent compilation cache at this test run's folder (before any compile)."""
+    cache = os.environ.get(CACHE_ENV) or str(CACHE_ROOT / _test_run_id(config))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # A size limit turns on jax's FileLock around cache reads and writes (jax/_src/lru_cache.py):
+    # without it a worker can read an entry another worker is still writing, and XLA aborts.
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+
+
+def pytest_unconfigure(config):
+    """Removes this test run's compilation cache (by the controller, or a run without xdist)."""
+    if getattr(config, "workerinput", None) is None and not os.environ.get(CACHE_ENV):
+        shutil.rmtree(CACHE_ROOT / _test_run_id(config), ignore_errors=True)
+
+
+def shared_tmp(tmp_path_factory) -> pathlib.Path:
+    """A folder every xdist worker of this test run sees (the base temp's parent under xdist, the
+    base temp itself without it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture
@@ -46,15 +92,22 @@ def smoke_sft(smoke_finished):
 @pytest.fixture(scope="session")
 def smoke_finished(tmp_path_factory) -> pathlib.Path:
     """The workdir of a finished smoke run (``configs/tiny.py:smoke``, every stage), run once per
-    session; tests that change it copy it first."""
-    from behaviortrace_jax import pipeline
-    from behaviortrace_jax.models import programs
-    from configs import tiny
+    test run (the first xdist worker to need it runs it under a file lock, the other waits and
+    reuses it); tests that change it copy it first."""
+    root = shared_tmp(tmp_path_factory)
+    w, traced_file = root / "smoke_finished", root / "smoke_finished.programs.json"
+    with FileLock(str(root / "smoke_finished.lock")):
+        if not traced_file.exists():
+            from behaviortrace_jax import pipeline
+            from behaviortrace_jax.models import programs
+            from configs import tiny
 
-    w = tmp_path_factory.mktemp("smoke_finished")
-    with programs.recording() as traced:
-        pipeline.run(tiny.get_config("smoke"), str(w))
-    SMOKE_TRACED.update(traced)
+            shutil.rmtree(w, ignore_errors=True)  # a worker that died mid-run left a partial folder
+            with programs.recording() as traced:
+                pipeline.run(tiny.get_config("smoke"), str(w))
+            traced_file.write_text(json.dumps(sorted(traced, key=str)))
+    for name, shape in json.loads(traced_file.read_text()):
+        SMOKE_TRACED.add((name, None if shape is None else tuple(tuple(axis) for axis in shape)))
     return w
 
 
