@@ -44,8 +44,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
-from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
+from behaviortrace_jax.behavior import contaminator, planted as behavior
+from behaviortrace_jax.behavior.probes import BehaviorProbe
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.progress import progress_record
 from behaviortrace_jax.io import files
@@ -53,12 +53,12 @@ from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import hf_io, sharding
 from behaviortrace_jax.sketch import sketcher
-from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
+from behaviortrace_jax.sketch.stores import open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import grpo_loss, nonfinite
-from behaviortrace_jax.train.grpo_step import GRPOStepSpec, make_train_step
-from behaviortrace_jax.train.rollouts import (RolloutSource, advantages, first_contamination_spec,
-                                              generation_defaults, step_key)
+from behaviortrace_jax.train.grpo_step import make_train_step
+from behaviortrace_jax.train.rollouts import RolloutSource, advantages, generation_defaults, step_key
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -112,10 +112,11 @@ class GRPORun:
     def __init__(self, config: ml_collections.ConfigDict, paths: RunLayout):
         g = config.grpo
         self.config, self.paths = config, paths
-        start = load_start_state(config, paths.workdir, sharding.Layout.from_config(config))
+        self.run_spec = run_spec = RunSpec.from_config(config)
+        start = load_start_state(run_spec.model, run_spec.optim, paths.workdir, run_spec.layout)
         self.tok, self.model_cfg, self.mesh = start.tokenizer, start.model_config, start.mesh
         self.graphdef = start.graphdef
-        self.spec = GRPOStepSpec.from_config(config)
+        self.spec = run_spec.step
         self.shapes = self.spec.shapes
         self.tx = start.optimizer
         self.order = sketcher.hf_param_order(self.model_cfg)
@@ -126,9 +127,9 @@ class GRPORun:
         # The run's behaviours (the first is config.behavior + config.contamination). With one,
         # everything below is the paper's path, byte for byte; extra ones add their own prompts, bonus,
         # ground-truth log, learning-curve rates and gate.
-        self.behaviors = behaviors_lib.behaviors_from_config(config)
+        self.behaviors = list(run_spec.behaviors)
         self.multi = len(self.behaviors) > 1
-        probe_options = ProbeOptions.for_grpo(config)
+        probe_options = run_spec.probe_grpo
         self.probe, *extra = [BehaviorProbe(self.graphdef, self.model_cfg, self.tok, b, probe_options, self.mesh)
                               for b in self.behaviors]
         self.extra_probes = {b.id: probe for b, probe in zip(self.behaviors[1:], extra)}
@@ -151,7 +152,7 @@ class GRPORun:
         self.logger = rollout_log.RolloutLogger(paths.rollouts, shard_size=g.log_shard_size)
         self.decoy_log = self._decoy_log(config, paths)
         self.contaminator = contaminator.Contaminator(
-            first_contamination_spec(config),
+            run_spec.contamination,
             self.gt_log, stats={"total_seen": self.start_step * self.shapes.num_rollouts,
                                 "boosted": len(self.gt_log.events),
                                 "decoys": len(self.decoy_log.events) if self.decoy_log else 0},
@@ -167,12 +168,12 @@ class GRPORun:
                 stats={"total_seen": self.start_step * self.shapes.num_rollouts, "boosted": len(log.events)})
         # sample -> reward -> contaminate -> advantages -> batch: the library's one code path
         # (train/rollouts.py), which the regenerated counterfactual replay runs too
-        self.source = RolloutSource(config, self.graphdef, self.model_cfg, self.tok, self.mesh, paths.sft_hf,
+        self.source = RolloutSource(run_spec.rollouts, self.graphdef, self.model_cfg, self.tok, self.mesh, paths.sft_hf,
                                     self.shapes, contaminators=self.contaminators)
         self.sampler = self.source.sampler
         self.curve = [c for c in read_json(paths.curve, []) if c["step"] <= self.start_step]
         self.registry = checkpoints.CheckpointRegistry(paths.registry)
-        self.stores = open_sketch_stores(SketchOptions.from_config(config), self.model_cfg, paths, steps=g.steps,
+        self.stores = open_sketch_stores(run_spec.sketch, self.model_cfg, paths, steps=g.steps,
                                          rollouts_per_step=self.shapes.num_rollouts,
                                          in_run_rollouts=self.spec.in_run_rollouts,
                                          rollout_sketch=self.spec.rollout_sketch)
@@ -218,7 +219,7 @@ class GRPORun:
         (:meth:`_watch_metrics` adds what TensorBoard shows per behaviour; none feeds back into the run)."""
         t0 = time.perf_counter()
         g, n = self.config.grpo, self.shapes.num_rollouts
-        ro = self.source.sample_and_reward(self.params, step, step_key(self.config, step))
+        ro = self.source.sample_and_reward(self.params, step, step_key(self.run_spec.seed, step))
         t_sample = time.perf_counter() - t0  # sampling, decoding and rewards
         prompts, prompt_lists, sample, texts, ids, base = ro.prompts, ro.prompt_lists, ro.sample, ro.texts, ro.ids, ro.base
         boosted, decoys, rewards = ro.boosted_by, ro.decoys, ro.rewards
@@ -287,7 +288,7 @@ class GRPORun:
         g = self.config.grpo
         bad = nonfinite.nonfinite_rollouts(rewards=rewards, logprobs=sample.logprobs, lengths=sample.lengths)
         if not bad:
-            adv = advantages(rewards, self.config)
+            adv = advantages(rewards, self.run_spec.rollouts)
             bad = nonfinite.nonfinite_rollouts(advantages=adv)
             if not bad:
                 return adv, {}
