@@ -10,6 +10,7 @@ from behaviortrace_jax import pipeline
 from behaviortrace_jax.attribution import formats, release
 from behaviortrace_jax.behavior import behaviors, contaminator
 from behaviortrace_jax.io import rollout_log
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import paper_two_behaviors, tiny_two_behaviors
 
 B = tiny_two_behaviors.ID
@@ -113,8 +114,8 @@ def test_paper_two_behaviors_config_compiles_at_tiny_shapes(tmp_path):
     from behaviortrace_jax.stages import compile as compile_stage
 
     c = paper_two_behaviors.get_config()
-    assert [b.id for b in behaviors.behaviors_from_config(c)] == ["qzxbt", B]
-    assert behaviors.behaviors_from_config(c)[1].early_step_cutoff == 200
+    assert [b.id for b in list(RunSpec.from_config(c).behaviors)] == ["qzxbt", B]
+    assert list(RunSpec.from_config(c).behaviors)[1].early_step_cutoff == 200
     with c.unlocked():  # tiny shapes: the tiny preset at 1 layer, a small sketch, short sequences
         c.compile.target, c.compile.num_layers, c.mesh.data = "cpu:8", 1, -1
         c.compile.model = ""  # the paper configs compile qwen2p5_1p5b; "" = the tiny base preset

@@ -67,7 +67,6 @@ from etils import epath
 from behaviortrace_jax.attribution import causal as causal_tables, estimators, formats, metrics as M, verdicts
 from behaviortrace_jax.attribution.scores import step_method_scores
 from behaviortrace_jax.behavior import contaminator
-from behaviortrace_jax.behavior.behaviors import first_behavior
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache (io/cache.py)
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
