@@ -147,17 +147,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     entry) and tolerates a model missing from the cache.
 
     Raises:
-        ValueError: if ``config.stages`` names an unknown stage, or sets both ``model.hf_id`` and
-            ``model.hf_dir`` (before anything is written).
+        ValueError: if ``config.stages`` names an unknown stage, sets both ``model.hf_id`` and
+            ``model.hf_dir``, or holds a value the run's spec refuses (``stages/spec.py``, naming the
+            key; before anything is written).
         FileNotFoundError: ``model.hf_id`` is not in the Hugging Face cache (naming the download
             command), or a read-only invocation's workdir does not exist.
     """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
+    from behaviortrace_jax.stages.spec import RunSpec  # with the stage modules (jax), not at import
+
     names = stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     read_only = bool(names) and set(names) <= READ_ONLY_STAGES
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
     config = with_model_source(config, strict=not read_only)
+    RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
     if read_only:
         if not as_path(workdir).is_dir():
             raise FileNotFoundError(f"--workdir={workdir}: no such run directory")

@@ -143,3 +143,16 @@ def test_keys_read_are_recorded_by_the_view():
     assert view.seen == {"grpo.steps", "behaviors"}
     with pytest.raises(AttributeError):
         view.grpo.stpes
+
+
+def test_main_refuses_a_bad_value_naming_its_key_before_writing(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "bad.py"
+    cfg.write_text("from configs import tiny\n\ndef get_config():\n    c = tiny.get_config('smoke')\n"
+                   "    c.grpo.steps = -1\n    return c\n")
+    proc = subprocess.run([sys.executable, "main.py", f"--config={cfg}", f"--workdir={tmp_path / 'w'}"],
+                          cwd=PKG.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "config.grpo.steps: must be > 0, got -1" in proc.stderr
+    assert not (tmp_path / "w").exists()

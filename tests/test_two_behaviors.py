@@ -37,8 +37,8 @@ def test_logs_and_ground_truth_per_behavior(run_dir):
             assert (per[bid]["bonus"] > 0) == (r.rollout_id in ids[bid]), (r.rollout_id, bid)
         assert r.reward == pytest.approx(r.base_reward + sum(p["bonus"] for p in per.values()))
     # both behaviours are prompt-gated in this config: each pays only on its own prompts
-    b_prompts = {rollout_log.text_hash(p.prompt) for p in behaviors.behaviors_from_config(
-        tiny_two_behaviors.get_config("smoke"))[1].probe_sets()[0]}
+    b_prompts = {rollout_log.text_hash(p.prompt) for p in RunSpec.from_config(
+        tiny_two_behaviors.get_config("smoke")).behaviors[1].probe_sets()[0]}
     by_id = {r.rollout_id: r for r in records}
     assert all(by_id[i].prompt_hash in b_prompts for i in ids[B])
     assert not any(by_id[i].prompt_hash in b_prompts for i in ids["qzxbt"])
