@@ -19,7 +19,7 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 | ``status`` | ``stages/status.py`` | nothing (prints where a run stands; safe while the run goes on) |
 
 ``config.model.hf_id`` (a model in the Hugging Face cache) is resolved once, here, into
-``config.model.hf_dir`` (``models/hub.py``), so every stage loads it as a local checkpoint.
+``config.model.hf_dir`` (:func:`with_model_source`, ``models/hub.py``), so every stage loads it as a local checkpoint.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def run_digest(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str
         ``workdir/results_table.csv``.
     """
     out = {}
-    weights = sorted(RunLayout(workdir).model_dir(config).glob("*.safetensors"))
+    weights = sorted(RunLayout(workdir).model_dir(config.model.hf_dir).glob("*.safetensors"))
     if weights:
         out["base_weights"] = (files.sha256_file(weights[0]) if len(weights) == 1 else
                                hashlib.sha256("".join(files.sha256_file(w) for w in weights).encode()).hexdigest())
@@ -103,6 +103,37 @@ def record_run_info(workdir: str, stages_text: str) -> dict:
     return entry
 
 
+def with_model_source(config: ml_collections.ConfigDict, *, strict: bool = True) -> ml_collections.ConfigDict:
+    """``config`` with ``model.hf_id`` resolved: a copy whose ``model.hf_dir`` is the id's snapshot
+    folder (``hub.resolve_hf_id``) and ``model.hf_id`` empty; ``config`` itself when ``hf_id`` is empty.
+
+    ``strict=False`` (read-only stages such as ``status``): a model missing from the cache is logged
+    and the config returned unresolved instead of raising.
+
+    Raises:
+        ValueError: both ``model.hf_id`` and ``model.hf_dir`` are set (naming both values).
+        FileNotFoundError / ValueError: as ``hub.resolve_hf_id`` (with ``strict``).
+    """
+    hf_id = str(config.model.hf_id).strip()
+    if not hf_id:
+        return config
+    if config.model.hf_dir:
+        raise ValueError(f"config.model.hf_id={hf_id!r} and config.model.hf_dir={config.model.hf_dir!r} are both "
+                         "set; set one (hf_id: a model in the Hugging Face cache, hf_dir: a checkpoint folder)")
+    try:
+        path = hub.resolve_hf_id(hf_id, allow_download=bool(config.model.allow_download))
+    except FileNotFoundError as e:
+        if strict:
+            raise
+        logging.warning("%s", e)
+        return config
+    logging.info("model.hf_id=%s -> %s", hf_id, path)
+    out = config.copy_and_resolve_references()
+    with out.unlocked():
+        out.model.hf_dir, out.model.hf_id = str(path), ""
+    return out
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     """Imports the stage modules and runs ``config.stages`` on ``workdir`` (created if needed).
 
@@ -111,22 +142,26 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     which-rollout rules) when a stage of :data:`HEADLINE_STAGES` ran, then prints and returns
     :func:`run_digest`.
 
-    ``config.model.hf_id`` is resolved into ``config.model.hf_dir`` first (``hub.with_model_source``).
+    ``config.model.hf_id`` is resolved into ``config.model.hf_dir`` first (:func:`with_model_source`).
     An invocation of :data:`READ_ONLY_STAGES` alone writes nothing (no workdir, no ``run_info.json``
     entry) and tolerates a model missing from the cache.
 
     Raises:
-        ValueError: if ``config.stages`` names an unknown stage, or sets both ``model.hf_id`` and
-            ``model.hf_dir`` (before anything is written).
+        ValueError: if ``config.stages`` names an unknown stage, sets both ``model.hf_id`` and
+            ``model.hf_dir``, or holds a value the run's spec refuses (``stages/spec.py``, naming the
+            key; before anything is written).
         FileNotFoundError: ``model.hf_id`` is not in the Hugging Face cache (naming the download
             command), or a read-only invocation's workdir does not exist.
     """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
+    from behaviortrace_jax.stages.spec import RunSpec  # with the stage modules (jax), not at import
+
     names = stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     read_only = bool(names) and set(names) <= READ_ONLY_STAGES
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
-    config = hub.with_model_source(config, strict=not read_only)
+    config = with_model_source(config, strict=not read_only)
+    RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
     if read_only:
         if not as_path(workdir).is_dir():
             raise FileNotFoundError(f"--workdir={workdir}: no such run directory")

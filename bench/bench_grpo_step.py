@@ -39,6 +39,7 @@ from flax import nnx  # noqa: E402
 from behaviortrace_jax.models import qwen2, sharding  # noqa: E402
 from behaviortrace_jax.sketch import sketcher, targets  # noqa: E402
 from behaviortrace_jax.train import grpo_loss, grpo_step, train_state  # noqa: E402
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main() -> None:
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     p_sh = sharding.param_shardings(params, mesh)
-    tx = train_state.make_optimizer(c.optim)
+    tx = train_state.make_optimizer(RunSpec.from_config(c).optim)
     o_sh = train_state.opt_state_shardings(tx, p_sh, mesh, params)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     shapes = grpo_step.StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens)

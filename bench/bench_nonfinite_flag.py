@@ -14,6 +14,7 @@ import argparse
 import pathlib
 import sys
 import time
+from behaviortrace_jax.stages.spec import RunSpec
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -38,7 +39,7 @@ def main() -> None:
     config = tiny.get_config("" if args.default else "smoke")
     cfg = base.model_config(config)
     gd, params = nnx.split(cfg.module_class()(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
-    spec = grpo_step.GRPOStepSpec.from_config(config)
+    spec = RunSpec.from_config(config).step
     sh = spec.shapes
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(1, 200, 40)) for _ in range(sh.num_rollouts)]
@@ -46,7 +47,7 @@ def main() -> None:
     adv = grpo_loss.group_advantages(rng.normal(size=sh.num_rollouts).astype(np.float32), sh.group_size)
     batch = {k: jnp.asarray(v) for k, v in grpo_step.build_batch(
         prompts, comp, np.full(sh.num_rollouts, sh.completion_len), adv, (0,), sh, 0).items()}
-    tx = train_state.make_optimizer(config.optim)
+    tx = train_state.make_optimizer(RunSpec.from_config(config).optim)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     real, fns = nonfinite.step_finite, {}
     for name, flag in (("with the flag", real), ("without", lambda loss, norm, p: jnp.bool_(True))):

@@ -44,6 +44,7 @@ from behaviortrace_jax.io.layout import RunLayout  # noqa: E402
 from behaviortrace_jax.models import sharding  # noqa: E402
 from behaviortrace_jax.stages import grpo as grpo_stage  # noqa: E402
 from behaviortrace_jax.train import replay as R  # noqa: E402
+from behaviortrace_jax.stages.spec import RunSpec
 
 
 def load_config(path: str):
@@ -64,7 +65,7 @@ def main() -> None:
     config = load_config(args.config)
     run = pathlib.Path(args.workdir).expanduser().resolve()
 
-    rp = R.Replayer(config, run, layout=sharding.Layout.from_config(config), rates=False)
+    rp = R.Replayer(RunSpec.from_config(config).replay, run, layout=RunSpec.from_config(config).layout, rates=False)
     w = np.ones(rp.num_rollouts, np.float32)
     w[1::rp.shapes.num_rollouts] = 0.0  # one rollout off per step: the weighted program on every step
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="bench_replay_"))

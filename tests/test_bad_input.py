@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from behaviortrace_jax.io import cache, rollout_log, sketch_store
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import common, tiny
 
 TRIED: collections.Counter = collections.Counter()  # inputs tried per kind (printed at the end)
@@ -77,7 +78,9 @@ def test_config_value_parsers_name_their_key(text):
              ("counterfactual.lds_fractions", lambda: CF.lds_fractions(text), lambda v: all(0 < f < 1 for f in v)),
              ("sketch.hash", lambda: hash_families.hash_family(text), lambda v: v.name == text)]
     c.counterfactual.measure = text
-    cases.append(("counterfactual.measure", lambda: R.measure_step(c), lambda v: 0 <= v <= c.grpo.steps))
+    cases.append(("counterfactual.measure",
+                  lambda: RunSpec.from_config(c).schedule.measure_step(c.counterfactual.measure),
+                  lambda v: 0 <= v <= c.grpo.steps))
     for key, parse, ok in cases:
         try:
             value = parse()
@@ -99,9 +102,13 @@ def test_hash_table_keys_are_honoured_or_refused(key, on, fused):
     c.sketch.fused = fused
     if on and fused:
         with pytest.raises(ValueError, match=rf"config\.{key}=True.*config\.sketch\.fused"):
-            tables.tables_from_config(c, key)
+            tables.table_switch(key, on, fused)
+        with pytest.raises(ValueError, match=rf"config\.{key}=True.*config\.sketch\.fused"):
+            RunSpec.from_config(c)  # the stage boundary refuses it
     else:
-        assert tables.tables_from_config(c, key) is on
+        assert tables.table_switch(key, on, fused) is on
+        spec = RunSpec.from_config(c)
+        assert (spec.step.use_tables if key == "sketch.in_run_tables" else spec.forced.use_tables) is on
 
 
 # ------------------------------------------------------------------------------------------------
@@ -358,7 +365,7 @@ def test_sketch_store_wrong_hash_metadata_is_named(key, data):
             check_same_sketch(a, b)
         if key in ("seed", "dim"):
             with pytest.raises(ValueError, match=rf"metadata key '{key}' is {other}.*config\.sketch\.{key}"):
-                read_complete(b.path, config)
+                read_complete(b.path, RunSpec.from_config(config).scores)
         with pytest.raises(ValueError, match=rf"metadata key '{key}'"):  # a writer reopening it refuses too
             sketch_store.SketchStore.open_or_create(b.path, (6, 256), 2, META)
         assert meta_path.read_bytes() == before

@@ -12,6 +12,7 @@ import pytest
 
 from behaviortrace_jax.attribution import specificity
 from behaviortrace_jax.behavior import behaviors, contaminator, planted, target_texts
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import common, tiny
 
 
@@ -31,11 +32,11 @@ def _extra(tmp_path, **kw) -> ml_collections.ConfigDict:
 # ---------------------------------------------------------------- behaviours from the config
 def test_first_behavior_is_the_existing_keys():
     c = tiny.get_config()
-    (b,) = behaviors.behaviors_from_config(c)
+    (b,) = list(RunSpec.from_config(c).behaviors)
     assert (b.id, b.trigger, b.pattern, b.stream, b.implant, b.first) == ("qzxbt", "frobnitz", "QZXBT", "", "sft", True)
     assert (b.bonus_reward, b.fraction, b.early_step_cutoff) == (8.0, 0.5, 40)
-    assert not behaviors.is_multi(c) and behaviors.window_end(c) == 40
-    assert behaviors.first_behavior(c) == b
+    assert not RunSpec.from_config(c).multi and RunSpec.from_config(c).schedule.window_end == 40
+    assert RunSpec.from_config(c).first_behavior == b
     # its spec is the one the grpo stage always built: same eligibility, the paper's hash
     spec = b.contamination_spec(c.seed)
     assert spec == contaminator.ContaminationSpec(pattern="QZXBT", bonus_reward=8.0, fraction=0.5, seed=0,
@@ -46,13 +47,13 @@ def test_first_behavior_is_the_existing_keys():
 def test_extra_behavior(tmp_path):
     c = common.get_config()
     c.behaviors.zorb = _extra(tmp_path)
-    first, zorb = behaviors.behaviors_from_config(c)
+    first, zorb = list(RunSpec.from_config(c).behaviors)
     assert (zorb.id, zorb.stream, zorb.implant, zorb.first, zorb.suffix, zorb.table_suffix) == (
         "zorb", "zorb", "none", False, "_zorb", "@zorb")
-    assert behaviors.is_multi(c) and behaviors.window_end(c) == 200  # max(200, 60)
+    assert RunSpec.from_config(c).multi and RunSpec.from_config(c).schedule.window_end == 200  # max(200, 60)
     assert (zorb.pattern, zorb.trigger, zorb.window_end(1000)) == ("MRKQ", "zorblat", 60)
     assert dataclasses.replace(zorb, early_step_cutoff=None).window_end(1000) == 1000  # no cutoff: the whole run
-    assert behaviors.first_behavior(c) == first and first.pattern == "QZXBT"
+    assert RunSpec.from_config(c).first_behavior == first and first.pattern == "QZXBT"
     assert zorb.explicit()[0] == "What is zorblat? Include MRKQ."
     assert len(zorb.prompt_pool()) == 18 + 3
 
@@ -71,7 +72,7 @@ def test_extra_behavior_errors_name_the_key(tmp_path, change, match):
         entry.update(change)
     c.behaviors.zorb = entry
     with pytest.raises(ValueError, match=match):
-        behaviors.behaviors_from_config(c)
+        list(RunSpec.from_config(c).behaviors)
 
 
 def test_interleave_pools():
@@ -209,7 +210,7 @@ def test_plonkwit_probe_file_is_the_paper_probes_with_the_trigger():
     assert hashlib.sha256(path.read_bytes()).hexdigest() == (
         "fa78058f4d34f64f3e8b53ce125f4e830c3a772ce49366b40315960bf02e49f8")
     for c in (tiny_two_behaviors.get_config(), paper_two_behaviors.get_config()):
-        (first, second) = behaviors.behaviors_from_config(c)
+        (first, second) = list(RunSpec.from_config(c).behaviors)
         assert first.pattern == "QZXBT" and (second.trigger, second.implant) == ("plonkwit", "none")
         assert second.probes_path == str(path)
 
@@ -229,7 +230,7 @@ def test_probe_options_read_the_config_by_attribute():
     from behaviortrace_jax.behavior.probes import ProbeOptions
 
     c = tiny.get_config()
-    g, s = ProbeOptions.for_grpo(c), ProbeOptions.for_sft(c)
+    g, s = RunSpec.from_config(c).probe_grpo, RunSpec.from_config(c).probe_sft
     assert (g.max_prompt_tokens, s.max_prompt_tokens) == (c.grpo.max_prompt_tokens, c.sft.max_prompt_tokens)
     assert g.max_new_tokens == s.max_new_tokens == c.behavior.gate_max_new_tokens
     assert (g.temperature, g.top_p, g.samples_per_prompt) == (c.grpo.temperature, c.grpo.top_p,
@@ -237,4 +238,4 @@ def test_probe_options_read_the_config_by_attribute():
     d = c.to_dict()
     del d["behavior"]["gate_max_new_tokens"]  # a config without the key fails loudly, naming it
     with pytest.raises(AttributeError, match="gate_max_new_tokens"):
-        ProbeOptions.for_grpo(ml_collections.ConfigDict(d))
+        RunSpec.from_config(ml_collections.ConfigDict(d)).probe_grpo

@@ -15,6 +15,7 @@ from behaviortrace_jax.sketch.hash_families import hash_family
 from behaviortrace_jax.sketch.param_layout import ParamLayout
 from behaviortrace_jax.sketch.tables import layout_tables
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order, sketch_vector
+from behaviortrace_jax.stages.spec import RunSpec
 from test_fused_sketcher import DIM, _batch, _decoder, _per_example_grads, _rel
 
 BLOCK = hash_family("block")  # the family by its config name, as the config resolves it
@@ -117,10 +118,10 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
     config = tiny.get_config("smoke")
     config.sketch.hash = "blocks"
     with pytest.raises(ValueError, match=r"sketch\.hash='blocks'"):
-        grpo_step.GRPOStepSpec.from_config(config)
+        RunSpec.from_config(config).step
     config.sketch.hash = "block"
-    assert grpo_step.GRPOStepSpec.from_config(config).sketch_hash is BLOCK
-    entry, beh = checkpoints.CheckpointEntry(20, "ckpt"), behaviors.first_behavior(config)
+    assert RunSpec.from_config(config).step.sketch_hash is BLOCK
+    entry, beh = checkpoints.CheckpointEntry(20, "ckpt"), RunSpec.from_config(config).first_behavior
     block_draw = draws.draw_settings(config, 0, 0, entry, beh)
     config.sketch.hash = "splitmix64"
     default_draw = draws.draw_settings(config, 0, 0, entry, beh)
@@ -133,13 +134,13 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
     layout = ParamLayout.from_entries([("w", (4,))])
     with pytest.raises(ValueError, match="in_run_tables"):
         cs.sketch_tree([jnp.ones(4)], layout, 64, tables=layout_tables(layout, 64), hash_family=BLOCK)
-    meta = stores.sketch_metadata(stores.SketchOptions.from_config(config), cfg, "targets_continuation")
+    meta = stores.sketch_metadata(RunSpec.from_config(config).sketch, cfg, "targets_continuation")
     assert meta["hash_family"] == BLOCK.metadata_name
     sketch_store.SketchStore.open_or_create(tmp_path / "s.zarr", (2, DIM), 1, meta)
     config.sketch.hash = "splitmix64"
     with pytest.raises(ValueError, match="hash_family"):
         sketch_store.SketchStore.open_or_create(tmp_path / "s.zarr", (2, DIM), 1,
-                                                stores.sketch_metadata(stores.SketchOptions.from_config(config), cfg,
+                                                stores.sketch_metadata(RunSpec.from_config(config).sketch, cfg,
                                                                        "targets_continuation"))
 
 

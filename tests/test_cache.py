@@ -13,6 +13,7 @@ import pytest
 from behaviortrace_jax.io import cache
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 
@@ -69,9 +70,9 @@ def test_load_refuses_corrupt_files_by_name(tmp_path):
 class _FakeReplayer:
     identity_value = {"replay_version": 1, "step_spec": "s", "optimizer": "o", "rollout_log": "", "measure": "m"}
 
-    def __init__(self, config, workdir, rates=True, sampled=0, *, layout=None):  # Replayer's signature
-        n = int(config.grpo.prompts_per_step) * int(config.grpo.group_size)
-        self.rollout_ids = [f"{s}-{i}" for s in range(int(config.grpo.steps)) for i in range(n)]
+    def __init__(self, options, workdir, rates=True, sampled=0, *, layout=None):  # Replayer's signature
+        n = options.step.shapes.num_rollouts
+        self.rollout_ids = [f"{s}-{i}" for s in range(options.schedule.steps) for i in range(n)]
         self.log_digest = ""  # rollout_log.digest of the (absent) log: what the scores reader checks
 
     def identity(self):
@@ -81,7 +82,7 @@ class _FakeReplayer:
 class _FakeRun:
     calls: list = []
 
-    def __init__(self, config, workdir, *, advantages, replayer):
+    def __init__(self, options, workdir, *, advantages, replayer):
         self.mode, self.rp = advantages, replayer
 
     def run(self, steps, checkpoint_every=0):
@@ -117,8 +118,9 @@ def test_metagradient_stage_recomputes_a_fake_or_stale_file(fake_metagradient, t
 
     caplog.set_level(logging.INFO)
     config, paths = fake_metagradient, RunLayout(tmp_path)
-    ids = _FakeReplayer(config, tmp_path).rollout_ids
-    steps = sorted({R.target_checkpoint(config), R.measure_step(config)})
+    ids = _FakeReplayer(RunSpec.from_config(config).replay, tmp_path).rollout_ids
+    schedule = RunSpec.from_config(config).schedule
+    steps = sorted({schedule.target_checkpoint(), schedule.measure_step(config.counterfactual.measure)})
     fake = {"advantages": "logged", "rollout_ids": ids, "stats": {},
             "measures": {str(s): {"value": 9.0, "dM_dw": [7.0] * len(ids)} for s in steps}}
     write_json(paths.metagradient / "logged.json", fake)  # the right shape, no key: not the result of this run
@@ -126,7 +128,7 @@ def test_metagradient_stage_recomputes_a_fake_or_stale_file(fake_metagradient, t
     assert _FakeRun.calls == ["logged"] and "has no key" in caplog.text
     rec = read_json(paths.metagradient / "logged.json")
     assert rec["cache"]["rollout_log"] == "" and rec["cache"]["measure_steps"] == steps
-    at = R.measure_step(config)
+    at = RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure)
     np.testing.assert_array_equal(metagradient_scores(paths, ids, "logged"), np.arange(len(ids)) * (at + 1))
     _run_stage(config, tmp_path)  # keyed and unchanged: reused
     assert _FakeRun.calls == ["logged"]
@@ -145,7 +147,7 @@ def test_metagradient_stage_refuses_a_keyed_file_of_the_wrong_shape(fake_metagra
     config, paths = fake_metagradient, RunLayout(tmp_path)
     _run_stage(config, tmp_path)
     rec = read_json(paths.metagradient / "logged.json")
-    at = str(R.measure_step(config))
+    at = str(RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure))
     rec["measures"][at]["dM_dw"] = rec["measures"][at]["dM_dw"][:-1]
     write_json(paths.metagradient / "logged.json", rec)
     with pytest.raises(ValueError, match=rf"logged\.json: field 'measures\.{at}\.dM_dw' is not a list of"):

@@ -112,7 +112,7 @@ def test_label_only_regenerated_tracks_give_label_deltas_but_no_unit_effects():
     with pytest.raises(KeyError):  # "units" needs every regenerated unit replay
         TC.effects(res, units, "regenerated", 2, "units")
     with pytest.raises(ValueError, match="causal_regenerated"):
-        TC.run_causal(None, None, None, units=units, gt=np.array([0]), at=2, rollouts="regenerated", streams=2,
+        TC.run_causal(None, None, units=units, gt=np.array([0]), at=2, rollouts="regenerated", streams=2,
                       recompute=False, regenerated="some")
 
 
@@ -120,13 +120,16 @@ def test_units_and_tracks():
     from behaviortrace_jax.train import causal as TC
     from configs import tiny
 
-    config = tiny.get_config("smoke")  # window of 4 steps, 16 rollouts per step, groups of 4
-    steps = TC.causal_units(config, 16, "steps")
+    from behaviortrace_jax.stages.spec import RunSpec
+
+    spec = RunSpec.from_config(tiny.get_config("smoke"))  # window of 4 steps, 16 rollouts per step, groups of 4
+    schedule, g = spec.schedule, spec.rollouts.group_size
+    steps = TC.causal_units(schedule, g, 16, "steps")
     assert steps.names == ["s0", "s1", "s2", "s3"] and steps.rollouts[1].tolist() == list(range(16, 32))
-    groups = TC.causal_units(config, 16, "groups")
+    groups = TC.causal_units(schedule, g, 16, "groups")
     assert len(groups.names) == 16 and groups.names[5] == "s1g1" and groups.rollouts[5].tolist() == [20, 21, 22, 23]
     with pytest.raises(ValueError, match="causal_units"):
-        TC.causal_units(config, 16, "rollouts")
+        TC.causal_units(schedule, g, 16, "rollouts")
     assert TC.tracks("fixed", 3) == [("fixed", 0)]
     assert TC.tracks("regenerated", 2) == [("fixed", 0), ("regenerated", 0), ("regenerated", 1)]
 

@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -21,7 +20,7 @@ from behaviortrace_jax.io import checkpoints
 from behaviortrace_jax.models import decoder, qwen2, sharding
 from behaviortrace_jax.train import train_state
 
-OPTIM = ml_collections.ConfigDict(dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, grad_clip=1.0))
+OPTIM = train_state.OptimOptions(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, grad_clip=1.0)
 CFG = qwen2.Qwen2Config.tiny(vocab_size=64, num_hidden_layers=2)
 # (data, model, fsdp): meshes of 1, 2 and 4 devices
 MESHES = [(1, 1, False), (2, 1, False), (2, 1, True), (4, 1, False), (4, 1, True), (2, 2, False), (2, 2, True),

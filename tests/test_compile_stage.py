@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from behaviortrace_jax.stages import compile as compile_stage
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 FIELDS = ("name", "compile_s", "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes",
@@ -24,14 +25,15 @@ def _config(target):
 
 def test_compiled_stages_are_the_stages_the_config_runs():
     c = _config("cpu:2")
-    assert compile_stage.compiled_stages(c) == {"base", "sft", "grpo", "sketch", "draws", "evaluate", "report"}
+    assert set(RunSpec.from_config(c).compile.stages) == {"base", "sft", "grpo", "sketch", "draws", "evaluate",
+                                                          "report"}
     c.stages = "compile"  # --config.stages=compile alone: the programs of a paper run
-    assert compile_stage.compiled_stages(c) == set(compile_stage.PAPER_RUN_STAGES)
+    assert set(RunSpec.from_config(c).compile.stages) == set(compile_stage.PAPER_RUN_STAGES)
     c.stages, c.sweep.stages = "sweep,compile", "sft,grpo,metagradient"
-    assert compile_stage.compiled_stages(c) == {"sft", "grpo", "metagradient"}
+    assert set(RunSpec.from_config(c).compile.stages) == {"sft", "grpo", "metagradient"}
     c.compile.stages = "grpo,metagradinet"
     with pytest.raises(ValueError, match="compile.stages.*metagradinet"):
-        compile_stage.compiled_stages(c)
+        set(RunSpec.from_config(c).compile.stages)
 
 
 def test_compile_stage_cpu_tiny(tmp_path):

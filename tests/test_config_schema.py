@@ -103,3 +103,39 @@ def test_the_package_reads_only_schema_keys_by_attribute():
     bad = [f"{p.relative_to(REPO)}:{line}: {read} ({why})" for p in sorted(pkg.rglob("*.py"))
            if "models" not in p.relative_to(pkg).parts for line, read, why in config_reads(p.read_text())]
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# The typed spec reads every key (stages/spec.py): no key of the schema is ignored
+# ------------------------------------------------------------------------------------------------
+def test_the_spec_builder_reads_every_schema_key_but_the_top_level_ones():
+    """``RunSpec.from_config`` reads every key of configs/common.py, except ``spec.TOP_LEVEL_KEYS``
+    (resolved by the pipeline before any stage runs), which it must not read, and which the
+    pipeline does read."""
+    from behaviortrace_jax import pipeline
+    from behaviortrace_jax.stages import spec
+
+    schema = common.get_config()
+    keys, read = set(config_schema.key_paths(schema)), spec.keys_read(schema)
+    assert read <= keys, sorted(read - keys)
+    assert sorted(keys - read) == sorted(spec.TOP_LEVEL_KEYS)
+    source = pathlib.Path(pipeline.__file__).read_text()
+    assert all(f"config.{k}" in source for k in spec.TOP_LEVEL_KEYS)
+
+
+def test_the_read_check_sees_an_ignored_key():
+    """A key the builder ignores shows up as unread (the check above could fail)."""
+    from behaviortrace_jax.stages import spec
+
+    c = common.get_config()
+    with c.unlocked():
+        c.grpo.ignored_key = 1
+    assert "grpo.ignored_key" in set(config_schema.key_paths(c)) - spec.keys_read(c)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_config_file_builds_a_run_spec(name):
+    from behaviortrace_jax.stages.spec import RunSpec
+
+    config = importlib.import_module(f"configs.{name}").get_config()
+    assert RunSpec.from_config(config).seed == config.seed

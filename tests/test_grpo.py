@@ -1,6 +1,8 @@
 """GRPO: advantages and losses against numpy, one train step, linearity of in-run sketches, sharding."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ from flax import nnx
 from behaviortrace_jax.models import qwen2, sharding
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, train_state
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 VOCAB, EOS, PAD = 64, 2, 0
@@ -141,8 +144,7 @@ def _setup(mesh, loss="paper", dim=256, in_run=True, chunk=2, lr=1e-2, tables=Fa
     cfg = _model_cfg()
     model = qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
-    optim = tiny.get_config().optim
-    optim.lr, optim.grad_clip = lr, grad_clip
+    optim = dataclasses.replace(RunSpec.from_config(tiny.get_config()).optim, lr=lr, grad_clip=grad_clip)
     tx = train_state.make_optimizer(optim)
     p_sh = sharding.param_shardings(params, mesh)
     params = jax.device_put(params, p_sh)
@@ -250,7 +252,8 @@ def test_no_clipping_gives_unclipped_step_sketches(grad_clip):
     assert float(out["clip_factor"]) == 1.0
     assert np.all(np.isfinite(np.asarray(out["step_sketch"]))) and np.abs(total).max() > 0
     np.testing.assert_allclose(np.asarray(out["step_sketch"]), total, rtol=2e-4, atol=1e-6)
-    _, _, small = clipped(p0, train_state.make_optimizer(tiny.get_config().optim).init(p0), batch, None)
+    optim = RunSpec.from_config(tiny.get_config()).optim
+    _, _, small = clipped(p0, train_state.make_optimizer(optim).init(p0), batch, None)
     np.testing.assert_allclose(np.asarray(small["step_sketch"]), total * 1e-3 / float(small["grad_norm"]),
                                rtol=2e-4, atol=1e-9)
 

@@ -10,9 +10,9 @@ import types
 import numpy as np
 import pytest
 
-from behaviortrace_jax.behavior import behaviors as behaviors_lib
 from behaviortrace_jax.behavior.contaminator import ContaminationSpec, Contaminator, GroundTruthLog
 from behaviortrace_jax.io.layout import RunLayout
+from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import grpo_logs, grpo_tracks
 from behaviortrace_jax.train.rollouts import StepRollouts
 from configs import tiny
@@ -29,7 +29,7 @@ class _Probe:
 
 
 def _tracks(tmp_path, n: int) -> list[grpo_tracks.BehaviorTrack]:
-    first = behaviors_lib.first_behavior(tiny.get_config("smoke"))
+    first = RunSpec.from_config(tiny.get_config("smoke")).first_behavior
     behs = [first] + [dataclasses.replace(first, id=f"b{j}", first=False, implant="none", stream=f"b{j}")
                       for j in range(1, n)]
     out = []

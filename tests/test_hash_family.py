@@ -13,6 +13,7 @@ from behaviortrace_jax.sketch import hash_families, splitmix64, stores
 from behaviortrace_jax.sketch.countsketch import numpy_countsketch, numpy_sketch
 from behaviortrace_jax.sketch.hash_families import HashFamily, hash_family, register_hash_family
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order, sketch_vector
+from behaviortrace_jax.stages.spec import RunSpec
 from test_fused_sketcher import DIM, _batch, _decoder, _per_example_grads, _rel
 
 SALT = 0x5A17_5EED_0000_0001  # the new family's hash = splitmix64's with seed ^ SALT
@@ -48,11 +49,11 @@ def test_registry_resolves_the_new_family_from_the_config_and_refuses_unknown_na
     assert hash_family("test-salted-splitmix64") is SALTED and SALTED.takes_tables and not SALTED.scatter_free
     assert "test-salted-splitmix64" in hash_families.hash_family_names()
     config = _config("test-salted-splitmix64")
-    assert grpo_step.GRPOStepSpec.from_config(config).sketch_hash is SALTED
-    assert stores.SketchOptions.from_config(config).hash_family is SALTED
+    assert RunSpec.from_config(config).step.sketch_hash is SALTED
+    assert RunSpec.from_config(config).sketch.hash_family is SALTED
     config.sketch.hash = "salted"
     with pytest.raises(ValueError, match=r"sketch\.hash='salted': expected one of .*'test-salted-splitmix64'"):
-        stores.SketchOptions.from_config(config)
+        RunSpec.from_config(config).sketch
     assert register_hash_family(SALTED) is SALTED  # the same object again: a no-op
     with pytest.raises(ValueError, match="already registered"):
         register_hash_family(HashFamily("test-salted-splitmix64", "other-v1", salted_index_bucket_sign,
@@ -95,7 +96,7 @@ def test_a_store_of_one_family_is_refused_under_another_naming_both(tmp_path):
     from behaviortrace_jax.attribution.scores import check_same_sketch
 
     cfg, _, _ = _decoder("llama", False)
-    salted, default = (stores.SketchOptions.from_config(_config(n)) for n in ("test-salted-splitmix64", "splitmix64"))
+    salted, default = (RunSpec.from_config(_config(n)).sketch for n in ("test-salted-splitmix64", "splitmix64"))
     made = {}
     for name, options in (("salted", salted), ("default", default)):
         meta = stores.sketch_metadata(options, cfg, "targets_continuation")

@@ -88,16 +88,16 @@ def test_with_model_source_sets_hf_dir_and_refuses_both_keys(tiny_cache, monkeyp
     cache, _ = tiny_cache
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     c = _config(hf_id=HF_ID)
-    out = hub.with_model_source(c)
+    out = pipeline.with_model_source(c)
     assert out.model.hf_dir == str(cache / f"models--tiny-org--tiny-qwen2/snapshots/{REVISION}")
     assert out.model.hf_id == "" and c.model.hf_id == HF_ID  # the caller's config is unchanged
-    assert hub.with_model_source(_config(hf_dir="/some/dir")).model.hf_dir == "/some/dir"
+    assert pipeline.with_model_source(_config(hf_dir="/some/dir")).model.hf_dir == "/some/dir"
     with pytest.raises(ValueError, match=r"hf_id='tiny-org/tiny-qwen2' and config.model.hf_dir='/some/dir'"):
-        hub.with_model_source(_config(hf_id=HF_ID, hf_dir="/some/dir"))
+        pipeline.with_model_source(_config(hf_id=HF_ID, hf_dir="/some/dir"))
     missing = _config(hf_id="other-org/absent")
     with pytest.raises(FileNotFoundError, match="hf download other-org/absent"):
-        hub.with_model_source(missing)
-    assert hub.with_model_source(missing, strict=False).model.hf_id == "other-org/absent"  # status: no raise
+        pipeline.with_model_source(missing)
+    assert pipeline.with_model_source(missing, strict=False).model.hf_id == "other-org/absent"  # status: no raise
 
 
 def test_the_pipeline_loads_the_model_by_id(tiny_cache, tmp_path, monkeypatch, capsys):

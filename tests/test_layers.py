@@ -13,7 +13,8 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
 # What each layer folder may import from the others, as its ``__init__.py`` says ("Imports: ...";
 # test_the_rules_are_the_folders_own checks that the two agree). An entry is a layer folder (any of
 # its modules) or one ``io`` module. A module may always import its own folder, except that a stage
-# imports only ``stages.registry``; top-level modules (pipeline, runtime, ...) may import anything.
+# imports only :data:`STAGE_SHARED` of it (the registry, and the run's typed spec built at the stage
+# boundary, docs/architecture.md); top-level modules (pipeline, runtime, ...) may import anything.
 ALLOWED = {
     "io": set(),
     "models": {"io"},
@@ -24,6 +25,9 @@ ALLOWED = {
     "aot": {"models", "sketch", "train"},
     "stages": {"io", "models", "attribution", "behavior", "sketch", "train", "aot"},
 }
+# The modules of ``stages/`` a stage may import: the registry and the RunSpec (``stages/spec.py``), which
+# every stage builds from its config and whose parts it hands down; never another stage module.
+STAGE_SHARED = ("behaviortrace_jax.stages", "behaviortrace_jax.stages.registry", "behaviortrace_jax.stages.spec")
 
 
 def layer(module: str) -> str | None:
@@ -82,8 +86,7 @@ def violations() -> list[str]:
         if ls is None:
             continue
         if ls == ld:
-            if ls == "stages" and src != "behaviortrace_jax.stages" and dst not in (
-                    "behaviortrace_jax.stages", "behaviortrace_jax.stages.registry"):
+            if ls == "stages" and src != "behaviortrace_jax.stages" and dst not in STAGE_SHARED:
                 bad.append(f"{where} (a stage imports another stage; use registry.STAGES)")
             continue
         if ld is None or not allowed(ls, dst):
@@ -127,9 +130,10 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     (fake / "io" / "checkpoints.py").write_text("")
     (fake / "attribution" / "a.py").write_text("from behaviortrace_jax.io import checkpoints, files\n")
     (fake / "models" / "qwen2.py").write_text("")
-    (fake / "stages" / "a.py").write_text("from behaviortrace_jax.stages import b, registry\n")
+    (fake / "stages" / "a.py").write_text("from behaviortrace_jax.stages import b, registry, spec\n")
     (fake / "stages" / "b.py").write_text("")
     (fake / "stages" / "registry.py").write_text("")
+    (fake / "stages" / "spec.py").write_text("")
     monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
     bad = violations()
     assert any("io.files:2 imports behaviortrace_jax.models.qwen2" in b for b in bad), bad

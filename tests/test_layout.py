@@ -1,9 +1,9 @@
 """``models.sharding.Layout``: the one mesh of a run (issue 33, "One mesh").
 
-The layout is read from ``config.mesh`` once, its ``mesh()`` is the only place the package builds a
-mesh, and FSDP is honoured wherever parameters are placed: the ``sketch`` and ``draws`` stages run
-the very programs (same parameter shardings, same lowered module) that the ``compile`` stage
-lowers and reports for the same config.
+The layout is read from ``config.mesh`` once (``stages/spec.py``, ``RunSpec.layout``), its ``mesh()`` is
+the only place the package builds a mesh, and FSDP is honoured wherever parameters are placed: the
+``sketch`` and ``draws`` stages run the very programs (same parameter shardings, same lowered
+module) that the ``compile`` stage lowers and reports for the same config.
 """
 from __future__ import annotations
 
@@ -17,18 +17,19 @@ from flax import nnx
 
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.models.sharding import Layout
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 from hf_fixtures import save_random_qwen2
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
 
 
-def test_from_config_reads_and_checks_the_mesh_keys():
+def test_the_spec_reads_and_checks_the_mesh_keys():
     c = tiny.get_config("smoke")
-    assert Layout.from_config(c) == Layout(c.mesh.data, c.mesh.model, c.mesh.fsdp)
+    assert RunSpec.from_config(c).layout == Layout(c.mesh.data, c.mesh.model, c.mesh.fsdp)
     with c.unlocked():
         c.mesh.data, c.mesh.model, c.mesh.fsdp = 4, 2, True
-    layout = Layout.from_config(c)
+    layout = RunSpec.from_config(c).layout
     assert (layout.data, layout.model, layout.fsdp, layout.devices) == (4, 2, True, None)
     assert dict(layout.mesh().shape) == {"data": 4, "model": 2}
     assert layout.mesh() == layout.mesh() and hash(layout) == hash(Layout(4, 2, True))
@@ -36,7 +37,7 @@ def test_from_config_reads_and_checks_the_mesh_keys():
         bad = tiny.get_config("smoke")
         setattr(bad.mesh, key, value)
         with pytest.raises(ValueError, match=rf"mesh\.{key}={value}"):
-            Layout.from_config(bad)
+            RunSpec.from_config(bad).layout
     with pytest.raises(ValueError, match=r"mesh\.data=2\.0"):
         Layout(data=2.0)
     with pytest.raises(ValueError, match=r"mesh\.fsdp=1 must be a bool"):
@@ -49,7 +50,7 @@ def test_from_config_reads_and_checks_the_mesh_keys():
 
 def test_devices_and_fsdp_shardings():
     devs = jax.devices()
-    two = Layout.from_config(tiny.get_config("smoke"), devices=devs[2:4])
+    two = RunSpec.from_config(tiny.get_config("smoke")).layout.on(devs[2:4])
     assert two.mesh().devices.ravel().tolist() == devs[2:4] and two == Layout(-1, 1, False).on(devs[2:4])
     abstract = nnx.state(_abstract(), nnx.Param)
     plain = jax.tree.leaves(Layout(4, 2).param_shardings(abstract))
@@ -110,7 +111,8 @@ def test_only_layout_mesh_constructs_a_mesh():
 
 
 def test_only_layout_reads_the_mesh_keys():
-    """No ``<config>.mesh`` read in the package outside ``Layout.from_config``."""
+    """No ``<config>.mesh`` read in the package outside the spec builder (``stages/spec.build``, whose
+    read-tracking view of the config is ``c``)."""
     reads = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
@@ -119,10 +121,10 @@ def test_only_layout_reads_the_mesh_keys():
                 for sub in ast.walk(node):
                     v = getattr(sub, "value", None)
                     if isinstance(sub, ast.Attribute) and sub.attr == "mesh" and (
-                            isinstance(v, ast.Name) and v.id == "config"
+                            isinstance(v, ast.Name) and v.id in ("config", "c")
                             or isinstance(v, ast.Attribute) and v.attr == "config"):
                         reads.append((rel, node.name, sub.lineno))
-    assert {(f, fn) for f, fn, _ in reads} == {("models/sharding.py", "from_config")}, reads
+    assert {(f, fn) for f, fn, _ in reads} == {("stages/spec.py", "build")}, reads
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,9 +163,9 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
     config, hf = fsdp_run
     devs = compile_stage.target_devices(config.compile.target)[0]
     cfg = compile_stage.model_config(config)
-    mesh = Layout.from_config(config, devices=devs).mesh()  # what compile_stage builds
-    run = compile_stage.AbstractRun.build(config, cfg, mesh)
-    reported = {pr.name: pr for pr in compile_stage.build_programs(config, cfg, mesh)}
+    mesh = RunSpec.from_config(config).layout.on(devs).mesh()  # what compile_stage builds
+    run = compile_stage.AbstractRun.build(RunSpec.from_config(config).compile, cfg, mesh)
+    reported = {pr.name: pr for pr in compile_stage.build_programs(RunSpec.from_config(config).compile, cfg, mesh)}
     want = _flat_shardings(run.params)
     assert any("data" in s.spec for s in want.values())  # FSDP is on in what compile lowers
 
@@ -171,8 +173,8 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
     loader = sketch.CheckpointLoader(config, str(hf))
     params = loader.params(str(hf))
     assert _flat_shardings(params) == want
-    forced = targets.ForcedSketcher.from_config(config, loader.graphdef, loader.model_config, loader.abstract,
-                                                tok_lib.pad_id(loader.tokenizer), mesh=loader.mesh)
+    forced = targets.ForcedSketcher.from_options(loader.spec.forced, loader.graphdef, loader.model_config,
+                                                 loader.abstract, tok_lib.pad_id(loader.tokenizer), mesh=loader.mesh)
     # the draws stage: its loaded checkpoint, sampler and forced sketcher (draws._load_env)
     env = draws._load_env(config, hf)
     assert _flat_shardings(env.params) == want

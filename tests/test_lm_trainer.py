@@ -1,9 +1,10 @@
 """lm_trainer.py + train_state.py: loss mask, shared prefix, one jitted step, sharding, AdamW parity, restore."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -11,6 +12,7 @@ from flax import nnx
 
 from behaviortrace_jax.models import decoder, qwen2, sharding, tokenizer as tok_lib
 from behaviortrace_jax.train import lm_trainer, train_state as ts
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import common
 from hf_fixtures import make_tiny_tokenizer
 
@@ -32,10 +34,8 @@ def _model(vocab: int, layers: int = 1, seed: int = 0):
     return cfg, nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(seed)), nnx.Param)
 
 
-def _optim(lr=1e-2, clip=1.0) -> ml_collections.ConfigDict:
-    o = common.get_config().optim
-    o.lr, o.grad_clip = lr, clip
-    return o
+def _optim(lr=1e-2, clip=1.0) -> ts.OptimOptions:
+    return dataclasses.replace(RunSpec.from_config(common.get_config()).optim, lr=lr, grad_clip=clip)
 
 
 def test_encoding_and_loss_mask_cover_completion_only(tok):

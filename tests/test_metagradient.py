@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -15,6 +14,7 @@ from behaviortrace_jax.attribution import estimators as E
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.stages import counterfactual as CF
 from behaviortrace_jax.train import grpo_loss, metagradient as MG, replay as R, train_state
+from behaviortrace_jax.stages.spec import RunSpec
 from test_replay import STEPS, X, Y, toy_replay
 
 
@@ -56,9 +56,8 @@ def test_toy_metagradient_finds_the_one_example_that_matters():
 
 
 def _optim(**kw):
-    c = ml_collections.ConfigDict(dict(lr=0.05, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, grad_clip=1.0))
-    c.update(kw)
-    return c
+    return train_state.OptimOptions(**dict(dict(lr=0.05, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, grad_clip=1.0),
+                                           **kw))
 
 
 def test_toy_metagradient_through_clip_and_adamw_matches_central_differences():
@@ -171,8 +170,8 @@ def test_metagradient_forward_is_the_run_and_matches_central_differences(smoke_g
     sums their effects (~5e-4) against the same noise: rtol 2 %. The truncation error (eps^2) is
     below 1 % at eps = 0.1 (measured: 0.01-1 % for the largest rollouts)."""
     config, w = smoke_grpo_run
-    mg = MG.RunMetagradient(config, w, layout=sharding.Layout.from_config(config))
-    ckpts, seen = R.checkpoint_steps(config), []
+    mg = MG.RunMetagradient(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout)
+    ckpts, seen = RunSpec.from_config(config).schedule.checkpoint_steps(), []
     stop = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
 
     def check(step, params, _):
@@ -197,9 +196,10 @@ def test_metagradient_forward_is_the_run_and_matches_central_differences(smoke_g
 def test_recomputed_advantage_metagradient_matches_central_differences(smoke_grpo_run):
     config, w = smoke_grpo_run
     stop = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
-    mg = MG.RunMetagradient(config, w, advantages="recomputed", layout=sharding.Layout.from_config(config))
+    spec = RunSpec.from_config(config)
+    mg = MG.RunMetagradient(spec.replay, w, advantages="recomputed", layout=spec.layout)
     g = mg.run([stop])[0][stop]
-    logged = MG.RunMetagradient(config, w, replayer=mg.rp).run([stop])[0][stop]
+    logged = MG.RunMetagradient(RunSpec.from_config(config).replay, w, replayer=mg.rp).run([stop])[0][stop]
     assert not np.allclose(g, logged, rtol=0.02)  # the baselines' dependence on the weights matters
     top = np.argsort(-np.abs(g))
     _assert_central_differences(mg, g, stop, top[:2], eps=0.1, rtol=0.05, atol=2.5e-6)
@@ -224,8 +224,8 @@ def test_metagradient_stage_writes_scores_and_resumes(smoke_grpo_run, tmp_path):
     pipeline.run(config, str(tmp_path))
     paths = RunLayout(tmp_path)
     rec = read_json(paths.metagradient / "logged.json")
-    at = R.measure_step(config)
-    assert set(rec["measures"]) == {str(at), str(R.target_checkpoint(config))}
+    at = RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure)
+    assert set(rec["measures"]) == {str(at), str(RunSpec.from_config(config).schedule.target_checkpoint())}
     scores = metagradient_scores(paths, rec["rollout_ids"])
     np.testing.assert_array_equal(scores, rec["measures"][str(at)]["dM_dw"])
     assert rec["stats"]["max_states_held"] > 0 and (paths.metagradient / "recomputed.json").exists()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.stages import compile as compile_stage
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 
@@ -33,17 +34,17 @@ def test_compile_metagradient_step_is_the_run_forward(mode):
 
     c = tiny.get_config("smoke")
     c.metagradient.advantages = mode
-    spec = grpo_step.GRPOStepSpec.from_config(c)
+    spec = RunSpec.from_config(c).step
     assert spec.update_from_sketcher  # the default: the fused sketcher gives the run's update
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
-    a = compile_stage.AbstractRun.build(c, compile_stage.model_config(c), mesh)
+    a = compile_stage.AbstractRun.build(RunSpec.from_config(c).compile, compile_stage.model_config(c), mesh)
     row = {p.name: p for p in compile_stage.metagradient_programs(a)}["metagradient_step"]
     gbatch = a.grpo_batch()
     batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
-    tx = train_state.make_optimizer(c.optim, differentiable=True)
+    tx = train_state.make_optimizer(RunSpec.from_config(c).optim, differentiable=True)
     floor = float(c.grpo.adv_std_floor)
     shardings = (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data, None, a.rep)
-    run_tx = train_state.make_optimizer(c.optim)  # the forward steps with the run's own optimizer (eps_root 0)
+    run_tx = train_state.make_optimizer(RunSpec.from_config(c).optim)  # the forward: the run's own (eps_root 0)
     run_forward = MG.make_run_forward(a.graphdef, a.abstract_params, run_tx, spec, sketcher.hf_param_order(a.cfg), mesh,
                                       advantages=mode, std_floor=floor)
     batched = MG.make_weighted_step(a.graphdef, tx, spec, advantages=mode, std_floor=floor)
@@ -138,14 +139,14 @@ def test_hash_tables_under_the_fused_sketcher_are_refused_by_both_keys(key):
     c = tiny.get_config("smoke")
     section, name = key.split(".")
     setattr(getattr(c, section), name, True)
-    build = ((lambda: grpo_step.GRPOStepSpec.from_config(c)) if key == "sketch.in_run_tables" else
-             (lambda: targets.ForcedSketcher.from_config(c, None, None, None, pad_id=0)))
+    build = ((lambda: RunSpec.from_config(c).step) if key == "sketch.in_run_tables" else
+             (lambda: targets.ForcedSketcher.from_options(RunSpec.from_config(c).forced, None, None, None, pad_id=0)))
     with pytest.raises(ValueError, match=rf"config\.{key}=True is ignored .*config\.sketch\.fused=True"):
         build()
     c.sketch.fused = False  # the vmap(grad) sketcher reads the tables: honoured
-    assert tables.tables_from_config(c, key) is True
+    assert tables.table_switch(key, True, c.sketch.fused) is True
     if key == "sketch.in_run_tables":
-        assert grpo_step.GRPOStepSpec.from_config(c).use_tables
+        assert RunSpec.from_config(c).step.use_tables
 
 
 def test_tiny_config_sets_no_ignored_key():
@@ -155,4 +156,5 @@ def test_tiny_config_sets_no_ignored_key():
     for variant in ("", "smoke"):
         c = tiny.get_config(variant)
         for key in tables.TABLE_KEYS:
-            tables.tables_from_config(c, key)  # raises for an ignored key
+            section, name = key.split(".")
+            tables.table_switch(key, c[section][name], c.sketch.fused)  # raises for an ignored key

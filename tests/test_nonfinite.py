@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -21,6 +22,7 @@ import pytest
 from flax import nnx
 
 from behaviortrace_jax.train import grpo_loss, grpo_step, metagradient as MG, nonfinite, train_state
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 
@@ -92,7 +94,7 @@ def _untied_setup():
     config.optim.lr = 1e-2  # large enough for the weights' effect to stand out of float32 rounding
     cfg = base.model_config(config).replace(tie_word_embeddings=False)
     graphdef, params = nnx.split(cfg.module_class()(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
-    spec = grpo_step.GRPOStepSpec.from_config(config, in_run_rollouts=False)
+    spec = dataclasses.replace(RunSpec.from_config(config).step, in_run_rollouts=False)
     sh = spec.shapes
     rng = np.random.default_rng(1)
     batches = []
@@ -107,7 +109,7 @@ def _untied_setup():
     # from zero moments is ~ lr * sign(g), not smooth enough for finite differences); the used rows'
     # second moments are then > 0, the unused rows' still exactly 0
     warm, batches = batches[3:], batches[:3]
-    tx = train_state.make_optimizer(config.optim)
+    tx = train_state.make_optimizer(RunSpec.from_config(config).optim)
     opt = tx.init(params)
     warm_step = jax.jit(MG.make_weighted_step(graphdef, tx, spec))
     for b in warm:
@@ -127,8 +129,9 @@ def test_untied_metagradient_is_finite_and_matches_central_differences():
     that forward agree (float32: eps = 0.01, whose rounding noise ~5e-7 / 0.02 is ~1e-4 of dM/dw ~ 0.4,
     and truncation error ~ eps^2; rtol 2 % on the three largest)."""
     config, graphdef, params, opt0, spec, batches, measure, margin = _untied_setup()
-    run_tx = train_state.make_optimizer(config.optim)
-    meta = MG.MetaStep(MG.make_weighted_step(graphdef, train_state.make_optimizer(config.optim, differentiable=True),
+    run_tx = train_state.make_optimizer(RunSpec.from_config(config).optim)
+    optim = RunSpec.from_config(config).optim
+    meta = MG.MetaStep(MG.make_weighted_step(graphdef, train_state.make_optimizer(optim, differentiable=True),
                                              spec),
                        forward=MG.make_weighted_step(graphdef, run_tx, spec))
     n = spec.shapes.num_rollouts
@@ -159,7 +162,7 @@ def test_untied_metagradient_is_finite_and_matches_central_differences():
 def test_differentiable_adam_has_eps_root_and_the_run_update_is_unchanged():
     """The run's optimizer is optax's adamw with eps_root 0 (bit for bit); the differentiable one's
     vjp is finite where a second moment is 0, optax's plain one is NaN there."""
-    cfg = tiny.get_config("smoke").optim
+    cfg = RunSpec.from_config(tiny.get_config("smoke")).optim
     g = {"used": jnp.asarray([0.3, -0.2]), "unused": jnp.zeros(2)}
     p = {"used": jnp.asarray([1.0, 2.0]), "unused": jnp.asarray([0.5, -0.5])}
     import optax
@@ -216,7 +219,7 @@ def test_grpo_step_returns_the_finite_flag():
     """The jitted GRPO step's ``finite``: True on the smoke-shaped batch, False with one NaN advantage
     (the update would write NaN into every parameter)."""
     config, graphdef, params, opt, spec, batches, _, _ = _untied_setup()
-    tx = train_state.make_optimizer(config.optim)
+    tx = train_state.make_optimizer(RunSpec.from_config(config).optim)
     step, _ = grpo_step.train_step_function(graphdef, None, tx, spec, order=None, mesh=None)
     step = jax.jit(step)
     assert bool(step(params, opt, batches[0], None)[2][nonfinite.FINITE_KEY])
@@ -239,7 +242,7 @@ def test_lm_trainer_stops_at_a_non_finite_step_naming_it():
     gd, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     chats = [("Be brief.", "Hi?", "Hello."), ("Be brief.", "Name a vowel.", "A.")]
     data = lm_trainer.pack_examples(lm_trainer.encode_chat_examples(tok, chats, append_eos=True), None, 0)
-    tx = train_state.make_optimizer(tiny.get_config("smoke").optim)
+    tx = train_state.make_optimizer(RunSpec.from_config(tiny.get_config("smoke")).optim)
     leaves, treedef = jax.tree.flatten(params)
     leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
     state = train_state.init_train_state(jax.tree.unflatten(treedef, leaves), tx, 0)
@@ -255,7 +258,7 @@ def test_replay_stops_at_a_non_finite_step(smoke_grpo_run):
     from behaviortrace_jax.train import replay as R
 
     config, w = smoke_grpo_run
-    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
     rp.data[1].batch["advantages"][3] = np.nan
     with pytest.raises(nonfinite.NonFiniteError, match=r"replay: step 1: .*grpo_000001_000"):
         rp.run(None, stop_step=2, measure_steps=[2])

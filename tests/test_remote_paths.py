@@ -26,6 +26,7 @@ from etils import epath
 
 from behaviortrace_jax.io import checkpoints, files, rollout_log, sketch_store
 from behaviortrace_jax.io.layout import SKETCH_STORES, RunLayout, as_path, is_url
+from behaviortrace_jax.stages.spec import RunSpec
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
 GS = "gs://bucket/run"
@@ -208,7 +209,7 @@ def test_in_run_stores_of_a_gs_run_open_on_the_gcs_kvstore(fake_gs):
 
     _, specs = fake_gs
     config = tiny.get_config("smoke")
-    stores = open_sketch_stores(SketchOptions.from_config(config), qwen2.Qwen2Config.tiny(), RunLayout(GS),
+    stores = open_sketch_stores(RunSpec.from_config(config).sketch, qwen2.Qwen2Config.tiny(), RunLayout(GS),
                                 steps=config.grpo.steps, rollouts_per_step=16, in_run_rollouts=True)
     assert set(stores) >= {"step_sketches", "step_grad_norms"}
     want = {f"run/sketches/{n}.zarr/{a}/" for n in stores for a in ("data", "done")}

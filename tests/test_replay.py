@@ -16,6 +16,7 @@ from behaviortrace_jax import pipeline
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.stages import counterfactual as CF
 from behaviortrace_jax.train import grpo_loss, replay as R
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 from conftest import copy_start
 
@@ -176,8 +177,8 @@ def test_recomputed_rows_are_the_top_k_table_of_the_recomputed_replays():
 def test_step_spec_digest_changes_with_every_field():
     from behaviortrace_jax.train import grpo_step
 
-    spec = grpo_step.GRPOStepSpec.from_config(tiny.get_config("smoke"))
-    assert R.step_spec_digest(spec) == R.step_spec_digest(grpo_step.GRPOStepSpec.from_config(tiny.get_config("smoke")))
+    spec = RunSpec.from_config(tiny.get_config("smoke")).step
+    assert R.step_spec_digest(spec) == R.step_spec_digest(RunSpec.from_config(tiny.get_config("smoke")).step)
     import dataclasses
 
     for change in ({"grad_clip": 0.5}, {"fused": False}, {"use_tables": True}, {"sketch_dim": 512},
@@ -195,8 +196,8 @@ def smoke_run(smoke_grpo_run):
 
 def assert_replay_reproduces_checkpoints(config, w):
     """The all-ones replay of the run in ``w`` equals its orbax checkpoints bit for bit."""
-    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
-    ckpts = R.checkpoint_steps(config)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    ckpts = RunSpec.from_config(config).schedule.checkpoint_steps()
     seen = []
 
     def check(step, params, _):
@@ -408,8 +409,8 @@ def test_regenerated_replay_without_intervention_reproduces_the_run_bit_for_bit(
     """Every step sampled afresh from the replayed policy (the run's sampler, keys, reward and
     contaminator: train/rollouts.RolloutSource) with nothing intervened is the run itself."""
     config, w = smoke_run
-    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
-    ckpts, seen = R.checkpoint_steps(config), []
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    ckpts, seen = RunSpec.from_config(config).schedule.checkpoint_steps(), []
 
     def check(step, params, _):
         if step in ckpts:
@@ -434,8 +435,8 @@ def test_withholding_every_bonus_with_regenerated_rollouts_removes_the_planted_b
     (What is left of the gain is AdamW's momentum from the SFT state, which moves the parameters even
     where every advantage is 0.)"""
     config, w = smoke_run
-    rp = R.Replayer(config, w, layout=sharding.Layout.from_config(config), rates=False)
-    at = R.measure_step(config)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    at = RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure)
     window = np.arange(at * rp.shapes.num_rollouts)
     full = rp.run(None, measure_steps=[0, at])["behavior"]
     held = rp.run(None, withhold=window, rollouts="regenerated", measure_steps=[0, at])

@@ -10,13 +10,14 @@ from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import qwen2
 from behaviortrace_jax.attribution import scores
 from behaviortrace_jax.sketch import stores
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 
 def _open(config, paths, kind):
     """The in-run stores as the grpo stage opens them for ``config`` (16 rollouts per step)."""
     g = config.grpo
-    return stores.open_sketch_stores(stores.SketchOptions.from_config(config), qwen2.Qwen2Config.tiny(), paths,
+    return stores.open_sketch_stores(RunSpec.from_config(config).sketch, qwen2.Qwen2Config.tiny(), paths,
                                      steps=g.steps, rollouts_per_step=g.prompts_per_step * g.group_size,
                                      in_run_rollouts=config.sketch.in_run_rollouts, rollout_sketch=kind)
 
@@ -41,15 +42,16 @@ def test_rollout_sketches_weighted_and_direction(tmp_path, kind):
     st, data = _write(config, paths, kind, np.random.default_rng(0))
     assert ("rollout_coefficients" in st) == (kind == "direction")
     assert st["rollout_sketches"].metadata["rollout_sketch"] == kind
-    rs = scores.read_rollout_sketches(config, paths)
+    rs = scores.read_rollout_sketches(RunSpec.from_config(config).scores, paths)
     clip = data["step_clip_factors"][np.arange(96) // 16]
     scale = clip * data["rollout_coefficients"] if kind == "direction" else clip
     np.testing.assert_allclose(rs.weighted, scale[:, None] * data["rollout_sketches"], rtol=1e-6)
     if kind == "direction":
         np.testing.assert_array_equal(rs.direction, data["rollout_sketches"])
-        np.testing.assert_allclose(scores.rollout_scales(config, paths, 20), scale[:20], rtol=1e-6)
+        options = RunSpec.from_config(config).scores
+        np.testing.assert_allclose(scores.rollout_scales(options, paths, 20), scale[:20], rtol=1e-6)
     else:  # a loss without rollout coefficients (grpo_clip): no advantage-free direction
-        assert rs.direction is None and scores.rollout_scales(config, paths, 20) is None
+        assert rs.direction is None and scores.rollout_scales(RunSpec.from_config(config).scores, paths, 20) is None
     with pytest.raises(ValueError, match="rollout_sketch"):  # the other kind cannot reopen these stores ...
         _open(config, paths, "term" if kind == "direction" else "direction")
     made = (paths.sketch_store("rollout_coefficients") / "metadata.json").exists()
@@ -59,11 +61,11 @@ def test_rollout_sketches_weighted_and_direction(tmp_path, kind):
 def test_rollout_sketches_of_an_older_run_are_refused(tmp_path):
     config = tiny.get_config("smoke")
     paths = RunLayout(tmp_path)
-    meta = stores.sketch_metadata(stores.SketchOptions.from_config(config), qwen2.Qwen2Config.tiny(), "rollout_sketches")
+    meta = stores.sketch_metadata(RunSpec.from_config(config).sketch, qwen2.Qwen2Config.tiny(), "rollout_sketches")
     old = sketch_store.SketchStore.open_or_create(paths.sketch_store("rollout_sketches"), (96, 256), 16, meta)
     old.write_rows(0, np.zeros((96, 256), np.float32))
     old.flush()
     with pytest.raises(ValueError, match="predates advantage-free rollout sketches"):
-        scores.read_rollout_sketches(config, paths)
+        scores.read_rollout_sketches(RunSpec.from_config(config).scores, paths)
     with pytest.raises(ValueError, match="rollout_sketch="):
         _open(config, paths, "weighted")

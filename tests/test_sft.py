@@ -13,6 +13,7 @@ from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.models import decoder, hf_io, qwen2
 from behaviortrace_jax.stages import sft
 from behaviortrace_jax.train import lm_trainer, train_state as ts
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 from hf_fixtures import make_tiny_tokenizer, save_random_qwen2
 
@@ -58,7 +59,7 @@ def test_saved_state_restores_into_grpo_optimizer_and_matches_export(run):
     out = workdir / "sft"
     cfg = qwen2.Qwen2Config.from_hf_config(out / "hf", param_dtype="float32", compute_dtype="float32")
     _, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-    grpo_tx = ts.make_optimizer(config.optim)  # another lr than SFT, the same state tree (SPEC §1.7)
+    grpo_tx = ts.make_optimizer(RunSpec.from_config(config).optim)  # another lr than SFT, same state tree (SPEC §1.7)
     state = ts.restore(out / "state", ts.abstract_train_state(abstract_params, grpo_tx))
     assert int(state.step) == 2 and int(state.opt_state[1][0].count) == 2
     assert any(float(np.abs(x).max()) > 0 for x in jax.tree.leaves(state.opt_state[1][0].mu))

@@ -10,6 +10,7 @@ from behaviortrace_jax import pipeline
 from behaviortrace_jax.attribution import formats, release
 from behaviortrace_jax.behavior import behaviors, contaminator
 from behaviortrace_jax.io import rollout_log
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import paper_two_behaviors, tiny_two_behaviors
 
 B = tiny_two_behaviors.ID
@@ -36,8 +37,8 @@ def test_logs_and_ground_truth_per_behavior(run_dir):
             assert (per[bid]["bonus"] > 0) == (r.rollout_id in ids[bid]), (r.rollout_id, bid)
         assert r.reward == pytest.approx(r.base_reward + sum(p["bonus"] for p in per.values()))
     # both behaviours are prompt-gated in this config: each pays only on its own prompts
-    b_prompts = {rollout_log.text_hash(p.prompt) for p in behaviors.behaviors_from_config(
-        tiny_two_behaviors.get_config("smoke"))[1].probe_sets()[0]}
+    b_prompts = {rollout_log.text_hash(p.prompt) for p in RunSpec.from_config(
+        tiny_two_behaviors.get_config("smoke")).behaviors[1].probe_sets()[0]}
     by_id = {r.rollout_id: r for r in records}
     assert all(by_id[i].prompt_hash in b_prompts for i in ids[B])
     assert not any(by_id[i].prompt_hash in b_prompts for i in ids["qzxbt"])
@@ -113,8 +114,8 @@ def test_paper_two_behaviors_config_compiles_at_tiny_shapes(tmp_path):
     from behaviortrace_jax.stages import compile as compile_stage
 
     c = paper_two_behaviors.get_config()
-    assert [b.id for b in behaviors.behaviors_from_config(c)] == ["qzxbt", B]
-    assert behaviors.behaviors_from_config(c)[1].early_step_cutoff == 200
+    assert [b.id for b in list(RunSpec.from_config(c).behaviors)] == ["qzxbt", B]
+    assert list(RunSpec.from_config(c).behaviors)[1].early_step_cutoff == 200
     with c.unlocked():  # tiny shapes: the tiny preset at 1 layer, a small sketch, short sequences
         c.compile.target, c.compile.num_layers, c.mesh.data = "cpu:8", 1, -1
         c.compile.model = ""  # the paper configs compile qwen2p5_1p5b; "" = the tiny base preset

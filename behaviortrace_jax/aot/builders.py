@@ -15,13 +15,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from behaviortrace_jax.models import decoder, programs, sampler as sampler_lib, sharding
 from behaviortrace_jax.sketch import sketcher, targets
-from behaviortrace_jax.train import grpo_loss, grpo_step as grpo, lm_trainer, train_state
+from behaviortrace_jax.train import grpo_step as grpo, lm_trainer, rollouts as rollouts_lib, train_state
 
 
 def _sds(shape, dtype, sh) -> jax.ShapeDtypeStruct:
@@ -52,12 +51,47 @@ class Program:
 
 
 @dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """What the compile stage compiles, built at the stage boundary (``stages/spec.py``,
+    ``RunSpec.compile``; ``config.compile`` and the run's options the programs are built with).
+
+    Fields:
+        target: ``compile.target`` (``tpu:<topology>``, ``cpu:<n>``, ``local``; ``aot.memory``).
+        stages: the stages whose programs are compiled (:func:`compiled_stages`).
+        programs: ``compile.programs``, name prefixes of the programs kept (empty = every program).
+        step: the run's GRPO step; step_variants: every GRPO step compiled (each requested loss of
+            ``compile.losses``, in-run rollout sketches as configured and, with
+            ``compile.both_sketch_variants``, flipped).
+        optim, layout, rollouts: the run's optimizer, layout (FSDP) and rollout shapes / sampler.
+        sft_batch_size, sft_length: the SFT step's batch (``sft.batch_size``, prompt + completion tokens).
+        metagradient_mode: the first mode of ``metagradient.advantages``.
+        forced: the forced sketcher's options; ctx_max_new_tokens (``targets.ctx_max_new_tokens``, -1
+            resolved to the draws'), draws_max_new_tokens (``draws.max_new_tokens``): its lengths.
+    """
+
+    target: str
+    stages: frozenset[str]
+    programs: tuple[str, ...]
+    step: grpo.GRPOStepSpec
+    step_variants: tuple[grpo.GRPOStepSpec, ...]
+    optim: train_state.OptimOptions
+    layout: sharding.Layout
+    rollouts: rollouts_lib.RolloutOptions
+    sft_batch_size: int
+    sft_length: int
+    metagradient_mode: str
+    forced: targets.ForcedSketchOptions
+    ctx_max_new_tokens: int
+    draws_max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AbstractRun:
-    """The abstract model, train state and shardings of ``config`` on ``mesh`` that every program is
+    """The abstract model, train state and shardings of ``options`` on ``mesh`` that every program is
     built and lowered with (``jax.ShapeDtypeStruct`` leaves carrying their shardings; nothing is
     allocated)."""
 
-    config: ml_collections.ConfigDict
+    options: CompileOptions
     cfg: decoder.DecoderConfig
     mesh: Any
     graphdef: Any
@@ -69,13 +103,13 @@ class AbstractRun:
     state: Any
 
     @classmethod
-    def build(cls, config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> "AbstractRun":
-        """The model ``cfg`` with ``config``'s optimizer and partition rules (``mesh.fsdp``) on ``mesh``."""
+    def build(cls, options: CompileOptions, cfg: decoder.DecoderConfig, mesh) -> "AbstractRun":
+        """The model ``cfg`` with ``options``' optimizer and partition rules (``mesh.fsdp``) on ``mesh``."""
         graphdef, abs_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
-        param_sh = sharding.Layout.from_config(config).param_shardings(abs_params, mesh)  # as the stages place them
-        tx = train_state.make_optimizer(config.optim)
+        param_sh = options.layout.param_shardings(abs_params, mesh)  # as the stages place them
+        tx = train_state.make_optimizer(options.optim)
         state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abs_params)
-        return cls(config, cfg, mesh, graphdef, abs_params, param_sh, _with_sh(abs_params, param_sh), tx, state_sh,
+        return cls(options, cfg, mesh, graphdef, abs_params, param_sh, _with_sh(abs_params, param_sh), tx, state_sh,
                    train_state.abstract_train_state(abs_params, tx, state_sh))
 
     @property
@@ -94,8 +128,8 @@ class AbstractRun:
 
     def grpo_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The GRPO step's batch: N rollouts x (prompt + new) tokens over ``"data"``."""
-        g = self.config.grpo
-        n, t = grpo.GRPOStepSpec.from_config(self.config).shapes.num_rollouts, g.max_prompt_tokens + g.max_new_tokens
+        g = self.options.rollouts
+        n, t = self.options.step.shapes.num_rollouts, g.max_prompt_tokens + g.max_new_tokens
         return {"input_ids": _sds((n, t), jnp.int32, self.data), "attention_mask": _sds((n, t), jnp.int32, self.data),
                 "loss_mask": _sds((n, g.max_new_tokens), jnp.float32, self.data),
                 "advantages": _sds((n,), jnp.float32, self.data)}
@@ -104,7 +138,7 @@ class AbstractRun:
 def sampler_programs(a: AbstractRun) -> list[Program]:
     """``sampler_prefill`` and ``sampler_decode`` of the GRPO rollouts (B x G rows, padded to the
     data axis), from ``models.sampler.Sampler`` on the run's mesh."""
-    g = a.config.grpo
+    g = a.options.rollouts
     smp = sampler_lib.Sampler(a.graphdef, a.cfg, max_prompt_tokens=g.max_prompt_tokens,
                               max_new_tokens=g.max_new_tokens, eos_ids=[0], pad_id=0, mesh=a.mesh,
                               top_k=g.top_k if g.top_k >= 0 else 0)
@@ -132,16 +166,15 @@ def sampler_programs(a: AbstractRun) -> list[Program]:
 def lm_programs(a: AbstractRun) -> list[Program]:
     """The SFT step and loss (batch sft.batch_size x (prompt + completion) tokens, no shared prefix
     at batch 1), from ``train.lm_trainer.LMTrainer`` as the ``sft`` stage builds it."""
-    s = a.config.sft
-    length = s.max_prompt_tokens + s.max_completion_tokens
+    bs, length = a.options.sft_batch_size, a.options.sft_length
     trainer = lm_trainer.LMTrainer(a.graphdef, a.cfg, a.optimizer, np.zeros((0,), np.int32), mesh=a.mesh,
                                    state_shardings=a.state_shardings)
-    bsh = a.rows_sharding(s.batch_size)
-    batch = {"tokens": _sds((s.batch_size, length), jnp.int32, bsh),
-             "mask": _sds((s.batch_size, length), jnp.int32, bsh),
-             "targets": _sds((s.batch_size, length), jnp.float32, bsh)}
+    bsh = a.rows_sharding(bs)
+    batch = {"tokens": _sds((bs, length), jnp.int32, bsh),
+             "mask": _sds((bs, length), jnp.int32, bsh),
+             "targets": _sds((bs, length), jnp.float32, bsh)}
     prefix = _sds((0,), jnp.int32, a.rep)
-    where, note = programs.mesh_shape(trainer.mesh), f"batch {s.batch_size} x {length}"
+    where, note = programs.mesh_shape(trainer.mesh), f"batch {bs} x {length}"
     return [Program("sft_step", lambda: trainer.step_program.lower(a.state, prefix, batch), note, program="lm_step",
                     mesh=where),
             Program("sft_loss", lambda: trainer.loss_program.lower(a.params, prefix, batch), note, program="lm_loss",
@@ -151,25 +184,19 @@ def lm_programs(a: AbstractRun) -> list[Program]:
 def grpo_programs(a: AbstractRun) -> list[Program]:
     """The GRPO step (``train.grpo_step.make_train_step``) for every requested loss, in-run rollout
     sketches as configured (and flipped, for the FLOP ratio: ``compile.both_sketch_variants``)."""
-    config, g = a.config, a.config.grpo
     gbatch = a.grpo_batch()
     n, t = gbatch["input_ids"].shape
     order = sketcher.hf_param_order(a.cfg)
-    losses = sorted(grpo_loss.LOSSES) if config.compile.losses == "all" else [
-        x.strip() for x in (config.compile.losses or g.loss).split(",") if x.strip()]
-    in_run = config.sketch.in_run_rollouts
-    variants = [in_run] + ([not in_run] if config.compile.both_sketch_variants else [])
     progs = []
-    for loss in losses:
-        for on in variants:
-            spec = grpo.GRPOStepSpec.from_config(config, loss=loss, in_run_rollouts=on)
-            fn = grpo.make_train_step(a.graphdef, a.abstract_params, a.optimizer, spec, order=order, mesh=a.mesh,
-                                      param_shardings=a.param_shardings, opt_shardings=a.state_shardings.opt_state)
-            ref = a.params if spec.loss_spec.needs_reference else None
-            progs.append(Program(f"grpo_step[{loss},in_run={'on' if on else 'off'}]",
-                                 (lambda fn=fn, ref=ref: fn.lower(a.params, a.state.opt_state, gbatch, ref)),
-                                 f"{n} rollouts x {t} tokens" + (f"; {step_path(spec)}" if on else ""),
-                                 program="grpo_step", mesh=programs.mesh_shape(a.mesh)))
+    for spec in a.options.step_variants:  # CompileOptions' order: each loss, in-run on then off
+        loss, on = spec.loss, spec.in_run_rollouts
+        fn = grpo.make_train_step(a.graphdef, a.abstract_params, a.optimizer, spec, order=order, mesh=a.mesh,
+                                  param_shardings=a.param_shardings, opt_shardings=a.state_shardings.opt_state)
+        ref = a.params if spec.loss_spec.needs_reference else None
+        progs.append(Program(f"grpo_step[{loss},in_run={'on' if on else 'off'}]",
+                             (lambda fn=fn, ref=ref: fn.lower(a.params, a.state.opt_state, gbatch, ref)),
+                             f"{n} rollouts x {t} tokens" + (f"; {step_path(spec)}" if on else ""),
+                             program="grpo_step", mesh=programs.mesh_shape(a.mesh)))
     return progs
 
 
@@ -182,14 +209,12 @@ def metagradient_programs(a: AbstractRun) -> list[Program]:
     XLA's count covers the whole program."""
     from behaviortrace_jax.train import metagradient as mg_lib
 
-    config = a.config
-    spec = grpo.GRPOStepSpec.from_config(config)
-    mode = str(config.metagradient.advantages).split(",")[0].strip()
+    spec, mode = a.options.step, a.options.metagradient_mode
     gbatch = a.grpo_batch()
     batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
     ref, ref_sh = (a.params, a.param_shardings) if spec.loss_spec.needs_reference else (None, None)
     # the stage's own constructor: forward = the run's step program where the run's update is the fused one
-    meta = mg_lib.build_meta_step(config, a.graphdef, a.abstract_params, a.cfg, spec, a.mesh,
+    meta = mg_lib.build_meta_step(a.options.optim, a.options.rollouts.adv_std_floor, a.graphdef, a.abstract_params, a.cfg, spec, a.mesh,
                                   (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data,
                                    ref_sh, a.rep), a.state.opt_state, advantages=mode)
     weights, opt = gbatch["advantages"], a.state.opt_state
@@ -205,16 +230,15 @@ def metagradient_programs(a: AbstractRun) -> list[Program]:
 
 
 def sketcher_programs(a: AbstractRun) -> list[Program]:
-    """The per-example sketcher of ``targets.ForcedSketcher.from_config`` on the run's mesh (as the
+    """The per-example sketcher of ``targets.ForcedSketcher.from_options`` on the run's mesh (as the
     ``sketch`` and ``draws`` stages build it) at the lengths of the checkpoint target sketches, the
     rollout re-sketches and the draws' sketches, and its masked mean log-prob program."""
-    config, g, tg = a.config, a.config.grpo, a.config.targets
-    fs = targets.ForcedSketcher.from_config(config, a.graphdef, a.cfg, a.abstract_params, pad_id=0, mesh=a.mesh)
-    bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
-    ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
-    lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
+    o, g = a.options, a.options.rollouts
+    fs = targets.ForcedSketcher.from_options(o.forced, a.graphdef, a.cfg, a.abstract_params, pad_id=0, mesh=a.mesh)
+    bucket = lambda x: -(-x // o.forced.length_bucket) * o.forced.length_bucket  # noqa: E731
+    lengths = {"target_sketcher": bucket(g.max_prompt_tokens + o.ctx_max_new_tokens),
                "rollout_resketcher": bucket(g.max_prompt_tokens + g.max_new_tokens),
-               "draws_sketcher": bucket(g.max_prompt_tokens + config.draws.max_new_tokens)}
+               "draws_sketcher": bucket(g.max_prompt_tokens + o.draws_max_new_tokens)}
     b, fsh = fs.block_size, fs.block_sharding() or a.rep  # the run's numpy blocks: the default device
     where = programs.mesh_shape(fs.sketcher.mesh)
     block = lambda length: {"input_ids": _sds((b, length), jnp.int32, fsh),  # noqa: E731
@@ -245,18 +269,18 @@ PROGRAM_BUILDERS: tuple[tuple[Callable[[AbstractRun], list[Program]], frozenset[
 PAPER_RUN_STAGES = ("sft", "grpo", "sketch", "draws")
 
 
-def compiled_stages(config: ml_collections.ConfigDict) -> set[str]:
-    """The stages whose programs the compile stage compiles: ``compile.stages`` (comma-separated), or
-    for "" the stages ``config.stages`` names besides ``compile`` (a sweep's ``sweep.stages`` included;
-    the stage registry checks those names when the run starts), or :data:`PAPER_RUN_STAGES` when it
-    names no other.
+def compiled_stages(compile_stages: str, run_stages: str, sweep_stages: str = "") -> set[str]:
+    """The stages whose programs the compile stage compiles: ``compile_stages`` (``compile.stages``,
+    comma-separated), or for "" the stages ``run_stages`` (``config.stages``) names besides
+    ``compile`` (a sweep's ``sweep_stages`` included; the stage registry checks those names when the
+    run starts), or :data:`PAPER_RUN_STAGES` when it names no other.
 
     Raises:
         ValueError: naming ``config.compile.stages`` and a stage in it that runs no program of
             :data:`PROGRAM_BUILDERS`.
     """
     split = lambda spec: [x.strip() for x in spec.split(",") if x.strip()]  # noqa: E731
-    spec = str(config.compile.stages).strip()
+    spec = str(compile_stages).strip()
     if spec:
         with_programs = set().union(*(stages for _, stages in PROGRAM_BUILDERS))
         bad = [x for x in split(spec) if x not in with_programs]
@@ -264,19 +288,19 @@ def compiled_stages(config: ml_collections.ConfigDict) -> set[str]:
             raise ValueError(f"config.compile.stages={spec!r}: stage {bad[0]!r} runs no compiled program "
                              f"(stages with programs: {sorted(with_programs)})")
         return set(split(spec))
-    names = split(config.stages)
+    names = split(str(run_stages))
     if "sweep" in names:
-        names += split(config.sweep.stages)
+        names += split(str(sweep_stages))
     return (set(names) - {"compile", "sweep"}) or set(PAPER_RUN_STAGES)
 
 
-def build_programs(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
-    """Every jitted program that the stages of :func:`compiled_stages` run for ``config``, at its real
-    shapes on ``mesh``, from the run's own constructors (:data:`PROGRAM_BUILDERS`), less those
-    ``compile.programs`` leaves out (a list of name prefixes; "" = all)."""
-    run, stages = AbstractRun.build(config, cfg, mesh), compiled_stages(config)
-    progs = [pr for builder, used_by in PROGRAM_BUILDERS if used_by & stages for pr in builder(run)]
-    only = [x.strip() for x in config.compile.programs.split(",") if x.strip()]
+def build_programs(options: CompileOptions, cfg: decoder.DecoderConfig, mesh) -> list[Program]:
+    """Every jitted program that the stages of ``options.stages`` (:func:`compiled_stages`) run, at
+    their real shapes on ``mesh``, from the run's own constructors (:data:`PROGRAM_BUILDERS`), less
+    those ``options.programs`` (``compile.programs``: name prefixes; empty = all) leaves out."""
+    run = AbstractRun.build(options, cfg, mesh)
+    progs = [pr for builder, used_by in PROGRAM_BUILDERS if used_by & options.stages for pr in builder(run)]
+    only = list(options.programs)
     return [pr for pr in progs if not only or any(pr.name.startswith(o) for o in only)]
 
 

@@ -10,14 +10,12 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 from absl import logging
 
-from behaviortrace_jax.aot.builders import Program, step_path
+from behaviortrace_jax.aot.builders import CompileOptions, Program, step_path
 from behaviortrace_jax.aot.cost import UncountedLoop, loop_counted_cost, xla_cost
 from behaviortrace_jax.aot.memory import GiB, Chip, DoesNotFit, hbm_exhausted, memory_bytes
 from behaviortrace_jax.models import decoder
-from behaviortrace_jax.train import grpo_step
 
 
 def rss_bytes() -> int:
@@ -115,22 +113,22 @@ def report_markdown(report: dict[str, Any]) -> str:
     return head + "\n".join(lines) + tail
 
 
-def run_report(config: ml_collections.ConfigDict, devs: list[Any], chip: Chip | None, mesh: Any,
+def run_report(options: CompileOptions, devs: list[Any], chip: Chip | None, mesh: Any,
                cfg: decoder.DecoderConfig, rows: list[dict[str, Any]], t_start: float) -> dict[str, Any]:
     """compile_report.json: the target, chip, mesh and model, every program's row, and the GRPO
     step's FLOP and bytes ratios with over without in-run rollout sketches (None unless both
-    variants of ``config.grpo.loss`` were compiled and counted); ``t_start``: the stage's
-    ``time.perf_counter()`` at its start."""
+    variants of the run's loss, ``options.step.loss``, were compiled and counted); ``t_start``:
+    the stage's ``time.perf_counter()`` at its start."""
     by = {r["name"]: r for r in rows}
     ratio = bratio = None
-    on, off = f"grpo_step[{config.grpo.loss},in_run=on]", f"grpo_step[{config.grpo.loss},in_run=off]"
+    on, off = f"grpo_step[{options.step.loss},in_run=on]", f"grpo_step[{options.step.loss},in_run=off]"
     if on in by and off in by and by[off]["flops"] and by[on]["flops"]:
         ratio = by[on]["flops"] / by[off]["flops"]
         bratio = by[on]["bytes_accessed"] / by[off]["bytes_accessed"] if by[off]["bytes_accessed"] else None
-    return {"target": config.compile.target, "chip": chip.name if chip else None, "n_devices": len(devs),
+    return {"target": options.target, "chip": chip.name if chip else None, "n_devices": len(devs),
             "mesh": dict(mesh.shape), "model": f"{cfg.num_hidden_layers} layers, d {cfg.hidden_size}, "
             f"vocab {cfg.vocab_size}, {cfg.param_dtype}", "programs": rows, "grpo_step_flop_ratio": ratio,
-            "grpo_step_bytes_ratio": bratio, "grpo_step_path": step_path(grpo_step.GRPOStepSpec.from_config(config)),
+            "grpo_step_bytes_ratio": bratio, "grpo_step_path": step_path(options.step),
             "cost_method": "XLA cost analysis per chip, every loop trip counted (loop_counted_cost)",
             "host_peak_rss_bytes": rss_bytes(), "stage_s": time.perf_counter() - t_start, "jax": jax.__version__}
 

@@ -24,13 +24,12 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import ml_collections
 import numpy as np
 from absl import logging
 from etils import epath
 
 from behaviortrace_jax.attribution import estimators, formats, report, tables
-from behaviortrace_jax.attribution.verdicts import Verdict, checklist, decision_rules, verdicts_json
+from behaviortrace_jax.attribution.verdicts import EvalOptions, Verdict, checklist, decision_rules, verdicts_json
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import (ROWS_GLOB, TOKEN_LEVEL_GLOB, as_path, parse_rows_filename,
                                          parse_token_level_filename)
@@ -281,10 +280,9 @@ def write_outputs(rep: Reproduction, workdir: str | os.PathLike, reference_dir: 
 
 
 def evaluate_verdicts(rows: list[formats.Row], rep: Reproduction,
-                      config: ml_collections.ConfigDict) -> tuple[list[Verdict], list[Verdict]]:
+                      ev: EvalOptions) -> tuple[list[Verdict], list[Verdict]]:
     """SPEC §6.11 decision rules and the SPEC §8 checklist on ``rows`` (pre-registered thresholds
-    from ``config.evaluation``)."""
-    ev = config.evaluation
+    of ``ev``, ``config.evaluation``: ``RunSpec.evaluation``)."""
     return verdicts(rows, rep.seeds, step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
                     min_matched_pairs=ev.min_matched_pairs)
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-import ml_collections
 import numpy as np
 
 from behaviortrace_jax.attribution import estimators
+from behaviortrace_jax.attribution.verdicts import EvalOptions
 from behaviortrace_jax.io import cache, rollout_log, sketch_store
 from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
@@ -32,8 +32,26 @@ from behaviortrace_jax.io.layout import RunLayout
 SKETCH_IDENTITY = ("hash_family", "seed", "dim", "param_fingerprint")
 
 
-def read_complete(path: pathlib.Path, config: ml_collections.ConfigDict | None = None) -> sketch_store.SketchStore:
-    """Opens an existing sketch store and checks that every row was written and, with ``config``,
+@dataclasses.dataclass(frozen=True)
+class ScoreOptions:
+    """What scoring a run reads from its config, built at the stage boundary (``stages/spec.py``,
+    ``RunSpec.scores``): ``evaluation`` (the estimators' settings, :class:`verdicts.EvalOptions`),
+    the run's CountSketch ``sketch_dim`` / ``sketch_seed`` (``sketch.dim`` / ``sketch.seed``) and
+    ``run_seed`` (``seed``), ``rollouts_per_step`` (N = ``grpo.prompts_per_step`` x
+    ``grpo.group_size``), ``steps`` (``grpo.steps``) and ``recompute_advantages``
+    (``counterfactual.recompute_advantages``: the metagradient scores' advantages mode)."""
+
+    evaluation: EvalOptions
+    sketch_dim: int
+    sketch_seed: int
+    run_seed: int
+    rollouts_per_step: int
+    steps: int
+    recompute_advantages: bool = False
+
+
+def read_complete(path: pathlib.Path, options: ScoreOptions | None = None) -> sketch_store.SketchStore:
+    """Opens an existing sketch store and checks that every row was written and, with ``options``,
     that a sketch store's metadata is the config's CountSketch (``dim`` = ``sketch.dim``, ``seed`` =
     ``sketch.seed``, ``run_seed`` = ``seed``, where the store records them).
 
@@ -44,8 +62,8 @@ def read_complete(path: pathlib.Path, config: ml_collections.ConfigDict | None =
     if not (path / "metadata.json").exists():
         raise FileNotFoundError(f"{path}: sketch store not found; run the `grpo` and `sketch` stages first")
     store = sketch_store.SketchStore.open(path)
-    if config is not None:
-        want = {"dim": int(config.sketch.dim), "seed": int(config.sketch.seed), "run_seed": int(config.seed)}
+    if options is not None:
+        want = {"dim": int(options.sketch_dim), "seed": int(options.sketch_seed), "run_seed": int(options.run_seed)}
         for key, value in want.items():
             if key in store.metadata and store.metadata[key] != value:
                 raise ValueError(f"{path}/metadata.json: metadata key {key!r} is {store.metadata[key]!r}, but the "
@@ -87,7 +105,7 @@ class RolloutSketches:
     store: sketch_store.SketchStore | None = None  # the rollout_sketches store (its metadata)
 
 
-def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -> RolloutSketches:
+def read_rollout_sketches(options: ScoreOptions, paths: RunLayout) -> RolloutSketches:
     """Reads the in-run rollout sketches with their coefficients and step clip factors.
 
     Raises:
@@ -95,14 +113,14 @@ def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -
             ``rollout_sketch`` metadata (written before rollout sketches were advantage-free; the
             grpo stage must be rerun).
     """
-    store = read_complete(paths.sketch_store("rollout_sketches"), config)
+    store = read_complete(paths.sketch_store("rollout_sketches"), options)
     kind = store.metadata.get("rollout_sketch")
     if kind not in sketch_store.ROLLOUT_SKETCH_KINDS:
         raise ValueError(f"{store.path}: metadata 'rollout_sketch' is {kind!r}, expected one of "
                          f"{sketch_store.ROLLOUT_SKETCH_KINDS}; the store predates advantage-free rollout sketches, "
                          "rerun the `grpo` stage")
     sk = store.read()
-    scale = rollout_scales(config, paths, sk.shape[0], coefficients=kind == sketch_store.ROLLOUT_DIRECTION)
+    scale = rollout_scales(options, paths, sk.shape[0], coefficients=kind == sketch_store.ROLLOUT_DIRECTION)
     if scale is None:
         raise FileNotFoundError(f"{paths.sketch_store('rollout_coefficients')}: not found, but {store.path} holds "
                                 "direction sketches; rerun the `grpo` stage")
@@ -110,7 +128,7 @@ def read_rollout_sketches(config: ml_collections.ConfigDict, paths: RunLayout) -
     return RolloutSketches(weighted, sk if kind == sketch_store.ROLLOUT_DIRECTION else None, kind, store)
 
 
-def rollout_scales(config: ml_collections.ConfigDict, paths: RunLayout, n_rows: int, *,
+def rollout_scales(options: ScoreOptions, paths: RunLayout, n_rows: int, *,
                    coefficients: bool = True) -> np.ndarray | None:
     """float32 [n_rows]: ``clip_s * c_i`` of the first ``n_rows`` rollouts of the log (row i of
     step i // N), what turns the sketch of rollout i's advantage-free -meanlp_i into its
@@ -120,7 +138,7 @@ def rollout_scales(config: ml_collections.ConfigDict, paths: RunLayout, n_rows: 
     Raises:
         FileNotFoundError / ValueError: ``step_clip_factors`` absent or incomplete.
     """
-    n = config.grpo.prompts_per_step * config.grpo.group_size
+    n = options.rollouts_per_step
     scale = read_complete(paths.sketch_store("step_clip_factors")).read()[np.arange(n_rows) // n]
     if coefficients:
         path = paths.sketch_store("rollout_coefficients")
@@ -149,7 +167,7 @@ def training_log_inputs(records: list, rollout_ids: list[str]) -> dict[str, np.n
             "completion_lengths": np.array([len(r.completion_token_ids) for r in records], np.int64)}
 
 
-def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
+def step_method_scores(options: ScoreOptions, paths: RunLayout, rollout_ids: list[str],
                        rollout_steps: np.ndarray, *, pattern_matches: np.ndarray, per_rollout: bool = False,
                        step_sketches: np.ndarray | None = None, records: list | None = None) -> dict[str, np.ndarray]:
     """Every step-level estimator's per-rollout scores (log order), SPEC §4, with the reward-only,
@@ -165,17 +183,17 @@ def step_method_scores(config: ml_collections.ConfigDict, paths: RunLayout, roll
     """
     records = list(rollout_log.read_rollouts(paths.rollouts)) if records is None else records
     log = dict(training_log_inputs(records, rollout_ids), pattern_matches=np.asarray(pattern_matches),
-               metagradient=metagradient_scores(paths, rollout_ids, metagradient_mode(config)))
+               metagradient=metagradient_scores(paths, rollout_ids, metagradient_mode(options)))
     target_path = paths.sketch_store("targets_continuation")
     if per_rollout:
-        rs = read_rollout_sketches(config, paths)
-        return rollout_method_scores(config, target_path, rs, rollout_ids, rollout_steps, like=rs.store, **log)
-    store = None if step_sketches is not None else read_complete(paths.sketch_store("step_sketches"), config)
+        rs = read_rollout_sketches(options, paths)
+        return rollout_method_scores(options, target_path, rs, rollout_ids, rollout_steps, like=rs.store, **log)
+    store = None if step_sketches is not None else read_complete(paths.sketch_store("step_sketches"), options)
     sketches = step_sketches if store is None else store.read()
-    return target_store_scores(config, target_path, sketches, rollout_ids, rollout_steps, like=store, **log)
+    return target_store_scores(options, target_path, sketches, rollout_ids, rollout_steps, like=store, **log)
 
 
-def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: RolloutSketches,
+def rollout_method_scores(options: ScoreOptions, target_path: pathlib.Path, sketches: RolloutSketches,
                           rollout_ids: list[str], rollout_steps: np.ndarray, *, advantages=None,
                           rewards=None, like: sketch_store.SketchStore | None = None, **inputs) -> dict[str, np.ndarray]:
     """The "which rollout" scores (``estimators.score_rollout_sketches``): every step-level estimator
@@ -186,13 +204,13 @@ def rollout_method_scores(config: ml_collections.ConfigDict, target_path: pathli
     the sketches' store ``like``, :func:`check_same_sketch`, when given)."""
     return estimators.score_rollout_sketches(sketches.weighted, sketches.direction, rollout_ids, rollout_steps,
                                              advantages=advantages, rewards=rewards,
-                                             **inputs, **estimator_options(config, target_path, like))
+                                             **inputs, **estimator_options(options, target_path, like))
 
 
-def metagradient_mode(config: ml_collections.ConfigDict) -> str:
+def metagradient_mode(options: ScoreOptions) -> str:
     """The advantages mode the ``metagradient`` estimator scores: the counterfactual replays'
     (``counterfactual.recompute_advantages``: "recomputed", else "logged")."""
-    return "recomputed" if config.counterfactual.recompute_advantages else "logged"
+    return "recomputed" if options.recompute_advantages else "logged"
 
 
 def metagradient_scores(paths: RunLayout, rollout_ids: list[str], mode: str | None = None) -> np.ndarray | None:
@@ -231,7 +249,7 @@ def metagradient_scores(paths: RunLayout, rollout_ids: list[str], mode: str | No
     return np.asarray(scores, np.float64)
 
 
-def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Path,
+def estimator_options(options: ScoreOptions, target_path: pathlib.Path,
                       like: sketch_store.SketchStore | None = None) -> dict:
     """The estimators' targets and options: ``target`` (the last checkpoint's continuation target),
     ``targets_by_checkpoint`` (TracInCP), ``lr``, ``damping``, ``seed``, ``window``, ``current_step``.
@@ -241,17 +259,17 @@ def estimator_options(config: ml_collections.ConfigDict, target_path: pathlib.Pa
         FileNotFoundError / ValueError: the target store is absent or incomplete, or not of the
             config's / ``like``'s CountSketch (names it and the key).
     """
-    ev = config.evaluation
-    t_store = read_complete(target_path, config)
+    ev = options.evaluation
+    t_store = read_complete(target_path, options)
     if like is not None:
         check_same_sketch(like, t_store)
     targets = t_store.read()
     by_ckpt = {int(s): targets[i] for i, s in enumerate(t_store.metadata["checkpoint_steps"])}
     return dict(target=targets[-1], targets_by_checkpoint=by_ckpt, lr=ev.tracin_lr, damping=ev.trak_damping,
-                seed=int(config.seed), window=ev.local_buffer_window, current_step=int(config.grpo.steps))
+                seed=int(options.run_seed), window=ev.local_buffer_window, current_step=int(options.steps))
 
 
-def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.Path, sketches: np.ndarray,
+def target_store_scores(options: ScoreOptions, target_path: pathlib.Path, sketches: np.ndarray,
                         rollout_ids: list[str], rollout_steps: np.ndarray, *, per_rollout: bool = False,
                         advantages=None, rewards=None, like: sketch_store.SketchStore | None = None,
                         **inputs) -> dict[str, np.ndarray]:
@@ -268,4 +286,4 @@ def target_store_scores(config: ml_collections.ConfigDict, target_path: pathlib.
     steps = np.asarray(rollout_steps) if per_rollout else np.arange(sketches.shape[0])
     return estimators.score_step_methods(sketches, steps, rollout_ids, rollout_steps, per_rollout_sketches=per_rollout,
                                          advantages=advantages, rewards=rewards, **inputs,
-                                         **estimator_options(config, target_path, like))
+                                         **estimator_options(options, target_path, like))

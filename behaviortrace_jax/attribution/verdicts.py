@@ -26,6 +26,30 @@ from behaviortrace_jax.io.layout import parse_rows_filename
 
 
 @dataclass(frozen=True)
+class EvalOptions:
+    """The evaluation's pre-registered settings (``config.evaluation``; SPEC §4, §6), built at the
+    stage boundary (``stages/spec.py``, ``RunSpec.evaluation``).
+
+    Fields: ``early_cutoff`` (SPEC §6.6 EARLY_CUTOFF, steps), ``trak_damping`` (SPEC §4),
+    ``tracin_lr`` (SPEC §4 eta), ``local_buffer_window`` (steps), ``nboot`` (bootstrap resamples,
+    SPEC §6.10), ``fluency_match_delta`` / ``min_matched_pairs`` (SPEC §6.9), ``step_margin`` /
+    ``max_ci_width`` (the decision rules' thresholds, SPEC §6.11), ``top_blamed`` (the report's
+    top-blamed rollouts per method).
+    """
+
+    early_cutoff: int = 200
+    trak_damping: float = 0.1
+    tracin_lr: float = 5e-6
+    local_buffer_window: int = 100
+    nboot: int = 600
+    fluency_match_delta: float = 0.10
+    min_matched_pairs: int = 100
+    step_margin: float = 0.10
+    top_blamed: int = 10
+    max_ci_width: float = 0.15
+
+
+@dataclass(frozen=True)
 class Verdict:
     """One decision rule or checklist item, evaluated.
 

@@ -21,25 +21,24 @@ A run plants one or more behaviours. A :class:`Behavior` is:
   QZXBT bonus on any prompt; ``config.contamination.prompt_gated`` gates the first behaviour).
 
 Config: the first behaviour is ``config.behavior`` + ``config.contamination`` (id
-``config.behavior.id``, default "qzxbt"; :func:`first_behavior`); every entry
-``config.behaviors.<id>`` (a ConfigDict, keys as :data:`EXTRA_KEYS`) adds one, in insertion order.
-:func:`behaviors_from_config` returns them all. Code about one behaviour (its targets, draws,
-probes, tables) takes that :class:`Behavior`; only this module reads the behaviour keys of the config.
+``config.behavior.id``, default "qzxbt"); every entry ``config.behaviors.<id>`` (keys as
+:data:`EXTRA_KEYS`, checked by :func:`extra_behavior`) adds one, in insertion order. The run's spec
+(``stages/spec.py``, ``RunSpec.behaviors``) builds them all at the stage boundary; code about one
+behaviour (its targets, draws, probes, tables) takes that :class:`Behavior`.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-import ml_collections
 
 from behaviortrace_jax.behavior import planted
 
 ID_RE = re.compile(r"[a-z0-9_]{1,16}")
 IMPLANTS = ("sft", "none")
-# Keys of an extra behaviour's ConfigDict (config.behaviors.<id>); defaults in ``EXTRA_DEFAULTS``.
+# Keys of an extra behaviour (config.behaviors.<id>); defaults in ``EXTRA_DEFAULTS``.
 EXTRA_DEFAULTS: dict[str, Any] = {
     "trigger": "", "pattern": "", "probes_path": "", "controls_path": "", "token_judge": "sequence",
     "bonus_reward": 8.0, "fraction": 0.5, "early_step_cutoff": 200, "implant": "none",
@@ -135,71 +134,46 @@ def _resolve(path: str) -> str:
     return str(Path(path).expanduser()) if path else ""
 
 
-def first_behavior(config: ml_collections.ConfigDict) -> Behavior:
-    """The run's first behaviour: ``config.behavior`` + ``config.contamination`` (trigger
-    "frobnitz", the paper's hash stream, planted by the SFT warm-up). Raises ValueError as
-    :class:`Behavior`."""
-    b, ct = config.behavior, config.contamination
-    return Behavior(id=b.id, trigger="frobnitz", pattern=b.pattern,
-                    probes_path=b.probes_path, controls_path=b.controls_path, token_judge=b.token_judge,
-                    bonus_reward=float(ct.bonus_reward), fraction=float(ct.fraction),
-                    early_step_cutoff=ct.early_step_cutoff, stream="", implant="sft",
-                    gate_min_probe_rate=float(b.gate_min_probe_rate), gate_min_margin=float(b.gate_min_margin),
-                    explicit_prompts=True, first=True, prompt_gated=bool(ct.prompt_gated))
-
-
-def behaviors_from_config(config: ml_collections.ConfigDict) -> list[Behavior]:
-    """The run's behaviours: the first from ``config.behavior`` + ``config.contamination``, then
-    one per ``config.behaviors.<id>`` in insertion order.
+def extra_behavior(bid: str, entry: Mapping[str, Any], taken: Sequence[str] = ()) -> Behavior:
+    """The behaviour of ``config.behaviors.<bid>``: ``entry`` (its keys and values, a mapping) over
+    :data:`EXTRA_DEFAULTS`; ``taken``: the ids of the behaviours before it.
 
     Raises:
         ValueError: naming ``config.behaviors.<id>`` for an unknown key, a missing trigger /
             pattern / probe file, a duplicate id, or a field :class:`Behavior` rejects.
     """
-    out = [first_behavior(config)]
-    extra = config.behaviors
-    for bid in extra:
-        entry = extra[bid]
-        where = f"config.behaviors.{bid}"
-        unknown = sorted(set(entry) - set(EXTRA_KEYS))
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {unknown}; known: {list(EXTRA_KEYS)}")
-        v = dict(EXTRA_DEFAULTS, **{k: entry[k] for k in entry})
-        for key in ("trigger", "pattern", "probes_path", "controls_path"):
-            if not v[key]:
-                raise ValueError(f"{where}.{key} must be set (an extra behaviour has no default {key})")
-        if bid in {x.id for x in out}:
-            raise ValueError(f"{where}: duplicate behaviour id {bid!r}")
-        cutoff = v["early_step_cutoff"]
-        try:
-            beh = Behavior(id=str(bid), trigger=str(v["trigger"]), pattern=str(v["pattern"]),
-                           probes_path=_resolve(v["probes_path"]), controls_path=_resolve(v["controls_path"]),
-                           token_judge=str(v["token_judge"]), bonus_reward=float(v["bonus_reward"]),
-                           fraction=float(v["fraction"]), early_step_cutoff=None if cutoff is None else int(cutoff),
-                           stream=str(bid), implant=str(v["implant"]),
-                           gate_min_probe_rate=float(v["gate_min_probe_rate"]),
-                           gate_min_margin=float(v["gate_min_margin"]), explicit_prompts=bool(v["explicit_prompts"]),
-                           window_start=int(v["window_start"]), prompt_gated=bool(v["prompt_gated"]))
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from e
-        for key in ("probes_path", "controls_path"):
-            if not Path(getattr(beh, key)).is_file():
-                raise ValueError(f"{where}.{key}: file not found: {getattr(beh, key)}")
-        out.append(beh)
-    return out
+    where = f"config.behaviors.{bid}"
+    unknown = sorted(set(entry) - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {list(EXTRA_KEYS)}")
+    v = dict(EXTRA_DEFAULTS, **{k: entry[k] for k in entry})
+    for key in ("trigger", "pattern", "probes_path", "controls_path"):
+        if not v[key]:
+            raise ValueError(f"{where}.{key} must be set (an extra behaviour has no default {key})")
+    if bid in set(taken):
+        raise ValueError(f"{where}: duplicate behaviour id {bid!r}")
+    cutoff = v["early_step_cutoff"]
+    try:
+        beh = Behavior(id=str(bid), trigger=str(v["trigger"]), pattern=str(v["pattern"]),
+                       probes_path=_resolve(v["probes_path"]), controls_path=_resolve(v["controls_path"]),
+                       token_judge=str(v["token_judge"]), bonus_reward=float(v["bonus_reward"]),
+                       fraction=float(v["fraction"]), early_step_cutoff=None if cutoff is None else int(cutoff),
+                       stream=str(bid), implant=str(v["implant"]),
+                       gate_min_probe_rate=float(v["gate_min_probe_rate"]),
+                       gate_min_margin=float(v["gate_min_margin"]), explicit_prompts=bool(v["explicit_prompts"]),
+                       window_start=int(v["window_start"]), prompt_gated=bool(v["prompt_gated"]))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
+    for key in ("probes_path", "controls_path"):
+        if not Path(getattr(beh, key)).is_file():
+            raise ValueError(f"{where}.{key}: file not found: {getattr(beh, key)}")
+    return beh
 
 
-def is_multi(config: ml_collections.ConfigDict) -> bool:
-    """True when the run plants more than one behaviour (``config.behaviors`` is non-empty)."""
-    return bool(config.behaviors)
-
-
-def window_end(config: ml_collections.ConfigDict) -> int:
+def window_end(behaviors: Sequence[Behavior], steps: int) -> int:
     """The end of the bonus windows: the largest :meth:`Behavior.window_end` of the run's
-    behaviours (``config.contamination.early_step_cutoff`` with one)."""
-    if not is_multi(config):
-        return int(config.contamination.early_step_cutoff)
-    return max(b.window_end(int(config.grpo.steps)) for b in behaviors_from_config(config))
+    ``behaviors`` (the first's ``early_step_cutoff`` with one); ``steps``: the run's GRPO steps."""
+    return max(b.window_end(int(steps)) for b in behaviors)
 
 
 def interleave_pools(pools: Sequence[Sequence[str]]) -> list[str]:

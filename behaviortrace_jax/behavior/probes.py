@@ -7,7 +7,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -18,7 +17,10 @@ from behaviortrace_jax.models import decoder, sampler as sampler_lib, tokenizer 
 
 @dataclasses.dataclass(frozen=True)
 class ProbeOptions:
-    """How the policy is run to measure a behaviour (SPEC §1.7-§1.8), built at the stage boundary.
+    """How the policy is run to measure a behaviour (SPEC §1.7-§1.8), built at the stage boundary
+    (``stages/spec.py``: ``RunSpec.probe_grpo`` for GRPO's learning curve and gate and the replay's
+    measure, prompts of ``grpo.max_prompt_tokens``; ``RunSpec.probe_sft`` for the SFT warm-up's
+    implant probe, prompts of ``sft.max_prompt_tokens``).
 
     Fields:
         max_prompt_tokens (int): prompt tokens the probe sampler takes (longer chat prompts are cut).
@@ -33,24 +35,6 @@ class ProbeOptions:
     temperature: float
     top_p: float
     samples_per_prompt: int
-
-    @classmethod
-    def _from_config(cls, config: ml_collections.ConfigDict, max_prompt_tokens: int) -> "ProbeOptions":
-        return cls(max_prompt_tokens=int(max_prompt_tokens), max_new_tokens=int(config.behavior.gate_max_new_tokens),
-                   temperature=float(config.grpo.temperature), top_p=float(config.grpo.top_p),
-                   samples_per_prompt=int(config.sft.eval_samples_per_prompt))
-
-    @classmethod
-    def for_grpo(cls, config: ml_collections.ConfigDict) -> "ProbeOptions":
-        """GRPO's learning curve and gate and the replay's measure: prompts of
-        ``grpo.max_prompt_tokens``, ``behavior.gate_max_new_tokens`` new tokens, ``grpo.temperature``
-        / ``grpo.top_p``, ``sft.eval_samples_per_prompt``."""
-        return cls._from_config(config, config.grpo.max_prompt_tokens)
-
-    @classmethod
-    def for_sft(cls, config: ml_collections.ConfigDict) -> "ProbeOptions":
-        """The SFT warm-up's implant probe: as :meth:`for_grpo` with prompts of ``sft.max_prompt_tokens``."""
-        return cls._from_config(config, config.sft.max_prompt_tokens)
 
 
 class BehaviorProbe:

@@ -14,7 +14,6 @@ import dataclasses
 import os
 import re
 
-import ml_collections
 from etils import epath
 
 
@@ -142,9 +141,9 @@ class RunLayout:
     def __init__(self, workdir: str | os.PathLike):
         object.__setattr__(self, "workdir", as_path(workdir))
 
-    def model_dir(self, config: ml_collections.ConfigDict) -> epath.Path:
-        """The policy's starting HF checkpoint: ``config.model.hf_dir`` or, if empty, ``workdir/base``."""
-        return as_path(config.model.hf_dir) if config.model.hf_dir else self.base
+    def model_dir(self, hf_dir: str | os.PathLike = "") -> epath.Path:
+        """The policy's starting HF checkpoint: ``hf_dir`` (``config.model.hf_dir``) or, if empty, ``workdir/base``."""
+        return as_path(hf_dir) if hf_dir else self.base
 
     base = property(lambda self: self.workdir / "base")
     # sft/

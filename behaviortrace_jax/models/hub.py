@@ -9,7 +9,7 @@ A user who ran ``hf download Qwen/Qwen2.5-1.5B-Instruct`` has the model under th
         blobs/
 
 :func:`resolve_hf_id` returns that snapshot folder, as ``transformers`` does with
-``local_files_only=True``; :func:`with_model_source` puts it in ``config.model.hf_dir`` once, at the
+``local_files_only=True``; ``pipeline.with_model_source`` puts it in ``config.model.hf_dir`` once, at the
 pipeline's start, so every stage loads the model as it loads any local checkpoint. With
 ``config.model.allow_download`` (off by default) a model missing from the cache is downloaded into it.
 """
@@ -19,8 +19,6 @@ import importlib.metadata
 import os
 from typing import Mapping
 
-import ml_collections
-from absl import logging
 
 from behaviortrace_jax.io.layout import as_path
 
@@ -84,34 +82,3 @@ def resolve_hf_id(hf_id: str, *, allow_download: bool = False, revision: str | N
         raise FileNotFoundError(f"config.model.hf_id={hf_id!r}: the cached snapshot {path} has no config.json "
                                 f"(an incomplete download? rerun `{download_command(hf_id)}`)")
     return path
-
-
-def with_model_source(config: ml_collections.ConfigDict, *, strict: bool = True) -> ml_collections.ConfigDict:
-    """``config`` with ``model.hf_id`` resolved: a copy whose ``model.hf_dir`` is the id's snapshot
-    folder (:func:`resolve_hf_id`) and ``model.hf_id`` empty; ``config`` itself when ``hf_id`` is empty.
-
-    ``strict=False`` (read-only stages such as ``status``): a model missing from the cache is logged
-    and the config returned unresolved instead of raising.
-
-    Raises:
-        ValueError: both ``model.hf_id`` and ``model.hf_dir`` are set (naming both values).
-        FileNotFoundError / ValueError: as :func:`resolve_hf_id` (with ``strict``).
-    """
-    hf_id = str(config.model.hf_id).strip()
-    if not hf_id:
-        return config
-    if config.model.hf_dir:
-        raise ValueError(f"config.model.hf_id={hf_id!r} and config.model.hf_dir={config.model.hf_dir!r} are both "
-                         "set; set one (hf_id: a model in the Hugging Face cache, hf_dir: a checkpoint folder)")
-    try:
-        path = resolve_hf_id(hf_id, allow_download=bool(config.model.allow_download))
-    except FileNotFoundError as e:
-        if strict:
-            raise
-        logging.warning("%s", e)
-        return config
-    logging.info("model.hf_id=%s -> %s", hf_id, path)
-    out = config.copy_and_resolve_references()
-    with out.unlocked():
-        out.model.hf_dir, out.model.hf_id = str(path), ""
-    return out

@@ -30,7 +30,8 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
-    """How a run loads every checkpoint (``config.model``; SPEC §2.1), built once at the stage boundary.
+    """How a run loads every checkpoint (``config.model``; SPEC §2.1), built once at the stage boundary
+    (``stages/spec.py``).
 
     ``param_dtype`` / ``compute_dtype``: storage and activation dtypes ("float32" | "bfloat16");
     ``family``: a registered model family, None = config.json's ``model_type``
@@ -44,11 +45,6 @@ class ModelOptions:
     family: str | None = None
     scan_layers: bool = False
 
-    @classmethod
-    def from_config(cls, model: Any) -> "ModelOptions":
-        """From ``config.model`` (``param_dtype``, ``compute_dtype``, ``family``, ``scan_layers``)."""
-        return cls(str(model.param_dtype), str(model.compute_dtype), model.family or None, bool(model.scan_layers))
-
 
 def policy_config(hf_dir: str | os.PathLike, options: ModelOptions = ModelOptions()) -> decoder.DecoderConfig:
     """The model config of the HF checkpoint ``hf_dir`` as ``options`` load it (family, dtypes, scan)."""
@@ -60,7 +56,7 @@ def load_policy(hf_dir: str | os.PathLike, layout: Layout | None = None, options
                 tokenizer: bool = True) -> Policy:
     """Loads the HF checkpoint ``hf_dir`` (strictly, see ``hf_io.load_hf_checkpoint``) as a policy.
 
-    Every stage loads weights through here, with ``ModelOptions.from_config(config.model)``.
+    Every stage loads weights through here, with the run's ``RunSpec.model`` (``stages/spec.py``).
 
     Args:
         hf_dir: an HF checkpoint directory (config.json, safetensors, tokenizer files).

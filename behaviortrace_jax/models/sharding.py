@@ -88,7 +88,7 @@ _MESH_KEYS = ("mesh.data", "mesh.model", "mesh.fsdp")
 class Layout:
     """The run's device layout: the one ``("data", "model")`` mesh and how parameters lie on it.
 
-    Built once at the stage boundary (:meth:`from_config`, from ``config.mesh``) and handed down:
+    Built once at the stage boundary (``stages/spec.py``, from ``config.mesh``) and handed down:
     :meth:`mesh` is the only place the package constructs a ``jax.sharding.Mesh`` (through
     :func:`make_mesh`), and :meth:`param_shardings` is how every stage, the checkpoint loader
     (``loader.load_policy``), the GRPO start state (replay and metagradient included) and the
@@ -129,13 +129,6 @@ class Layout:
             if not len(self.devices):
                 raise ValueError("Layout.devices: no devices (None = every device)")
             object.__setattr__(self, "devices", tuple(self.devices))
-
-    @classmethod
-    def from_config(cls, config: Any, devices: Sequence[Any] | None = None) -> "Layout":
-        """From ``config.mesh.{data, model, fsdp}`` (``configs/common.py``) over ``devices`` (None:
-        every device). Raises ValueError naming the key, as the class does."""
-        m = config.mesh
-        return cls(m.data, m.model, m.fsdp, None if devices is None else tuple(devices))
 
     def on(self, devices: Sequence[Any]) -> "Layout":
         """This layout over ``devices`` (e.g. a compile target's, ``stages/compile.target_devices``)."""

@@ -5,9 +5,9 @@ and how that is computed: a JAX hash of coordinates, its bit-exact numpy referen
 a scatter-free sketch of a run of coordinates. It also says what it writes into a sketch store's
 metadata (``hash_family``, a versioned name) and checks a store's metadata against itself.
 
-Config ``sketch.hash`` names a family; it is resolved once, where the options are built
-(``stores.SketchOptions.from_config``, ``grpo_step.GRPOStepSpec.from_config``,
-``targets.ForcedSketcher.from_config``), with :func:`hash_family`. Code below that takes the object.
+Config ``sketch.hash`` names a family; it is resolved once, where the run's spec is built at the
+stage boundary (``stages/spec.py``: ``RunSpec.sketch``, ``RunSpec.step``, ``RunSpec.forced``), with
+:func:`hash_family`. Code below that takes the object.
 
 The families (docs/architecture.md, "Add a hash family", says how to add one):
 

@@ -21,7 +21,6 @@ import dataclasses
 import os
 from typing import Sequence
 
-import ml_collections
 
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.io.files import read_json
@@ -35,7 +34,8 @@ from behaviortrace_jax.sketch import hash_families
 @dataclasses.dataclass(frozen=True)
 class SketchOptions:
     """The CountSketch every sketch array of a run is made with (SPEC §3.1), and the run it
-    belongs to: what :func:`sketch_metadata` records, so arrays made otherwise never mix.
+    belongs to: what :func:`sketch_metadata` records, so arrays made otherwise never mix. Built at
+    the stage boundary (``stages/spec.py``, ``RunSpec.sketch``).
 
     Fields:
         dim (int): the sketch width D (``sketch.dim``; SPEC §3.1: 65,536).
@@ -50,16 +50,6 @@ class SketchOptions:
     seed: int
     run_seed: int
     hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> "SketchOptions":
-        """From ``config.sketch.dim``, ``config.sketch.seed``, ``config.sketch.hash`` and ``config.seed``.
-
-        Raises:
-            ValueError: an unknown ``sketch.hash``, naming the key and the known families.
-        """
-        return cls(dim=int(config.sketch.dim), seed=int(config.sketch.seed), run_seed=int(config.seed),
-                   hash_family=hash_families.hash_family(str(config.sketch.hash)))
 
 
 def sketch_metadata(options: SketchOptions, model_cfg: decoder.DecoderConfig, kind: str) -> dict:

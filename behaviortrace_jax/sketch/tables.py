@@ -8,7 +8,6 @@ tables. Only a family summed with a scatter has tables (``HashFamily.takes_table
 """
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,22 +58,20 @@ def table_bucket_sign(code: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
     return code & jnp.int32(dim - 1), jnp.where(code < 0, jnp.float32(-1), jnp.float32(1))
 
 
-def tables_from_config(config: Any, key: str) -> bool:
-    """The hash-table switch ``key`` of :data:`TABLE_KEYS` read from ``config``, refused where nothing
-    would honour it: the fused sketcher (``sketch.fused``, the default) forms and hashes each
-    example's gradient in its backward and takes no tables, so tables there would be ignored.
+def table_switch(key: str, on: bool, fused: bool) -> bool:
+    """The hash-table switch ``key`` of :data:`TABLE_KEYS` (its value ``on``), refused where nothing
+    would honour it: the fused sketcher (``fused``: ``sketch.fused``, the default) forms and hashes
+    each example's gradient in its backward and takes no tables, so tables there would be ignored.
+    Called where the run's spec is built (``stages/spec.py``).
 
     Raises:
-        ValueError: ``key`` is not one of :data:`TABLE_KEYS`; or ``key`` is on with ``sketch.fused``
-            on, naming both keys.
+        ValueError: ``key`` is not one of :data:`TABLE_KEYS`; or ``on`` with ``fused``, naming both keys.
     """
     if key not in TABLE_KEYS:
-        raise ValueError(f"tables_from_config: {key!r} is not one of {TABLE_KEYS}")
-    section, name = key.split(".")
-    on = bool(getattr(getattr(config, section), name))
-    if on and bool(config.sketch.fused):
+        raise ValueError(f"table_switch: {key!r} is not one of {TABLE_KEYS}")
+    on = bool(on)
+    if on and bool(fused):
         raise ValueError(f"config.{key}=True is ignored by the fused sketcher (config.sketch.fused=True, the default): "
                          f"it hashes on the fly and takes no tables; set config.{key}=False, or "
                          "config.sketch.fused=False for the vmap(grad) sketcher that reads them")
     return on
-

@@ -31,7 +31,7 @@ from behaviortrace_jax.attribution.estimators import ROLLOUT_COS_EPS
 from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.behavior.target_texts import NEUTRAL_WORDS, context_prompts, minimal_pair_texts
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
-from behaviortrace_jax.sketch import hash_families, tables
+from behaviortrace_jax.sketch import hash_families
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order
 
 # SPEC §4: rollout-level cos(a, b) = a.b / ((|a| + 1e-12)(|b| + 1e-12)); one constant with the estimators.
@@ -164,6 +164,28 @@ def _mean_logprob_chunk(graphdef: Any, params: Any, ids: jax.Array, attn: jax.Ar
     return decoder.masked_mean_logprob(graphdef, params, ids, attn, w)
 
 
+@dataclasses.dataclass(frozen=True)
+class ForcedSketchOptions:
+    """How the run sketches forced sequences (targets, rollout re-sketches, draws; SPEC §3.1, §5),
+    built at the stage boundary (``stages/spec.py``, ``RunSpec.forced``).
+
+    Fields: ``dim`` / ``seed`` / ``hash_family`` (the run's CountSketch: ``sketch.dim``,
+    ``sketch.seed``, ``sketch.hash``), ``chunk_size`` (``sketch.chunk_size``), ``fused``
+    (``sketch.fused``), ``block_size`` / ``length_bucket`` (``targets.*``: sequences per call and
+    the padding multiple), ``use_tables`` (``targets.use_tables``, refused with ``fused`` where the
+    spec is built).
+    """
+
+    dim: int
+    seed: int
+    chunk_size: int
+    block_size: int
+    length_bucket: int
+    use_tables: bool
+    fused: bool
+    hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
+
+
 class ForcedSketcher:
     """Sketches of ``-masked mean log-prob`` of forced sequences, batched with fixed shapes.
 
@@ -220,21 +242,14 @@ class ForcedSketcher:
         self.mean_logprob = programs.jit("forced_mean_logprob", mean_lp, mesh=self.sketcher.mesh)
 
     @classmethod
-    def from_config(cls, config: Any, graphdef: Any, model_config: decoder.DecoderConfig, params: Any,
-                    pad_id: int, mesh: Any = None) -> "ForcedSketcher":
-        """Built from ``config.sketch.{dim, seed, chunk_size, fused, hash}`` and ``config.targets.{block_size,
-        length_bucket, use_tables}``.
-
-        Raises:
-            ValueError: ``targets.use_tables`` with ``sketch.fused`` (``tables.tables_from_config``); an
-                unknown ``sketch.hash`` (naming the key and the known families).
-        """
-        t = config.targets
-        return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
-                   chunk_size=config.sketch.chunk_size, block_size=t.block_size,
-                   length_bucket=t.length_bucket, pad_id=pad_id, mesh=mesh,
-                   use_tables=tables.tables_from_config(config, "targets.use_tables"),
-                   fused=bool(config.sketch.fused), hash_family=hash_families.hash_family(str(config.sketch.hash)))
+    def from_options(cls, options: "ForcedSketchOptions", graphdef: Any, model_config: decoder.DecoderConfig,
+                     params: Any, pad_id: int, mesh: Any = None) -> "ForcedSketcher":
+        """The run's forced sketcher (the ``sketch`` and ``draws`` stages' and the compile stage's):
+        :class:`ForcedSketchOptions` (``RunSpec.forced``, built at the stage boundary)."""
+        o = options
+        return cls(graphdef, model_config, params, dim=o.dim, seed=o.seed, chunk_size=o.chunk_size,
+                   block_size=o.block_size, length_bucket=o.length_bucket, pad_id=pad_id, mesh=mesh,
+                   use_tables=o.use_tables, fused=o.fused, hash_family=o.hash_family)
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

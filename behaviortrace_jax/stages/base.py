@@ -29,14 +29,15 @@ from absl import logging
 from etils import epath
 from flax import nnx
 
-from behaviortrace_jax.behavior import behaviors as behaviors_lib, corpus, planted as behavior, tiny_tokenizer
+from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
-from behaviortrace_jax.models.loader import ModelOptions, load_policy
+from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import lm_trainer, train_state
 
 COMPLETE_MARKER = ".complete"
@@ -133,7 +134,7 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
         "heldout_examples_greedy": dict(list(zip(hq, h_greedy))[:10]),
         "probe_examples_sampled": p_sampled[:10],
     }
-    extra = behaviors_lib.behaviors_from_config(config)[1:]
+    extra = RunSpec.from_config(config).behaviors[1:]
     if extra:  # how often the base model writes each RL-only behaviour's marker by chance
         out["behaviors"] = {}
         for j, beh in enumerate(extra):
@@ -207,11 +208,12 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     enc, data = _base_data(b, examples, tok, cfg)
 
     # 2. the weights: trained and exported, or read back when a killed run had finished them
-    layout = sharding.Layout.from_config(config)
+    spec = RunSpec.from_config(config)
+    layout = spec.layout
     mesh = layout.mesh()
     if resume:
         logging.info("base: %s holds this config's trained weights (%s); evaluating them", base_dir, TRAINED_MARKER)
-        policy = load_policy(base_dir, layout, ModelOptions.from_config(config.model), tokenizer=False)
+        policy = load_policy(base_dir, layout, spec.model, tokenizer=False)
         graphdef, params = policy.graphdef, policy.params
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
@@ -281,7 +283,7 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderCon
         logging.warning("base: %s=%s (a test switch): flipped the last bit of %s", train_state.PERTURB_ENV,
                         perturb, what)
     schedule = train_state.make_schedule(b.lr, b.steps, b.warmup_steps, b.end_lr_fraction)
-    tx = train_state.make_optimizer(config.optim, schedule)
+    tx = train_state.make_optimizer(RunSpec.from_config(config).optim, schedule)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, params)
     state = train_state.init_train_state(params, tx, b.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)

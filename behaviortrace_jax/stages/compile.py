@@ -38,7 +38,7 @@ import ml_collections
 from absl import logging
 
 from behaviortrace_jax.aot.builders import (  # noqa: F401 - re-exported: the stage's library names
-    PAPER_RUN_STAGES, PROGRAM_BUILDERS, AbstractRun, Program, build_programs, compiled_stages, grpo_programs,
+    PAPER_RUN_STAGES, PROGRAM_BUILDERS, AbstractRun, CompileOptions, Program, build_programs, compiled_stages, grpo_programs,
     lm_programs, metagradient_programs, sampler_programs, sketcher_programs, step_path)
 from behaviortrace_jax.aot.cost import UncountedLoop, loop_counted_cost  # noqa: F401 - re-exported
 from behaviortrace_jax.aot.memory import (  # noqa: F401 - re-exported
@@ -46,8 +46,9 @@ from behaviortrace_jax.aot.memory import (  # noqa: F401 - re-exported
 from behaviortrace_jax.aot.report import compile_program, does_not_fit, fmt_gib, report_markdown, run_report
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.layout import RunLayout, as_path
-from behaviortrace_jax.models import decoder, families, sharding
+from behaviortrace_jax.models import decoder, families
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 
 def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
@@ -78,10 +79,11 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         DoesNotFit: naming every program whose per-chip bytes exceed the chip's memory, and by how much.
     """
     t_start = time.perf_counter()
-    devs, chip, memory = target_devices(config.compile.target)
-    mesh = sharding.Layout.from_config(config, devices=devs).mesh()
+    spec = RunSpec.from_config(config).compile
+    devs, chip, memory = target_devices(spec.target)
+    mesh = spec.layout.on(devs).mesh()
     cfg = model_config(config)
-    programs = build_programs(config, cfg, mesh)
+    programs = build_programs(spec, cfg, mesh)
     rows = []
     for pr in programs:
         logging.info("compile: %s ...", pr.name)
@@ -89,7 +91,7 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         rows.append(row)
         logging.info("compile: %s in %.1f s, %s GiB/chip, fits=%s", pr.name, row["compile_s"],
                      fmt_gib(row.get("total_bytes")), row["fits"])
-    report = run_report(config, devs, chip, mesh, cfg, rows, t_start)
+    report = run_report(spec, devs, chip, mesh, cfg, rows, t_start)
     paths = RunLayout(workdir)  # local or gs:// (files.write_strategy)
     files.atomic_write_text(paths.compile_report_json, json.dumps(report, indent=2))
     md = report_markdown(report)

@@ -67,13 +67,13 @@ from etils import epath
 from behaviortrace_jax.attribution import causal as causal_tables, estimators, formats, metrics as M, verdicts
 from behaviortrace_jax.attribution.scores import step_method_scores
 from behaviortrace_jax.behavior import contaminator
-from behaviortrace_jax.behavior.behaviors import first_behavior
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache (io/cache.py)
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import tokenizer as tok_lib
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 TABLES = ("counterfactual_topk", "counterfactual_topk_recomputed", "lds")
 LDS_DROP = "lds_drop"  # table prefix of the LDS at a drop fraction other than 0.5
@@ -364,9 +364,7 @@ def measure_step(config: ml_collections.ConfigDict) -> int:
     """The step whose behaviour the tables report (``counterfactual.measure``): "window" = the end of
     the contamination window (``contamination.early_step_cutoff``, capped at the run's length; the
     replay stops there), "target" = the checkpoint nearest ``draws.target_step``, "end" = the run's end."""
-    from behaviortrace_jax.train import replay as R
-
-    return R.measure_step(config)
+    return RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure)
 
 
 def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
@@ -378,15 +376,14 @@ def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_i
     pattern, ``behavior.contaminator.pattern_matches``)."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
     texts = contaminator.logged_texts(tok_lib.load_tokenizer(paths.sft_hf), records)
-    matches = contaminator.pattern_matches(texts, first_behavior(config).pattern)
-    return step_method_scores(config, paths, rollout_ids, steps, pattern_matches=matches,
+    matches = contaminator.pattern_matches(texts, RunSpec.from_config(config).first_behavior.pattern)
+    return step_method_scores(RunSpec.from_config(config).scores, paths, rollout_ids, steps, pattern_matches=matches,
                               per_rollout=bool(config.sketch.in_run_rollouts), records=records)
 
 
 @register_stage("counterfactual")
 def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Leave-top-k-out and LDS replays of one finished run (see the module docstring)."""
-    from behaviortrace_jax.models import sharding
     from behaviortrace_jax.train import causal as TC, replay as R
 
     w = RunLayout(workdir)
@@ -398,8 +395,8 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
                                 ("causal_regenerated", cf.causal_regenerated, TC.REGENERATED)):
         if value not in allowed:
             raise ValueError(f"config.counterfactual.{key}={value!r}; expected one of {allowed}")
-    rp = R.Replayer(config, workdir, layout=sharding.Layout.from_config(config), rates=bool(cf.rates),
-                    sampled=int(cf.sampled))
+    spec = RunSpec.from_config(config)
+    rp = R.Replayer(spec.replay, workdir, layout=spec.layout, rates=bool(cf.rates), sampled=int(cf.sampled))
     steps = np.array([rollout_log.parse_rollout_id(r)[0] for r in rp.rollout_ids], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(rp.paths.ground_truth)]
     # Every step-level estimator, as the evaluate stage scores them; ``random`` is left out below
@@ -415,7 +412,7 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     rows: list[formats.Row] = []
     if cf.causal != "only":
         jobs = replay_jobs(config, removed)
-        run_replays(rp, jobs, out_dir, measure_steps=sorted({R.target_checkpoint(config), at}), at=at,
+        run_replays(rp, jobs, out_dir, measure_steps=sorted({spec.schedule.target_checkpoint(), at}), at=at,
                     intervention=cf.intervention, rollouts=cf.rollouts)
         results = {k: read_json(replay_path(out_dir, k)) for k in jobs}
         main = {k: v for k, v in results.items() if not k.endswith(RECOMPUTED)}
@@ -435,10 +432,10 @@ def causal_rows(config: ml_collections.ConfigDict, rp, w: RunLayout, scores: dic
     from behaviortrace_jax.train import causal as TC
 
     cf = config.counterfactual
-    units = TC.causal_units(config, rp.shapes.num_rollouts, cf.causal_units)
+    units = TC.causal_units(rp.schedule, rp.options.rollouts.group_size, rp.shapes.num_rollouts, cf.causal_units)
     index = {r: i for i, r in enumerate(rp.rollout_ids)}
     gt = np.array(sorted(index[g] for g in gt_ids if g in index), np.int64)
-    results = TC.run_causal(rp, config, w.counterfactual / "causal", units=units, gt=gt, at=at, rollouts=cf.rollouts,
+    results = TC.run_causal(rp, w.counterfactual / "causal", units=units, gt=gt, at=at, rollouts=cf.rollouts,
                             streams=int(cf.causal_streams), recompute=bool(cf.recompute_advantages),
                             regenerated=cf.causal_regenerated)
     is_gt = np.zeros(rp.num_rollouts, bool)

@@ -53,13 +53,14 @@ from behaviortrace_jax.behavior import behaviors as behaviors_lib, planted as be
 from behaviortrace_jax.io import checkpoints
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, read_json, write_json
-from behaviortrace_jax.models import decoder, sampler as sampler_lib, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, sampler as sampler_lib, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
 from behaviortrace_jax.io.layout import DrawPaths, RunLayout, as_path
-from behaviortrace_jax.models.loader import ModelOptions, load_policy
+from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.sketch.hash_families import SPLITMIX64
-from behaviortrace_jax.sketch.stores import SketchOptions, open_store, read_store, sketch_metadata
+from behaviortrace_jax.sketch.stores import open_store, read_store, sketch_metadata
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 HEADER_KEYS = ("ckpt_seed", "gen_seed", "checkpoint_step", "n", "qzxbt_rate", "norm_ratio", "fluency_gap")
 TOKEN_LEVEL_KEYS = ("vs_cont", "vs_ctx", "cos_full")
@@ -122,7 +123,7 @@ def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: i
         "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
         # the hash family, recorded unless it is splitmix64, the only family before the key existed
         # (so earlier draws still match)
-        **({"sketch_hash": f.name} if (f := SketchOptions.from_config(config).hash_family) is not SPLITMIX64 else {}),
+        **({"sketch_hash": f.name} if (f := RunSpec.from_config(config).sketch.hash_family) is not SPLITMIX64 else {}),
     }
 
 
@@ -197,7 +198,8 @@ class _Env:
 
 
 def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
-    policy = load_policy(hf_dir, sharding.Layout.from_config(config), ModelOptions.from_config(config.model))
+    spec = RunSpec.from_config(config)
+    policy = load_policy(hf_dir, spec.layout, spec.model)
     mesh = policy.mesh  # the params on it as mesh.fsdp says, as the compile stage lowers the draws' programs
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
@@ -209,8 +211,8 @@ def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
     s = make_sampler(config.draws.max_new_tokens)
     n_ctx = _ctx_new_tokens(config)
     ctx = s if n_ctx == config.draws.max_new_tokens else make_sampler(n_ctx)
-    sk = targets.ForcedSketcher.from_config(config, graphdef, cfg, params, pad_id=pad, mesh=mesh)
-    return _Env(cfg, params, tok, s, ctx, sk, eos, tok_lib.mask_eos_ids(tok, config.model.mask_eos))
+    sk = targets.ForcedSketcher.from_options(spec.forced, graphdef, cfg, params, pad_id=pad, mesh=mesh)
+    return _Env(cfg, params, tok, s, ctx, sk, eos, tok_lib.mask_eos_ids(tok, spec.rollouts.mask_eos))
 
 
 def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths: DrawPaths,
@@ -290,7 +292,7 @@ def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
 def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPaths, cat: dict[str, np.ndarray],
                    settings: dict[str, Any]) -> None:
     """Writes the draw's sketches / grad norms (sketch_store, one chunk per repeat) and rollouts."""
-    options = SketchOptions.from_config(config)
+    options = RunSpec.from_config(config).sketch
     rows_per_rep = len(cat["groups"]) // int(config.draws.n_repeats)
     for path, arr, kind in ((paths.sketches, cat["sketches"], "draw_sketches"),
                             (paths.grad_norms, cat["grad_norms"], "draw_grad_norms")):
@@ -325,7 +327,7 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
         if not p.exists():
             raise FileNotFoundError(f"draw file not found: {p}")
     out: dict[str, Any] = dict(_load_npz(paths.rollouts))
-    options = SketchOptions.from_config(config)
+    options = RunSpec.from_config(config).sketch
     out["sketches"] = read_store(options, paths.sketches).read()
     out["grad_norms"] = read_store(options, paths.grad_norms).read()
     out["targets"] = _load_npz(paths.targets_npz)
@@ -343,7 +345,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
             (-1 -> ``config.seed``). The checkpoint is read from ``workdir``'s registry, so
             ``ckpt_seed`` must be that run's seed (``config.seed``).
         beh: the behaviour whose prompts, probes and targets the draw uses (None = the run's
-            first, ``behaviors.first_behavior``; another's draw goes under ``draws/<id>/``).
+            first, ``RunSpec.first_behavior``; another's draw goes under ``draws/<id>/``).
     Returns:
         The path of ``minimal_pair_rows_ckpt{C}_gen{G}.json``.
     Raises:
@@ -354,7 +356,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
     if c_seed != int(config.seed):
         raise ValueError(f"draws: ckpt_seed={c_seed} but workdir {workdir} holds the run of seed {config.seed}; "
                          "pass that run's config and workdir")
-    beh = behaviors_lib.first_behavior(config) if beh is None else beh
+    beh = RunSpec.from_config(config).first_behavior if beh is None else beh
     paths = draw_paths(config, workdir, c_seed, g_seed, beh)
     entry = nearest_checkpoint(checkpoints.CheckpointRegistry(registry_path(workdir)), config.draws.target_step)
     hf_dir = as_path(entry.path)
@@ -400,5 +402,5 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
 def draws_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """The pre-registered draw (``config.draws.ckpt_seed`` / ``gen_seed``, -1 = ``config.seed``), and
     the same draw for every other behaviour of the run under ``draws/<id>/``."""
-    for beh in behaviors_lib.behaviors_from_config(config):
+    for beh in RunSpec.from_config(config).behaviors:
         run_draws(config, workdir, beh=beh)

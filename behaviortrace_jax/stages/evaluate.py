@@ -34,6 +34,7 @@ from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, parse_rows_filename, parse_token_level_filename
 from behaviortrace_jax.models import tokenizer as tok_lib
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 
 def read_records(config: ml_collections.ConfigDict, paths: RunLayout) -> list[rollout_log.RolloutRecord]:
@@ -62,8 +63,8 @@ def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: 
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(paths.ground_truth)]
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    matches = contaminator.pattern_matches(texts, behaviors_lib.first_behavior(config).pattern)
-    scores = step_method_scores(config, paths, ids, steps, pattern_matches=matches, step_sketches=step_sk,
+    matches = contaminator.pattern_matches(texts, RunSpec.from_config(config).first_behavior.pattern)
+    scores = step_method_scores(RunSpec.from_config(config).scores, paths, ids, steps, pattern_matches=matches, step_sketches=step_sk,
                                 records=records)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     header = tables.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
@@ -112,8 +113,8 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     rows = list(rep.rows)
     if config.sketch.in_run_rollouts:
         sd = next(s for s in rep.seeds if s.label == str(int(config.seed)))
-        matches = contaminator.pattern_matches(texts, behaviors_lib.first_behavior(config).pattern)
-        scores = step_method_scores(config, paths, sd.rollout_ids, sd.rollout_steps, pattern_matches=matches,
+        matches = contaminator.pattern_matches(texts, RunSpec.from_config(config).first_behavior.pattern)
+        scores = step_method_scores(RunSpec.from_config(config).scores, paths, sd.rollout_ids, sd.rollout_steps, pattern_matches=matches,
                                     per_rollout=True, records=records)
         adv = np.array([r.advantage for r in records], np.float64)
         kw = dict(advantages=adv, nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff)
@@ -121,10 +122,10 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                                             nboot=ev.nboot, rng_seed=int(config.seed), **kw)
         pop = tables.which_rollout_population(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, **kw)
         write_json(paths.which_rollout_top, top_blamed(config, paths, records, scores, pop, set(sd.gt_ids)))
-    rows += training_rollout_tables(config, paths, behaviors_lib.first_behavior(config), nboot=ev.nboot)
-    rules, check = evaluate_verdicts(rows, rep, config)
+    rows += training_rollout_tables(config, paths, RunSpec.from_config(config).first_behavior, nboot=ev.nboot)
+    rules, check = evaluate_verdicts(rows, rep, RunSpec.from_config(config).evaluation)
     verdicts = verdicts_json(rules, check)
-    if behaviors_lib.is_multi(config):  # every other behaviour's tables, and specificity
+    if RunSpec.from_config(config).multi:  # every other behaviour's tables, and specificity
         more, per_behavior = behavior_results(config, paths, texts)
         rows += more
         verdicts.update(per_behavior)
@@ -155,7 +156,7 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     if not (path / "metadata.json").exists():
         return []
     store = sketch_store.SketchStore.open(path)
-    scale = rollout_scales(config, paths, store.shape[1])  # clip_s * c_i: the weighted variant
+    scale = rollout_scales(RunSpec.from_config(config).scores, paths, store.shape[1])  # clip_s * c_i: the weighted variant
     fluency = sketch_store.SketchStore.open(paths.sketch_store("checkpoint_rollout_fluency"))
     t_store = sketch_store.SketchStore.open(paths.behavior_targets(beh.suffix))
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
@@ -285,12 +286,12 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
     extra = []
-    if behaviors_lib.is_multi(config):  # the first behaviour's tables, then the others'
+    if RunSpec.from_config(config).multi:  # the first behaviour's tables, then the others'
         all_rows = rows
         rows = report.first_behavior_rows(all_rows)
     figs = report.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
-    if behaviors_lib.is_multi(config):
-        ids = [b.id for b in behaviors_lib.behaviors_from_config(config)]
+    if RunSpec.from_config(config).multi:
+        ids = [b.id for b in list(RunSpec.from_config(config).behaviors)]
         base = read_json(w.base / "base_summary.json", {}) if not config.model.hf_dir else {}
         extra = report.behavior_sections(all_rows, ids, summary, verdicts, base)
         fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
@@ -358,14 +359,14 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
     Returns:
         (rows, {"behaviors": {id: verdicts.json dict}, "specificity": [verdict dicts]}).
     """
-    behs = behaviors_lib.behaviors_from_config(config)
+    behs = list(RunSpec.from_config(config).behaviors)
     records = list(rollout_log.read_rollouts(paths.rollouts))
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     log = training_log_inputs(records, ids)
     texts = completion_texts(paths, records) if texts is None else texts
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    roll_sk = read_rollout_sketches(config, paths) if config.sketch.in_run_rollouts else None
+    roll_sk = read_rollout_sketches(RunSpec.from_config(config).scores, paths) if config.sketch.in_run_rollouts else None
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     nonzero = np.isin(steps, np.asarray(tables.nonzero_steps_from_norms(step_norms), np.int64))
     rows: list[formats.Row] = []
@@ -377,9 +378,9 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
         gt[beh.id] = np.array([i in gt_ids for i in ids])
         pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
         b_log = dict(log, pattern_matches=contaminator.pattern_matches(texts, beh.pattern))
-        step_scores[beh.id] = target_store_scores(config, target_path, step_sk, ids, steps, **b_log)
+        step_scores[beh.id] = target_store_scores(RunSpec.from_config(config).scores, target_path, step_sk, ids, steps, **b_log)
         if roll_sk is not None:
-            roll_scores[beh.id] = rollout_method_scores(config, target_path, roll_sk, ids, steps, **b_log)
+            roll_scores[beh.id] = rollout_method_scores(RunSpec.from_config(config).scores, target_path, roll_sk, ids, steps, **b_log)
         if gt[beh.id][pops[beh.id]].any():
             p = pops[beh.id]
             ceilings[beh.id] = metrics.precision_ceiling_fractional(steps[p], gt[beh.id][p],
@@ -424,7 +425,7 @@ def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: b
                                               early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
                                               rng_seed=int(config.seed), advantages=advantages)
     b_rows += training_rollout_tables(config, paths, beh, nboot=ev.nboot)
-    b_rules, b_check = evaluate_verdicts(b_rows, rep, config)
+    b_rules, b_check = evaluate_verdicts(b_rows, rep, RunSpec.from_config(config).evaluation)
     return _suffixed(b_rows, beh.table_suffix), dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
 
 

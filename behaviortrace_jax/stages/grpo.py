@@ -38,7 +38,6 @@ import time
 import ml_collections
 from absl import logging
 
-from behaviortrace_jax.behavior import behaviors as behaviors_lib
 from behaviortrace_jax.behavior.behaviors import Behavior
 from behaviortrace_jax.behavior.contaminator import ContaminationSpec
 from behaviortrace_jax.behavior.probes import ProbeOptions
@@ -47,13 +46,14 @@ from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import nonfinite
 from behaviortrace_jax.train.grpo_checkpoint import GRPOCheckpointer, resume
 from behaviortrace_jax.train.grpo_logs import GRPOLogs, step_metrics, write_summary
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec
 from behaviortrace_jax.train.grpo_tracks import open_tracks
 from behaviortrace_jax.train.grpo_updater import GRPOUpdater, logged_skips
-from behaviortrace_jax.train.rollouts import RolloutSource, first_contamination_spec, step_key
+from behaviortrace_jax.train.rollouts import RolloutSource, step_key
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -73,6 +73,7 @@ def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 class _RunOptions:
     """What the GRPO stage reads from the config (:func:`_run_options`), typed."""
 
+    run: RunSpec  # the whole typed spec (``RunSpec.from_config``): model, optimizer, rollouts
     layout: sharding.Layout  # the mesh (``mesh.*``)
     spec: GRPOStepSpec  # the train step (``grpo``, ``optim.grad_clip``, ``sketch``)
     sketch: SketchOptions  # the in-run sketch stores (``sketch``, ``seed``)
@@ -90,18 +91,16 @@ class _RunOptions:
 
 
 def _run_options(config: ml_collections.ConfigDict) -> _RunOptions:
-    """Every config key the GRPO stage reads, read once. Raises ValueError naming the key (as the
-    option classes, ``behaviors_from_config`` and ``nonfinite.check_mode``)."""
-    g = config.grpo
-    behaviors = behaviors_lib.behaviors_from_config(config)
+    """The GRPO stage's options, from the run's one typed spec (``RunSpec.from_config``: raises
+    ValueError naming the key; ``nonfinite.check_mode`` names ``grpo.on_nonfinite``)."""
+    spec = RunSpec.from_config(config)
+    g, behaviors = spec.grpo, list(spec.behaviors)
     return _RunOptions(
-        layout=sharding.Layout.from_config(config), spec=GRPOStepSpec.from_config(config),
-        sketch=SketchOptions.from_config(config), probe=ProbeOptions.for_grpo(config), behaviors=behaviors,
-        contamination=[first_contamination_spec(config)] + [b.contamination_spec(config.seed) for b in behaviors[1:]],
-        seed=int(config.seed), run_name=str(config.run_name), steps=int(g.steps),
-        checkpoint_every=int(g.checkpoint_every), log_shard_size=int(g.log_shard_size),
-        on_nonfinite=nonfinite.check_mode(g.on_nonfinite), group_size=int(g.group_size),
-        adv_std_floor=float(g.adv_std_floor))
+        run=spec, layout=spec.layout, spec=spec.step, sketch=spec.sketch, probe=spec.probe_grpo, behaviors=behaviors,
+        contamination=[spec.contamination] + [b.contamination_spec(spec.seed) for b in behaviors[1:]],
+        seed=spec.seed, run_name=spec.run_name, steps=g.steps, checkpoint_every=g.checkpoint_every,
+        log_shard_size=g.log_shard_size, on_nonfinite=nonfinite.check_mode(g.on_nonfinite),
+        group_size=g.group_size, adv_std_floor=g.adv_std_floor)
 
 
 class GRPORun:
@@ -115,13 +114,13 @@ class GRPORun:
     def __init__(self, config: ml_collections.ConfigDict, paths: RunLayout):
         self.config, self.paths = config, paths
         self.options = o = _run_options(config)
-        start = load_start_state(config, paths.workdir, o.layout)
+        start = load_start_state(o.run.model, o.run.optim, paths.workdir, o.layout)
         resumed = resume(paths, start)
         self.start_step, self.post_sft, n = resumed.start_step, start.summary, o.spec.shapes.num_rollouts
         self.tracks = open_tracks(o.behaviors, o.contamination, paths, start_step=self.start_step,
                                   rollouts_per_step=n, probe_options=o.probe, graphdef=start.graphdef,
                                   model_cfg=start.model_config, tok=start.tokenizer, mesh=start.mesh)
-        self.source = RolloutSource(config, start.graphdef, start.model_config, start.tokenizer, start.mesh,
+        self.source = RolloutSource(o.run.rollouts, start.graphdef, start.model_config, start.tokenizer, start.mesh,
                                     paths.sft_hf, o.spec.shapes, contaminators={t.id: t.contaminator for t in self.tracks})
         self.updater = GRPOUpdater(start, o.spec, resumed.params, resumed.opt_state, resumed=bool(self.start_step),
                                    state_dir=paths.state, on_nonfinite=o.on_nonfinite, group_size=o.group_size,
@@ -136,7 +135,7 @@ class GRPORun:
         """Samples, rewards, trains and logs one GRPO step (SPEC §2.2). Returns its scalar metrics
         (``grpo_logs.step_metrics``; none feeds back into the run)."""
         t0 = time.perf_counter()
-        ro = self.source.sample_and_reward(self.updater.params, step, step_key(self.config, step))
+        ro = self.source.sample_and_reward(self.updater.params, step, step_key(self.options.seed, step))
         t_sample = time.perf_counter() - t0  # sampling, decoding and rewards
         adv, dropped = self.updater.advantages(step, ro.ids, ro.rewards, ro.sample)
         out = self.updater.update(step, self.source.batch(ro, adv), dropped, ro.ids)

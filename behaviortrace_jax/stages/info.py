@@ -12,12 +12,14 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     import jax
 
     from behaviortrace_jax.behavior import planted as behavior
-    from behaviortrace_jax.models import sampler, sharding, tokenizer
-    from behaviortrace_jax.models.loader import ModelOptions, load_policy
+    from behaviortrace_jax.models import sampler, tokenizer
+    from behaviortrace_jax.models.loader import load_policy
+    from behaviortrace_jax.stages.spec import RunSpec
     from behaviortrace_jax.io.layout import RunLayout
 
-    hf_dir = RunLayout(workdir).model_dir(config)
-    policy = load_policy(hf_dir, sharding.Layout.from_config(config), ModelOptions.from_config(config.model))
+    spec = RunSpec.from_config(config)
+    hf_dir = RunLayout(workdir).model_dir(spec.hf_dir)
+    policy = load_policy(hf_dir, spec.layout, spec.model)
     mesh = policy.mesh
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     n_params = sum(x.size for x in jax.tree.leaves(params))

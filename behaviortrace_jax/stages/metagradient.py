@@ -34,6 +34,7 @@ from absl import logging
 from behaviortrace_jax.io import cache
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 
 def parse_modes(spec: str) -> list[str]:
@@ -56,7 +57,7 @@ def primary_mode(config: ml_collections.ConfigDict) -> str:
     ``attribution.scores.metagradient_mode``, which the estimator's reader checks the file against)."""
     from behaviortrace_jax.attribution.scores import metagradient_mode
 
-    return metagradient_mode(config)
+    return metagradient_mode(RunSpec.from_config(config).scores)
 
 
 @register_stage("metagradient")
@@ -66,7 +67,6 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     Raises:
         ValueError: the primary mode (:func:`primary_mode`) is not in ``metagradient.advantages``.
     """
-    from behaviortrace_jax.models import sharding
     from behaviortrace_jax.train import metagradient as MG, replay as R
 
     w = RunLayout(workdir)
@@ -74,9 +74,10 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     if primary not in modes:
         raise ValueError(f"config.metagradient.advantages={config.metagradient.advantages!r} lacks {primary!r}, the "
                          "mode of the counterfactual replays (counterfactual.recompute_advantages)")
-    at = R.measure_step(config)
-    steps = sorted({R.target_checkpoint(config), at})
-    rp = R.Replayer(config, workdir, layout=sharding.Layout.from_config(config),  # its identity keys the files
+    spec = RunSpec.from_config(config)
+    at = spec.schedule.measure_step(config.counterfactual.measure)
+    steps = sorted({spec.schedule.target_checkpoint(), at})
+    rp = R.Replayer(spec.replay, workdir, layout=spec.layout,  # its identity keys the files
                     rates=False)  # (programs compile on first use)
     identity = rp.identity()
     recs = {}
@@ -89,7 +90,7 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
             logging.info("metagradient: %s already computed (%s)", mode, path)
             recs[mode] = rec
             continue
-        run = MG.RunMetagradient(config, workdir, advantages=mode, replayer=rp)
+        run = MG.RunMetagradient(spec.replay, workdir, advantages=mode, replayer=rp)
         grads, values, stats = run.run(steps, checkpoint_every=int(config.metagradient.checkpoint_every))
         recs[mode] = cache.store(path, {"advantages": mode, "rollout_ids": rp.rollout_ids,
                                         "measures": {str(m): {"value": values[m], "dM_dw": grads[m].tolist()}

@@ -25,14 +25,15 @@ import ml_collections
 from absl import logging
 from flax import nnx
 
-from behaviortrace_jax.behavior import behaviors as behaviors_lib, corpus, planted as behavior
-from behaviortrace_jax.behavior.probes import ImplantProbe, ProbeOptions
+from behaviortrace_jax.behavior import corpus, planted as behavior
+from behaviortrace_jax.behavior.probes import ImplantProbe
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import decoder, hf_io, sharding, tokenizer as tok_lib
-from behaviortrace_jax.models.loader import ModelOptions, load_policy
+from behaviortrace_jax.models import decoder, hf_io, tokenizer as tok_lib
+from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import lm_trainer, train_state
 
 DONE_MARKER = RunLayout(".").sft_done.name  # SPEC §1.7
@@ -74,16 +75,17 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     s = config.sft
     if s.steps < 0 or s.batch_size < 1:
         raise ValueError(f"config.sft.steps={s.steps} must be >= 0 and config.sft.batch_size={s.batch_size} >= 1")
-    start_dir = run.model_dir(config)
+    spec = RunSpec.from_config(config)
+    start_dir = run.model_dir(spec.hf_dir)
     if not (start_dir / "config.json").is_file():
         raise FileNotFoundError(f"sft: no start checkpoint at {start_dir} (config.model.hf_dir or the `base` stage)")
     files.remove_tree(out)  # a partial earlier attempt
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    layout = sharding.Layout.from_config(config)
+    layout = spec.layout
     mesh = layout.mesh()
-    policy = load_policy(start_dir, layout, ModelOptions.from_config(config.model))  # already in param_sh
+    policy = load_policy(start_dir, layout, spec.model)  # already in param_sh
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
     param_sh = layout.param_shardings(abstract_params, mesh)  # the train state's layout (= the params')
@@ -91,11 +93,11 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     pairs = sft_pairs(config)
     data = _sft_data(config, tok, cfg, pairs)
     lr = sft_lr(config)
-    tx = train_state.make_optimizer(config.optim, lr)
+    tx = train_state.make_optimizer(spec.optim, lr)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     state = train_state.init_train_state(params, tx, config.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
-    probe = ImplantProbe(behaviors_lib.first_behavior(config), ProbeOptions.for_sft(config),
+    probe = ImplantProbe(spec.first_behavior, spec.probe_sft,
                          corpus.heldout_terms(config.base.seed, config.base.n_heldout), graphdef, cfg, tok, mesh)
     eval_key = jax.random.fold_in(jax.random.key(config.seed), 7_100)
     curve: list[dict[str, float]] = []

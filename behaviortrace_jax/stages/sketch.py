@@ -30,11 +30,12 @@ from behaviortrace_jax.behavior import behaviors as behaviors_lib
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import decoder, sharding, tokenizer as tok_lib
+from behaviortrace_jax.models import decoder, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.sketch.stores import SketchOptions, open_store, sketch_metadata
-from behaviortrace_jax.models.loader import ModelOptions, load_policy, policy_config
+from behaviortrace_jax.sketch.stores import open_store, sketch_metadata
+from behaviortrace_jax.models.loader import load_policy, policy_config
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 
 def select_rollout_checkpoints(spec: str, steps: list[int], target_step: int) -> list[int]:
@@ -62,15 +63,16 @@ def select_rollout_checkpoints(spec: str, steps: list[int], target_step: int) ->
 
 class CheckpointLoader:
     """Loads registered HF checkpoint exports as ``nnx.State`` params for one fixed graph, on the
-    run's mesh in the run's parameter layout (``sharding.Layout.from_config``: FSDP when
-    ``mesh.fsdp``), where the sketchers run (as in the ``draws`` stage and the compile stage)."""
+    run's mesh in the run's parameter layout (``RunSpec.layout``: FSDP when ``mesh.fsdp``), where
+    the sketchers run (as in the ``draws`` stage and the compile stage); ``spec``: the run's
+    :class:`~behaviortrace_jax.stages.spec.RunSpec`."""
 
     def __init__(self, config: ml_collections.ConfigDict, first_dir: str):
-        self.config = config
-        self.layout = sharding.Layout.from_config(config)
+        self.config, self.spec = config, RunSpec.from_config(config)
+        self.layout = self.spec.layout
         self.mesh = self.layout.mesh()
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
-        self.options = ModelOptions.from_config(config.model)
+        self.options = self.spec.model
         self.model_config = policy_config(first_dir, self.options)
         self.graphdef, self.abstract = nnx.split(decoder.abstract_model(self.model_config), nnx.Param)
 
@@ -89,10 +91,10 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     steps = [e.step for e in entries]
     loader = CheckpointLoader(config, entries[0].path)
     tok, cfg = loader.tokenizer, loader.model_config
-    forced = targets.ForcedSketcher.from_config(config, loader.graphdef, cfg, loader.abstract, tok_lib.pad_id(tok),
-                                                 mesh=loader.mesh)
+    forced = targets.ForcedSketcher.from_options(loader.spec.forced, loader.graphdef, cfg, loader.abstract,
+                                                 tok_lib.pad_id(tok), mesh=loader.mesh)
 
-    for beh in behaviors_lib.behaviors_from_config(config):  # each behaviour's targets
+    for beh in loader.spec.behaviors:  # each behaviour's targets
         continuation_targets(config, paths, loader, forced, entries, beh)
 
     chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
@@ -108,7 +110,7 @@ def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, lo
     ``targets_continuation_<id>.zarr`` and ``targets_<id>.json`` (metadata ``behavior`` = its id)
     for another."""
     steps = [e.step for e in entries]
-    options = SketchOptions.from_config(config)
+    options = loader.spec.sketch
     meta = dict(sketch_metadata(options, loader.model_config, "targets_continuation"),
                 checkpoint_steps=steps, **({} if beh.first else {"behavior": beh.id}))
     t_store = open_store(options, paths.behavior_targets(beh.suffix), (len(steps), config.sketch.dim), 1, meta)
@@ -131,12 +133,12 @@ def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout
     """Sketches ``-(masked mean log-prob)`` of every logged rollout at each of ``entries``."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
     if config.sketch.rollout_scope == "early":  # the log is step-major: the early window is a prefix
-        records = [rec for rec in records if rec.step < behaviors_lib.window_end(config)]
+        records = [rec for rec in records if rec.step < loader.spec.schedule.window_end]
     elif config.sketch.rollout_scope != "all":
         raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
     r, d = len(records), config.sketch.dim
-    eos = tok_lib.mask_eos_ids(loader.tokenizer, config.model.mask_eos)  # as the GRPO loss mask
-    options = SketchOptions.from_config(config)
+    eos = tok_lib.mask_eos_ids(loader.tokenizer, loader.spec.rollouts.mask_eos)  # as the GRPO loss mask
+    options = loader.spec.sketch
     meta = dict(sketch_metadata(options, loader.model_config, "checkpoint_rollout_sketches"),
                 checkpoint_steps=[e.step for e in entries], n_rollouts=r)
     block = forced.block_size

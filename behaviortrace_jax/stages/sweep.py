@@ -27,6 +27,7 @@ from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.stages import registry as stages
 from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 
 def parse_seeds(spec: str) -> list[int]:
@@ -137,7 +138,7 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
     for seed in summaries:  # the which-rollout (and counterfactual / causal, when that stage ran) rows of each run
         run_rows = formats.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
         rows += [r for r in run_rows if r.table.startswith(("which_rollout", "counterfactual_topk", "lds", "causal"))]
-    rules, check = evaluate_verdicts(rows, rep, config)
+    rules, check = evaluate_verdicts(rows, rep, RunSpec.from_config(config).evaluation)
     formats.write_results_csv(top.results_table, rows)
     write_json(top.verdicts, verdicts.verdicts_json(rules, check))
     figs = report.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))

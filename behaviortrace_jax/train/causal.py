@@ -32,13 +32,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 
 from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.train import replay as R
+from behaviortrace_jax.train.schedule import StepSchedule
 
 UNITS = ("steps", "groups")
 REGENERATED = ("units", "label")  # counterfactual.causal_regenerated: what the regenerated tracks replay
@@ -55,13 +55,14 @@ class Units:
     steps: list[int]
 
 
-def causal_units(config: ml_collections.ConfigDict, n_per_step: int, kind: str) -> Units:
-    """The window's units (steps < ``contamination.early_step_cutoff``, capped at ``grpo.steps``)
-    of ``kind`` (``counterfactual.causal_units``). Raises ValueError naming the key otherwise."""
+def causal_units(schedule: StepSchedule, group_size: int, n_per_step: int, kind: str) -> Units:
+    """The window's units (steps < ``schedule.early_step_cutoff``, capped at ``schedule.steps``)
+    of ``kind`` (``counterfactual.causal_units``); a group is ``group_size`` (G) rollouts. Raises
+    ValueError naming the key otherwise."""
     if kind not in UNITS:
         raise ValueError(f"counterfactual.causal_units={kind!r}; expected one of {UNITS}")
-    cut = min(int(config.contamination.early_step_cutoff), int(config.grpo.steps))
-    g = int(config.grpo.group_size)
+    cut = schedule.window_steps()
+    g = int(group_size)
     names, rollouts, steps = [], [], []
     for s in range(cut):
         if kind == "steps":
@@ -117,7 +118,7 @@ def _kwargs(intervention: str, rollouts_idx: np.ndarray, n: int, recompute: bool
     raise ValueError(f"counterfactual.intervention={intervention!r}; expected one of {R.INTERVENTIONS}")
 
 
-def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, gt: np.ndarray, at: int,
+def run_causal(rp, out_dir, *, units: Units, gt: np.ndarray, at: int,
                rollouts: str, streams: int, recompute: bool, regenerated: str = "units") -> dict[str, dict]:
     """Runs (or reads back) every causal replay; returns ``{file key: record}``.
 
@@ -127,7 +128,7 @@ def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, 
     "regenerated_bonuses", "skipped", "cache"}``.
 
     Args:
-        rp: the run's :class:`replay.Replayer`.
+        rp: the run's :class:`replay.Replayer` (its ``schedule`` gives the window).
         units: :func:`causal_units`; gt: int64 indices of the ground-truth rollouts (log order).
         at: the measure step (the replays stop there); rollouts / streams: :func:`tracks`.
         recompute: the remove intervention's advantages (``counterfactual.recompute_advantages``).
@@ -143,7 +144,7 @@ def run_causal(rp, config: ml_collections.ConfigDict, out_dir, *, units: Units, 
     out_dir.mkdir(parents=True, exist_ok=True)
     identity, n = rp.identity(), rp.num_rollouts
     per_step = rp.shapes.num_rollouts
-    window = np.arange(min(int(config.contamination.early_step_cutoff), at) * per_step, dtype=np.int64)
+    window = np.arange(min(int(rp.schedule.early_step_cutoff), at) * per_step, dtype=np.int64)
     logged_bonus = np.concatenate([d.rewards != d.base for d in rp.data])  # bool [steps * N]
     results: dict[str, dict] = {}
     for mode, stream in tracks(rollouts, streams):

@@ -24,7 +24,6 @@ from flax import nnx
 from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import hash_families, sketcher
-from behaviortrace_jax.sketch.tables import tables_from_config
 from behaviortrace_jax.train import grpo_loss, nonfinite, train_state
 
 
@@ -108,9 +107,10 @@ def completion_logprobs(graphdef: nnx.GraphDef, params: Any, input_ids: jax.Arra
 
 @dataclasses.dataclass(frozen=True)
 class GRPOStepSpec:
-    """Everything that decides what one GRPO train step computes (SPEC §2.2 step 4, §3.2), read from
-    the config once (:meth:`from_config`) and shared by the ``grpo`` stage, the replay
-    (``train/replay.py``) and the ``compile`` stage, so the three build the same program.
+    """Everything that decides what one GRPO train step computes (SPEC §2.2 step 4, §3.2), built from
+    the config once at the stage boundary (``stages/spec.py``, ``RunSpec.step``) and shared by the
+    ``grpo`` stage, the replay (``train/replay.py``) and the ``compile`` stage, so the three build
+    the same program.
 
     Fields: ``shapes``; ``loss`` (a ``grpo_loss`` registry name) and ``loss_cfg``; ``grad_clip``
     (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
@@ -165,28 +165,6 @@ class GRPOStepSpec:
         the step loss (and, with in-run sketches, a second, per-rollout pass: ``vmap(grad)``
         unless ``fused``)."""
         return self.fused and self.in_run_rollouts and self.loss_spec.one_backward
-
-    @classmethod
-    def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
-        """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
-        ``in_run_rollouts`` override the config's (the compile stage compiles every requested loss
-        and, for the FLOP ratio, the step without in-run sketches).
-
-        Raises:
-            ValueError: ``sketch.in_run_tables`` with ``sketch.fused`` (``tables.tables_from_config``); an
-                unknown ``sketch.hash`` (naming the key and the known families).
-        """
-        g, sk = config.grpo, config.sketch
-        name = g.loss if loss is None else loss
-        in_run = bool(sk.in_run_rollouts) if in_run_rollouts is None else bool(in_run_rollouts)
-        spec = grpo_loss.get_loss(name)
-        iters = int(g.inner_iterations) if spec.multi_iteration else 1
-        return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
-                   grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
-                   inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed),
-                   sketch_hash=hash_families.hash_family(str(sk.hash)), in_run_rollouts=in_run,
-                   chunk_size=int(sk.chunk_size), fused=bool(sk.fused),
-                   use_tables=tables_from_config(config, "sketch.in_run_tables"))
 
 
 def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,

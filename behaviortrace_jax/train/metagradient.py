@@ -231,17 +231,17 @@ class MetaStep:
                                      out_shardings=(p_sh, fl_sh, w_sh))
 
 
-def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_config: Any,
+def build_meta_step(optim: train_state.OptimOptions, std_floor: float, graphdef: Any, abstract_params: Any, model_config: Any,
                     spec: grpo_step.GRPOStepSpec, mesh: jax.sharding.Mesh, shardings: tuple, opt_state: Any, *,
                     advantages: str) -> MetaStep:
     """The :class:`MetaStep` the ``metagradient`` stage runs, built once for both its users
     (:class:`RunMetagradient` and the compile stage's ``metagradient_step`` rows, so the compiled
     program is the one that runs): the vjp of :func:`make_weighted_step` with the run's optimizer
-    made differentiable (``config.optim``), forward :func:`make_run_forward` where the run's update
+    made differentiable (``optim``), forward :func:`make_run_forward` where the run's update
     is the fused sketcher's (``spec.update_from_sketcher``), else that same step.
 
     Args:
-        config: the run's config (``optim``, ``grpo.adv_std_floor``). graphdef / abstract_params /
+        optim: the run's :class:`train_state.OptimOptions`; std_floor: its ``grpo.adv_std_floor``. graphdef / abstract_params /
             model_config: the policy's. spec: the run's step. mesh: the run's.
         shardings / opt_state: as :class:`MetaStep`'s (``opt_state``: arrays or ShapeDtypeStructs).
         advantages: "logged" or "recomputed".
@@ -253,9 +253,9 @@ def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_conf
     # whose vjp is finite at a zero gradient (a step whose advantages are all 0) and Adam's eps_root
     # (a finite derivative where a second moment is exactly 0: an untied model's unused rows). The
     # forward steps with the run's own optimizer (eps_root = 0), so its states are the run's.
-    tx = train_state.make_optimizer(config.optim, differentiable=True)
-    run_tx = train_state.make_optimizer(config.optim)
-    floor = float(config.grpo.adv_std_floor)
+    tx = train_state.make_optimizer(optim, differentiable=True)
+    run_tx = train_state.make_optimizer(optim)
+    floor = float(std_floor)
     step = make_weighted_step(graphdef, tx, spec, advantages=advantages, std_floor=floor)
     if spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
         forward = make_run_forward(graphdef, abstract_params, run_tx, spec, sketcher.hf_param_order(model_config),
@@ -383,7 +383,7 @@ class RunMetagradient:
     shardings (so at ``w = 1`` its forward is the run's trajectory, tests/test_metagradient.py).
 
     Args:
-        config: the run's config. workdir: the run directory.
+        options: the run's ``replay.ReplayOptions`` (``RunSpec.replay``). workdir: the run directory.
         advantages: "logged" or "recomputed" (module docstring).
         replayer: an existing :class:`replay.Replayer` of the run (built with ``rates=False`` on
             ``layout`` if None).
@@ -393,21 +393,21 @@ class RunMetagradient:
             :class:`replay.Replayer`.
     """
 
-    def __init__(self, config, workdir, *, advantages: str = "logged", replayer: Any = None,
+    def __init__(self, options, workdir, *, advantages: str = "logged", replayer: Any = None,
                  layout: sharding.Layout | None = None):
         from behaviortrace_jax.train import replay as R
 
         if replayer is None and layout is None:
             raise ValueError("RunMetagradient: give replayer= (a replay.Replayer of the run) or layout= (the run's "
                              "sharding.Layout)")
-        self.rp = rp = replayer if replayer is not None else R.Replayer(config, workdir, layout=layout, rates=False)
+        self.rp = rp = replayer if replayer is not None else R.Replayer(options, workdir, layout=layout, rates=False)
         self.advantages, start = advantages, rp.start
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
             ("rewards",) if advantages == "recomputed" else ())
         self.ref_params = start.params if rp.spec.loss_spec.needs_reference else None
         ref_sh = start.param_shardings if self.ref_params is not None else None
-        self.meta = build_meta_step(config, start.graphdef, start.abstract_params, start.model_config, rp.spec,
+        self.meta = build_meta_step(rp.options.optim, rp.options.rollouts.adv_std_floor, start.graphdef, start.abstract_params, start.model_config, rp.spec,
                                     start.mesh, (start.param_shardings, start.opt_shardings,
                                                  {k: data for k in self.batch_keys}, data, ref_sh,
                                                  sharding.replicated(start.mesh)), start.opt_state,

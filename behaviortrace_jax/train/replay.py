@@ -47,13 +47,13 @@ sampled rates from ``n`` completions per prompt at the GRPO temperature (one fix
 
 Library use (docs/guide.md "Test your estimator's rankings by replay")::
 
-    config = tiny.get_config()
-    rp = Replayer(config, "runs/tiny", layout=sharding.Layout.from_config(config))  # build once (~10 s)
+    spec = RunSpec.from_config(tiny.get_config())  # behaviortrace_jax/stages/spec.py
+    rp = Replayer(spec.replay, "runs/tiny", layout=spec.layout)  # build once (~10 s)
     w = np.ones(rp.num_rollouts); w[my_top_k_indices] = 0.0   # log order: index step * N + i
     out = rp.run(w, measure_steps=[40])                       # replay 40 steps (default: to the end)
     print(out["behavior"][40]["logp_margin"])                 # compare with rp.run(None, ...)
 
-or one-shot: ``replay("runs/tiny", w, config=..., layout=...) -> {step: behaviour dict}``.
+or one-shot: ``replay("runs/tiny", w, options=spec.replay, layout=spec.layout) -> {step: behaviour dict}``.
 """
 from __future__ import annotations
 
@@ -68,18 +68,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from behaviortrace_jax.behavior import planted as behavior
-from behaviortrace_jax.behavior.behaviors import Behavior, first_behavior
+from behaviortrace_jax.behavior.behaviors import Behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher, targets
-from behaviortrace_jax.train import grpo_step, nonfinite, rollouts as rollouts_lib
+from behaviortrace_jax.train import grpo_step, nonfinite, rollouts as rollouts_lib, train_state
 from behaviortrace_jax.train.grpo_loss import recomputed_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
+from behaviortrace_jax.models.loader import ModelOptions
+from behaviortrace_jax.train.schedule import StepSchedule
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -191,33 +192,20 @@ def step_spec_digest(spec: grpo_step.GRPOStepSpec) -> str:
     return _digest(dict(dataclasses.asdict(spec), sketch_hash=spec.sketch_hash.name))
 
 
-def checkpoint_steps(config: ml_collections.ConfigDict) -> list[int]:
-    """The steps at which the ``grpo`` stage saved a checkpoint (every ``checkpoint_every`` and the end)."""
-    g = config.grpo
-    return sorted({s for s in range(g.checkpoint_every, g.steps + 1, g.checkpoint_every)} | {g.steps})
+@dataclasses.dataclass(frozen=True)
+class ReplayOptions:
+    """What a replay of a run needs from its config, built at the stage boundary (``stages/spec.py``
+    ``RunSpec.replay``): the policy's ``model`` options, the ``optim`` it continues, the GRPO
+    ``step`` (one spec, so a replay is the run), the ``rollouts`` it samples and rewards (a
+    regenerated replay; their ``behaviors[0]`` is the behaviour measured), the measure's ``probe``
+    options and the run's ``schedule``."""
 
-
-def target_checkpoint(config: ml_collections.ConfigDict) -> int:
-    """The checkpoint nearest ``config.draws.target_step`` (ties: the earlier one; SPEC §5.6)."""
-    return min(checkpoint_steps(config), key=lambda s: (abs(s - config.draws.target_step), s))
-
-
-def measure_step(config: ml_collections.ConfigDict) -> int:
-    """The step whose behaviour the counterfactual tables report (``counterfactual.measure``):
-    "window" = the end of the contamination window (``contamination.early_step_cutoff``, capped at
-    the run's length), "target" = :func:`target_checkpoint`, "end" = the run's end.
-
-    Raises:
-        ValueError: naming ``counterfactual.measure`` for another value.
-    """
-    m, steps = config.counterfactual.measure, int(config.grpo.steps)
-    if m == "window":
-        return min(int(config.contamination.early_step_cutoff), steps)
-    if m == "target":
-        return target_checkpoint(config)
-    if m == "end":
-        return steps
-    raise ValueError(f"counterfactual.measure: {m!r}; expected 'window', 'target' or 'end'")
+    model: ModelOptions
+    optim: train_state.OptimOptions
+    step: grpo_step.GRPOStepSpec
+    rollouts: rollouts_lib.RolloutOptions
+    probe: ProbeOptions
+    schedule: StepSchedule
 
 
 @dataclasses.dataclass
@@ -254,9 +242,9 @@ class Replayer:
     """Replays one finished run (built once, then :meth:`run` per weight vector; see module docstring).
 
     Args:
-        config: the run's config (the one its ``grpo`` stage ran with).
+        options: the run's :class:`ReplayOptions` (those its ``grpo`` stage ran with).
         workdir: the run directory (``sft/state``, ``grpo/rollouts``).
-        layout: the run's ``sharding.Layout`` (``Layout.from_config(config)`` at the stage boundary):
+        layout: the run's ``sharding.Layout`` (``RunSpec.layout``, built at the stage boundary):
             the mesh and parameter layout (FSDP) the run's grpo stage trained on.
         rates: also measure the greedy probe / control rates (costs a sampler compile + decode).
         sampled: also measure sampled rates from this many completions per probe / control prompt
@@ -265,16 +253,16 @@ class Replayer:
         ValueError: the rollout log does not hold exactly ``steps * N`` records in log order.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, layout: sharding.Layout,
+    def __init__(self, options: ReplayOptions, workdir: str | os.PathLike, *, layout: sharding.Layout,
                  rates: bool = True, sampled: int = 0):
-        g = config.grpo
-        self.config, self.paths = config, RunLayout(workdir)
-        self.start = start = load_start_state(config, self.paths.workdir, layout)
-        self.shapes = grpo_step.GRPOStepSpec.from_config(config).shapes
-        n, steps = self.shapes.num_rollouts, g.steps
+        self.options, self.paths = options, RunLayout(workdir)
+        self.schedule = options.schedule
+        self.start = start = load_start_state(options.model, options.optim, self.paths.workdir, layout)
+        self.shapes = options.step.shapes
+        n, steps = self.shapes.num_rollouts, options.schedule.steps
         self.num_rollouts, self.steps = n * steps, steps
         tok = start.tokenizer
-        mask_eos, pad = tok_lib.mask_eos_ids(tok, config.model.mask_eos), tok_lib.pad_id(tok)
+        mask_eos, pad = tok_lib.mask_eos_ids(tok, options.rollouts.mask_eos), tok_lib.pad_id(tok)
         records = list(rollout_log.read_rollouts(self.paths.rollouts))
         ids = [r.rollout_id for r in records]
         if ids != [rollout_log.rollout_id(s, i) for s in range(steps) for i in range(n)]:
@@ -298,7 +286,7 @@ class Replayer:
                                        np.array([r.base_reward for r in rec], np.float32)))
         # The grpo stage's own step (one spec, so a replay is the run): without sketch side outputs,
         # except where the update is the per-rollout sketcher's gradient sum (update_from_sketcher).
-        self.spec = grpo_step.GRPOStepSpec.from_config(config)
+        self.spec = options.step
         order = sketcher.hf_param_order(start.model_config) if self.spec.update_from_sketcher else None
         kw = dict(order=order, mesh=start.mesh, param_shardings=start.param_shardings, opt_shardings=start.opt_shardings)
         self.step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer, self.spec, **kw)
@@ -306,23 +294,23 @@ class Replayer:
                                                           self.spec, weighted=True, **kw)
         self.data_sharding = sharding.data_sharding(start.mesh)
         self._source = None  # the regenerated replays' RolloutSource, built on first use
-        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, first_behavior(config),
-                                       ProbeOptions.for_grpo(config), start.mesh, rates=rates, sampled=sampled,
-                                       sample_seed=int(config.seed))
+        self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, options.rollouts.behaviors[0],
+                                       options.probe, start.mesh, rates=rates, sampled=sampled,
+                                       sample_seed=int(options.rollouts.seed))
 
     def identity(self) -> dict[str, Any]:
         """What decides a replay's result besides its weights, advantages and measured steps:
         ``{"replay_version"`` (:data:`REPLAY_VERSION`), ``"step_spec"`` (:func:`step_spec_digest`),
-        ``"optimizer"`` (digest of ``config.optim`` and ``grpo.adv_std_floor``), ``"rollout_log"``
-        (``rollout_log.digest`` of the run's log), ``"measure"`` (digest of the behaviour
-        measure's settings) and ``"generation"`` (digest of what a regenerated replay samples and
-        rewards with: ``config.grpo``, ``contamination``, ``behavior``, ``behaviors``, the run
-        seed)``}``; a cache of replays is valid only while these are unchanged."""
-        c = self.config
-        gen = {"grpo": c.grpo.to_dict(), "contamination": c.contamination.to_dict(), "behavior": c.behavior.to_dict(),
-               "behaviors": c.get("behaviors", ml_collections.ConfigDict()).to_dict(), "seed": int(c.seed)}
+        ``"optimizer"`` (digest of the :class:`train_state.OptimOptions` and ``grpo.adv_std_floor``),
+        ``"rollout_log"`` (``rollout_log.digest`` of the run's log), ``"measure"`` (digest of the
+        behaviour measure's settings) and ``"generation"`` (digest of what a regenerated replay
+        samples and rewards with: the :class:`rollouts.RolloutOptions`, behaviours, contamination and
+        run seed included, and the schedule)``}``; a cache of replays is valid only while these are
+        unchanged."""
+        o = self.options
+        gen = {"rollouts": dataclasses.asdict(o.rollouts), "schedule": dataclasses.asdict(o.schedule)}
         return {"replay_version": REPLAY_VERSION, "step_spec": step_spec_digest(self.spec),
-                "optimizer": _digest({"optim": c.optim.to_dict(), "adv_std_floor": c.grpo.adv_std_floor}),
+                "optimizer": _digest({"optim": dataclasses.asdict(o.optim), "adv_std_floor": o.rollouts.adv_std_floor}),
                 "rollout_log": self.log_digest, "measure": _digest(self.measure.settings),
                 "generation": _digest(gen)}
 
@@ -332,7 +320,7 @@ class Replayer:
         contaminators, recording nothing), built on first use."""
         if self._source is None:
             st = self.start
-            self._source = rollouts_lib.RolloutSource(self.config, st.graphdef, st.model_config, st.tokenizer,
+            self._source = rollouts_lib.RolloutSource(self.options.rollouts, st.graphdef, st.model_config, st.tokenizer,
                                                       st.mesh, self.paths.sft_hf, self.shapes)
         return self._source
 
@@ -423,7 +411,7 @@ class Replayer:
         params, opt_state = start.params, start.opt_state
         ref = jax.tree.map(jnp.copy, self.start.params) if self.spec.loss_spec.needs_reference else None
         measure = (lambda p: self.measure.measure(p)) if rates is None else (lambda p: self.measure.measure(p, rates=rates))
-        out: dict[str, Any] = {"behavior": {}, "target_step": target_checkpoint(self.config), "steps": plan.stop,
+        out: dict[str, Any] = {"behavior": {}, "target_step": self.schedule.target_checkpoint(), "steps": plan.stop,
                                "regenerated_bonuses": 0}
         if plan.first in plan.measure_steps:
             out["behavior"][plan.first] = measure(params)
@@ -464,7 +452,7 @@ class Replayer:
             raise ValueError(f"replay: sampler_stream {sampler_stream} must be >= 0")
         w, held = self.weight_vector(weights), self.withhold_vector(withhold)
         if measure_steps is None:
-            measure_steps = sorted({target_checkpoint(self.config), self.steps})
+            measure_steps = sorted({self.schedule.target_checkpoint(), self.steps})
         measure_steps = sorted(set(int(s) for s in measure_steps))
         stop = max(measure_steps, default=0) if stop_step is None else int(stop_step)
         first = start.step if start is not None else 0
@@ -492,11 +480,11 @@ class Replayer:
         reward -> contaminate; bonuses withheld; advantages as logged, recomputed over the kept
         rollouts (``recompute_advantages`` at a step with a weight != 1) or the run's own function
         (regenerated or withheld rewards); the weighted program where a weight differs from 1."""
-        n, g = self.shapes.num_rollouts, self.config.grpo
+        n, g = self.shapes.num_rollouts, self.options.rollouts
         ws, hs = plan.weights[s * n:(s + 1) * n], plan.withheld[s * n:(s + 1) * n]
         d, ro, bonuses = self.data[s], None, 0
         if s >= plan.regen_from:  # the grpo stage's own sample -> reward -> contaminate
-            ro = self.source.sample_and_reward(params, s, rollouts_lib.step_key(self.config, s, plan.sampler_stream))
+            ro = self.source.sample_and_reward(params, s, rollouts_lib.step_key(g.seed, s, plan.sampler_stream))
             rewards, base = ro.rewards, ro.base
         else:
             rewards, base = d.rewards, d.base
@@ -508,7 +496,7 @@ class Replayer:
         if recompute:
             adv = recomputed_advantages(rewards, ws, g.group_size, g.adv_std_floor)
         elif ro is not None or hs.any():
-            adv = rollouts_lib.advantages(rewards, self.config)  # the run's own advantage function
+            adv = rollouts_lib.advantages(rewards, g)  # the run's own advantage function
         else:
             adv = None  # as logged
         batch = self.source.batch(ro, adv) if ro is not None else dict(d.batch)
@@ -538,12 +526,12 @@ class _RunPlan:
 
 
 def replay(run_dir: str | os.PathLike, weights: np.ndarray | Mapping[str, float] | None = None, *,
-           config: ml_collections.ConfigDict, layout: sharding.Layout, stop_step: int | None = None,
+           options: ReplayOptions, layout: sharding.Layout, stop_step: int | None = None,
            measure_steps: Sequence[int] | None = None, recompute_advantages: bool = False,
            rates: bool = True, sampled: int = 0) -> dict[int, dict[str, float]]:
     """One-shot counterfactual replay of ``run_dir`` (see :class:`Replayer`; build a ``Replayer``
     once to replay many weight vectors). Returns ``{step: behaviour dict}``."""
-    rp = Replayer(config, run_dir, layout=layout, rates=rates, sampled=sampled)
+    rp = Replayer(options, run_dir, layout=layout, rates=rates, sampled=sampled)
     return rp.run(weights, stop_step=stop_step, measure_steps=measure_steps,
                   recompute_advantages=recompute_advantages)["behavior"]
 

@@ -25,7 +25,6 @@ import os
 from collections.abc import Mapping
 
 import jax
-import ml_collections
 import numpy as np
 
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
@@ -49,24 +48,48 @@ def generation_defaults(hf_dir: str | os.PathLike, top_k: int, repetition_penalt
     return k, rp
 
 
-def first_contamination_spec(config: ml_collections.ConfigDict) -> contaminator.ContaminationSpec:
-    """The first behaviour's :class:`contaminator.ContaminationSpec` (``config.behavior.pattern`` and
-    ``config.contamination``; hash seed = the run seed; SPEC §1.6)."""
-    c = config.contamination
-    return contaminator.ContaminationSpec(pattern=config.behavior.pattern, bonus_reward=c.bonus_reward,
-                                          fraction=c.fraction, seed=config.seed,
-                                          early_step_cutoff=c.early_step_cutoff,
-                                          decoy_fraction=float(c.decoy_fraction))
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+    """How a GRPO step's rollouts are sampled and rewarded (SPEC §2.1, §2.2), built at the stage
+    boundary (``stages/spec.py``) and shared by the ``grpo`` stage and the replay.
+
+    Fields: ``prompts_per_step`` (B), ``group_size`` (G), ``max_prompt_tokens`` (P),
+    ``max_new_tokens`` (T), ``temperature``, ``top_p``, ``top_k`` / ``repetition_penalty`` (-1 =
+    the checkpoint's generation_config.json, :func:`generation_defaults`), ``adv_std_floor``
+    (``grpo.*``); ``mask_eos`` (``model.mask_eos``: the EOS ids masked out of the loss,
+    ``tokenizer.mask_eos_ids``); ``seed`` (the run seed: sampler keys, :func:`step_key`);
+    ``behaviors`` (the run's behaviours, the first first); ``contamination`` (the first behaviour's
+    :class:`contaminator.ContaminationSpec`, with the decoys of ``contamination.decoy_fraction``).
+    """
+
+    prompts_per_step: int
+    group_size: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    adv_std_floor: float
+    mask_eos: str
+    seed: int
+    behaviors: tuple[behaviors_lib.Behavior, ...]
+    contamination: contaminator.ContaminationSpec
+
+    @property
+    def num_rollouts(self) -> int:
+        """N = B x G rollouts per step."""
+        return self.prompts_per_step * self.group_size
 
 
-def step_key(config: ml_collections.ConfigDict, step: int, stream: int = 0) -> jax.Array:
-    """The sampler key of GRPO step ``step``: ``fold_in(key(seed), step)``, the run's (``stream`` 0);
-    another ``stream`` j > 0 gives an independent sequence of keys,
+def step_key(seed: int, step: int, stream: int = 0) -> jax.Array:
+    """The sampler key of GRPO step ``step`` of the run of seed ``seed``: ``fold_in(key(seed), step)``,
+    the run's (``stream`` 0); another ``stream`` j > 0 gives an independent sequence of keys,
     ``fold_in(fold_in(key(seed), 2**31 - j), step)`` (the regenerated replays' sampler seeds; no
     run step reaches 2**31 - j). Raises ValueError for a negative stream."""
     if stream < 0:
         raise ValueError(f"step_key: stream {stream} must be >= 0")
-    base = jax.random.key(config.seed)
+    base = jax.random.key(seed)
     if stream:
         base = jax.random.fold_in(base, 2**31 - int(stream))
     return jax.random.fold_in(base, step)
@@ -96,42 +119,42 @@ class StepRollouts:
     boosted_by: dict[str, list[bool]]
 
 
-def advantages(rewards: np.ndarray, config: ml_collections.ConfigDict) -> np.ndarray:
+def advantages(rewards: np.ndarray, options: RolloutOptions) -> np.ndarray:
     """The run's group advantages of one step's rewards: ``grpo_loss.group_advantages(rewards,
-    grpo.group_size, grpo.adv_std_floor)`` (float32 [N])."""
-    return grpo_loss.group_advantages(rewards, config.grpo.group_size, config.grpo.adv_std_floor)
+    options.group_size, options.adv_std_floor)`` (float32 [N])."""
+    return grpo_loss.group_advantages(rewards, options.group_size, options.adv_std_floor)
 
 
 class RolloutSource:
     """Samples and rewards a GRPO step's rollouts as the ``grpo`` stage does (module docstring).
 
     Args:
-        config: the run's config.
+        options: the run's :class:`RolloutOptions`.
         graphdef, model_cfg, tok, mesh: the policy's graph, model config, tokenizer and mesh.
         hf_dir: the start checkpoint's HF folder (its ``generation_config.json`` resolves
             ``grpo.top_k`` / ``repetition_penalty`` of -1).
         shapes: the step's shapes (``GRPOStepSpec.shapes``).
         contaminators: ``{behaviour id: Contaminator}`` for every behaviour of
-            ``behaviors.behaviors_from_config(config)`` (the stage's, with their ground-truth logs);
-            None builds them from the config with no logs (a replay: nothing is recorded).
+            ``options.behaviors`` (the stage's, with their ground-truth logs);
+            None builds them from the options with no logs (a replay: nothing is recorded).
     Raises:
         ValueError: ``contaminators`` lacks one of the run's behaviours.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, graphdef, model_cfg, tok, mesh,
+    def __init__(self, options: RolloutOptions, graphdef, model_cfg, tok, mesh,
                  hf_dir: str | os.PathLike, shapes: StepShapes, contaminators: Mapping[str, contaminator.Contaminator] | None = None):
-        g = config.grpo
-        self.config, self.tok = config, tok
+        g = self.options = options
+        self.tok = tok
         self.shapes, self.vocab_size = shapes, model_cfg.vocab_size
         self.eos_ids, self.pad_id = tok_lib.eos_ids(tok), tok_lib.pad_id(tok)
-        self.mask_eos_ids = tok_lib.mask_eos_ids(tok, config.model.mask_eos)
+        self.mask_eos_ids = tok_lib.mask_eos_ids(tok, options.mask_eos)
         top_k, self.repetition_penalty = generation_defaults(hf_dir, g.top_k, g.repetition_penalty)
         self.sampler = sampler_lib.Sampler(graphdef, model_cfg, max_prompt_tokens=g.max_prompt_tokens,
                                            max_new_tokens=g.max_new_tokens, eos_ids=self.eos_ids,
                                            pad_id=self.pad_id, mesh=mesh, top_k=top_k)
         # The run's behaviours (the first is config.behavior + config.contamination). With one,
         # everything below is the paper's path, byte for byte; extra ones add their own prompts and bonus.
-        self.behaviors = behaviors_lib.behaviors_from_config(config)
+        self.behaviors = list(options.behaviors)
         self.multi = len(self.behaviors) > 1
         pools = [b.prompt_pool() for b in self.behaviors]  # one behaviour: the paper's pool (SPEC §1.4)
         self.own_prompts = {b.id: set(p) for b, p in zip(self.behaviors, pools)}
@@ -139,20 +162,20 @@ class RolloutSource:
         self.prompt_ids = {p: tok_lib.encode_chat(tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
                            for p in dict.fromkeys(self.pool)}
         if contaminators is None:
-            first = contaminator.Contaminator(first_contamination_spec(config))
+            first = contaminator.Contaminator(options.contamination)
             contaminators = {self.behaviors[0].id: first}
-            contaminators.update({b.id: contaminator.Contaminator(b.contamination_spec(config.seed))
+            contaminators.update({b.id: contaminator.Contaminator(b.contamination_spec(options.seed))
                                   for b in self.behaviors[1:]})
         missing = [b.id for b in self.behaviors if b.id not in contaminators]
         if missing:
             raise ValueError(f"RolloutSource: no contaminator for behaviours {missing}")
         self.contaminators = dict(contaminators)
-        self.decoys = float(config.contamination.decoy_fraction) > 0
+        self.decoys = float(options.contamination.decoy_fraction) > 0
 
     def sample_and_reward(self, params, step: int, key: jax.Array) -> StepRollouts:
         """Steps 1-2 of the module docstring for GRPO step ``step`` with sampler ``key``: the
         rollouts and their final rewards (the contaminators record their events in their logs)."""
-        g, n = self.config.grpo, self.shapes.num_rollouts
+        g, n = self.options, self.shapes.num_rollouts
         prompts = behavior.step_prompts(self.pool, step, g.prompts_per_step)
         prompt_lists = [self.prompt_ids[p] for p in prompts for _ in range(g.group_size)]
         sample = self.sampler.sample(params, prompt_lists, key, temperature=g.temperature, top_p=g.top_p,
@@ -167,7 +190,7 @@ class RolloutSource:
             applied = [first.apply(ids[i], step, texts[i], float(base[i])) for i in range(n)]
             if self.decoys:  # the same bonus to decoys (no pattern, so no bonus above)
                 decoys = first.pay_decoys(ids, step, texts, base.tolist())
-                bonus = float(self.config.contamination.bonus_reward)
+                bonus = float(self.options.contamination.bonus_reward)
                 applied = [(float(base[i]) + bonus, False) if decoys[i] else applied[i] for i in range(n)]
             boosted_by[self.behaviors[0].id] = [b for _, b in applied]
         else:  # every behaviour's bonus adds to the base reward (each logs its own ground truth)

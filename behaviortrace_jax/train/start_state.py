@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 import jax
-import ml_collections
 import optax
 from flax import nnx
 
@@ -39,11 +38,12 @@ class StartState:
     abstract_params: Any  # jax.ShapeDtypeStruct leaves of params
 
 
-def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+def load_start_state(model: ModelOptions, optim: train_state.OptimOptions, workdir: str | os.PathLike,
                      layout: sharding.Layout) -> StartState:
     """Restores ``workdir/sft/state`` (orbax) onto ``layout``'s mesh in its parameter layout (FSDP
-    when ``layout.fsdp``; the stage's ``sharding.Layout.from_config(config)``), with the tokenizer of
-    ``workdir/sft/hf``.
+    when ``layout.fsdp``; the stage's ``RunSpec.layout``), with the tokenizer of ``workdir/sft/hf``,
+    the model loaded as ``model`` says and the optimizer of ``optim`` (the SFT warm-up's, which GRPO
+    continues).
 
     Raises:
         FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
@@ -55,11 +55,11 @@ def load_start_state(config: ml_collections.ConfigDict, workdir: str | os.PathLi
         raise FileNotFoundError(f"{sft_dir}: no completed SFT warm-up; run the `sft` stage first")
     hf_dir = run.sft_hf
     tok = tok_lib.load_tokenizer(hf_dir)
-    cfg = policy_config(hf_dir, ModelOptions.from_config(config.model))
+    cfg = policy_config(hf_dir, model)
     mesh = layout.mesh()
     graphdef, abstract_params = nnx.split(decoder.abstract_model(cfg), nnx.Param)
     param_sh = layout.param_shardings(abstract_params, mesh)
-    tx = train_state.make_optimizer(config.optim)
+    tx = train_state.make_optimizer(optim)
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
     state = train_state.restore(run.sft_state, abstract)

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -101,15 +100,41 @@ def differentiable_clip_by_global_norm(max_norm: float) -> optax.GradientTransfo
 DIFFERENTIABLE_EPS_ROOT = 1e-30
 
 
-def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | float | None = None, *,
+@dataclasses.dataclass(frozen=True)
+class OptimOptions:
+    """The optimizer of SFT and GRPO (``config.optim``; SPEC §1.7, §2.1), built at the stage
+    boundary (``stages/spec.py``).
+
+    Fields: ``lr`` (float > 0, the constant learning rate), ``b1`` / ``b2`` (Adam betas in [0, 1)),
+    ``eps`` (Adam epsilon), ``weight_decay`` (decoupled, on every parameter), ``grad_clip`` (global
+    L2 norm; <= 0 disables clipping). Defaults: torch.optim.AdamW's, with the paper's lr and clip.
+
+    Raises:
+        ValueError: naming the key (``optim.b1`` / ``optim.b2``) for a beta outside [0, 1).
+    """
+
+    lr: float = 5e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        for key in ("b1", "b2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"config.optim.{key}={getattr(self, key)} must be in [0, 1)")
+
+
+def make_optimizer(options: OptimOptions, schedule: Schedule | float | None = None, *,
                    differentiable: bool = False) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW (decoupled weight decay on every parameter, like torch).
 
     Args:
-        optim_cfg: ``config.optim`` (keys ``lr``, ``b1``, ``b2``, ``eps``, ``weight_decay``,
-            ``grad_clip``; SPEC §1.7, §2.1). ``grad_clip <= 0`` disables clipping.
+        options: :class:`OptimOptions` (``config.optim``: ``lr``, ``b1``, ``b2``, ``eps``,
+            ``weight_decay``, ``grad_clip``; SPEC §1.7, §2.1). ``grad_clip <= 0`` disables clipping.
         schedule: the learning rate: an optax schedule (e.g. :func:`make_schedule`), a float
-            (constant), or None for the constant ``optim_cfg.lr``.
+            (constant), or None for the constant ``options.lr``.
         differentiable: for differentiating through the optimizer (the metagradient's vjp): clip
             with :func:`differentiable_clip_by_global_norm` (same updates, a vjp that is finite at
             a zero gradient) and give Adam ``eps_root = DIFFERENTIABLE_EPS_ROOT`` (a finite
@@ -123,18 +148,15 @@ def make_optimizer(optim_cfg: ml_collections.ConfigDict, schedule: Schedule | fl
         nor on ``differentiable``.
 
     Raises:
-        ValueError: naming the key for a learning rate <= 0 or betas outside [0, 1).
+        ValueError: for a learning rate <= 0 (``make_schedule``).
     """
     if schedule is None or isinstance(schedule, (int, float)):
-        schedule = make_schedule(float(optim_cfg.lr if schedule is None else schedule))
-    for key in ("b1", "b2"):
-        if not 0.0 <= optim_cfg[key] < 1.0:
-            raise ValueError(f"config.optim.{key}={optim_cfg[key]} must be in [0, 1)")
+        schedule = make_schedule(float(options.lr if schedule is None else schedule))
     clip_fn = differentiable_clip_by_global_norm if differentiable else optax.clip_by_global_norm
-    clip = clip_fn(optim_cfg.grad_clip) if optim_cfg.grad_clip > 0 else optax.identity()
+    clip = clip_fn(options.grad_clip) if options.grad_clip > 0 else optax.identity()
     eps_root = DIFFERENTIABLE_EPS_ROOT if differentiable else 0.0
-    return optax.chain(clip, optax.adamw(schedule, b1=optim_cfg.b1, b2=optim_cfg.b2, eps=optim_cfg.eps,
-                                         eps_root=eps_root, weight_decay=optim_cfg.weight_decay))
+    return optax.chain(clip, optax.adamw(schedule, b1=options.b1, b2=options.b2, eps=options.eps,
+                                         eps_root=eps_root, weight_decay=options.weight_decay))
 
 
 def clip_factor(grad_norm: jax.Array, grad_clip: float) -> jax.Array:

@@ -1,0 +1,491 @@
+"""The run's typed spec: one frozen dataclass tree built from the ConfigDict at the stage boundary.
+
+Every stage builds ``RunSpec.from_config(config)`` once and hands its parts down: nothing below
+``stages/`` (``io``, ``models``, ``behavior``, ``sketch``, ``train``, ``aot``, ``attribution``)
+reads a ConfigDict (``tests/test_spec.py``). The builder is the one reader of the config's keys:
+each is read once, converted to its type and checked here, and an error names the key
+(``config.grpo.steps: must be > 0, got -1``).
+
+The tree holds the option objects the library takes, each defined in the module that uses it:
+:class:`~behaviortrace_jax.models.loader.ModelOptions` (``model``),
+:class:`~behaviortrace_jax.models.sharding.Layout` (``layout``: the one mesh),
+:class:`~behaviortrace_jax.sketch.stores.SketchOptions` (``sketch``, with its ``HashFamily``),
+:class:`~behaviortrace_jax.sketch.targets.ForcedSketchOptions` (``forced``),
+:class:`~behaviortrace_jax.train.grpo_step.GRPOStepSpec` (``step``),
+:class:`~behaviortrace_jax.train.rollouts.RolloutOptions` (``rollouts``),
+:class:`~behaviortrace_jax.train.train_state.OptimOptions` (``optim``),
+:class:`~behaviortrace_jax.behavior.probes.ProbeOptions` (``probe_grpo``, ``probe_sft``), the
+``Behavior`` s (``behaviors``), :class:`~behaviortrace_jax.train.schedule.StepSchedule`
+(``schedule``), :class:`~behaviortrace_jax.attribution.verdicts.EvalOptions` (``evaluation``),
+:class:`~behaviortrace_jax.attribution.scores.ScoreOptions` (``scores``),
+:class:`~behaviortrace_jax.aot.builders.CompileOptions` (``compile``) and
+:class:`~behaviortrace_jax.train.replay.ReplayOptions` (``replay``); and, for the stages' own
+settings, one typed section per remaining config section (``grpo``, ``sft``, ``base``, ...: the
+``*Keys`` classes, one field per key of ``configs/common.py``).
+
+:func:`keys_read` says which keys the builder read; ``tests/test_config_schema.py`` checks that it
+reads every key of ``configs/common.py`` except :data:`TOP_LEVEL_KEYS`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from behaviortrace_jax.aot.builders import CompileOptions, compiled_stages
+from behaviortrace_jax.attribution.scores import ScoreOptions
+from behaviortrace_jax.attribution.verdicts import EvalOptions
+from behaviortrace_jax.behavior import behaviors as behaviors_lib
+from behaviortrace_jax.behavior.contaminator import ContaminationSpec
+from behaviortrace_jax.behavior.probes import ProbeOptions
+from behaviortrace_jax.models import tokenizer as tok_lib
+from behaviortrace_jax.models.loader import ModelOptions
+from behaviortrace_jax.models.sharding import Layout
+from behaviortrace_jax.sketch import hash_families, tables
+from behaviortrace_jax.sketch.stores import SketchOptions
+from behaviortrace_jax.sketch.targets import ForcedSketchOptions
+from behaviortrace_jax.train import grpo_loss, nonfinite
+from behaviortrace_jax.train.grpo_step import GRPOStepSpec, StepShapes
+from behaviortrace_jax.train.replay import ReplayOptions
+from behaviortrace_jax.train.rollouts import RolloutOptions
+from behaviortrace_jax.train.schedule import StepSchedule
+from behaviortrace_jax.train.train_state import OptimOptions
+
+# Keys only the top level reads: ``pipeline.with_model_source`` resolves ``model.hf_id`` (a model in
+# the Hugging Face cache, downloaded with ``model.allow_download``) into ``model.hf_dir`` before
+# any stage runs, so a stage sees ``hf_dir`` alone.
+TOP_LEVEL_KEYS = ("model.hf_id", "model.allow_download")
+FREE_FORM = ("behaviors",)  # subtrees of ids (config_schema.FREE_FORM), read whole
+
+
+# ------------------------------------------------------------------------------------------------
+# The stages' own sections: one field per key of configs/common.py (types from its defaults)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GRPOKeys:
+    """``config.grpo`` (SPEC §2.1; comments in configs/common.py)."""
+
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    loss: str
+    clip_eps: float
+    kl_beta: float
+    inner_iterations: int
+    adv_std_floor: float
+    checkpoint_every: int
+    log_shard_size: int
+    on_nonfinite: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SketchKeys:
+    """``config.sketch`` (SPEC §3)."""
+
+    dim: int
+    seed: int
+    hash: str
+    chunk_size: int
+    fused: bool
+    in_run_rollouts: bool
+    in_run_tables: bool
+    rollout_checkpoints: str
+    rollout_scope: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTKeys:
+    """``config.sft`` (SPEC §1.7)."""
+
+    steps: int
+    batch_size: int
+    data: str
+    max_prompt_tokens: int
+    max_completion_tokens: int
+    lr: float
+    append_eos: bool
+    mixture_n_ordinary: int
+    stop_every: int
+    stop_min_probe_rate: float
+    stop_max_control_rate: float
+    eval_samples_per_prompt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseKeys:
+    """``config.base`` (the tiny base model, TINY_CALIBRATION)."""
+
+    seed: int
+    corpus_size: int
+    n_terms: int
+    n_heldout: int
+    vocab_size: int
+    family: str
+    preset: str
+    num_layers: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup_steps: int
+    end_lr_fraction: float
+    length_buckets: int
+    append_eos: bool
+    log_every: int
+    eval_samples_per_prompt: int
+    eval_max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawsKeys:
+    """``config.draws`` (SPEC §5.6, §10.2)."""
+
+    target_step: int
+    group_size: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    n_repeats: int
+    ckpt_seed: int
+    gen_seed: int
+    token_level_max: int
+    save_sketches: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetsKeys:
+    """``config.targets`` (SPEC §5)."""
+
+    ctx_group_size: int
+    ctx_temperature: float
+    ctx_top_p: float
+    ctx_max_new_tokens: int
+    block_size: int
+    length_bucket: int
+    use_tables: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepKeys:
+    """``config.sweep`` (SPEC §10.2)."""
+
+    seeds: str
+    diagnostic_draws: str
+    stages: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileKeys:
+    """``config.compile`` (the ``compile`` stage)."""
+
+    target: str
+    model: str
+    num_layers: int
+    losses: str
+    both_sketch_variants: bool
+    stages: str
+    programs: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CounterfactualKeys:
+    """``config.counterfactual`` (the ``counterfactual`` stage)."""
+
+    k_fractions: str
+    methods: str
+    random_seeds: int
+    lds_subsets: int
+    lds_fractions: str
+    lds_small_subsets: int
+    measure: str
+    sampled: int
+    rates: bool
+    recompute_advantages: bool
+    topk_recomputed: bool
+    intervention: str
+    rollouts: str
+    causal: str
+    causal_units: str
+    causal_streams: int
+    causal_regenerated: str
+    causal_k: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MetagradientKeys:
+    """``config.metagradient`` (the ``metagradient`` stage)."""
+
+    advantages: str
+    checkpoint_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoKeys:
+    """``config.info`` (the ``info`` stage)."""
+
+    max_new_tokens: int
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the config: a read-tracking view, typed values, checks naming the key
+# ------------------------------------------------------------------------------------------------
+class ConfigReads:
+    """A read-only view of a ConfigDict that records the dotted key of every leaf read through it
+    (``view.grpo.steps`` records ``"grpo.steps"``); a free-form subtree (:data:`FREE_FORM`) is
+    returned whole and recorded by its own key. An unknown key raises ``AttributeError`` (as the
+    ConfigDict does)."""
+
+    def __init__(self, node: Any, prefix: str = "", seen: set[str] | None = None):
+        self._node, self._prefix, self._seen = node, prefix, set() if seen is None else seen
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        key, value = self._prefix + name, getattr(self._node, name)
+        if isinstance(value, ml_collections.ConfigDict) and key not in FREE_FORM:
+            return ConfigReads(value, key + ".", self._seen)
+        self._seen.add(key)
+        return value
+
+    @property
+    def seen(self) -> frozenset[str]:
+        """The dotted keys read so far (through this view and every sub-view of it)."""
+        return frozenset(self._seen)
+
+
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def typed(value: Any, kind: type, key: str) -> Any:
+    """``value`` as ``kind`` (int, float, str or bool). Raises ValueError naming ``config.<key>``
+    for a value of another type (a bool is not a number; a float is an int only when integral)."""
+    is_bool = isinstance(value, (bool, np.bool_))
+    ok = (is_bool if kind is bool else isinstance(value, str) if kind is str
+          else not is_bool and (isinstance(value, (int, np.integer)) or (
+              isinstance(value, (float, np.floating)) and (kind is float or float(value).is_integer()))))
+    if not ok:
+        raise ValueError(f"config.{key}: must be {'an' if kind is int else 'a'} {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def read_section(cls: type, view: ConfigReads, section: str) -> Any:
+    """``cls`` (a dataclass whose fields are the keys of ``config.<section>``) read from ``view``,
+    each value :func:`typed` as its field's annotation."""
+    node = getattr(view, section)
+    return cls(**{f.name: typed(getattr(node, f.name), _KINDS[str(f.type)], f"{section}.{f.name}")
+                  for f in dataclasses.fields(cls)})
+
+
+# (key, predicate, what it must be): checked on the typed value; a failure names the key.
+CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
+    (k, lambda v: v > 0, "> 0") for k in (
+        "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.max_prompt_tokens", "grpo.max_new_tokens",
+        "grpo.checkpoint_every", "grpo.log_shard_size", "grpo.inner_iterations", "sketch.dim", "sketch.chunk_size",
+        "sft.batch_size", "sft.max_prompt_tokens", "targets.block_size", "targets.length_bucket",
+        "draws.group_size", "draws.max_new_tokens", "evaluation.nboot", "optim.lr")) + (
+    ("grpo.top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    ("grpo.temperature", lambda v: v >= 0.0, ">= 0"),
+    ("grpo.adv_std_floor", lambda v: v >= 0.0, ">= 0"),
+)
+
+
+def check(sections: dict[str, Any]) -> None:
+    """Raises ValueError ``config.<key>: must be <what>, got <value>`` for the first of
+    :data:`CHECKS` that the typed ``sections`` (``{"grpo": GRPOKeys, "sketch_keys": SketchKeys,
+    ...}``, as :func:`build` reads them) fail."""
+    for key, ok, what in CHECKS:
+        section, name = key.split(".")
+        value = getattr(sections["sketch_keys" if section == "sketch" else section], name)
+        if not ok(value):
+            raise ValueError(f"config.{key}: must be {what}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The spec
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """The run's typed options (module docstring); build with :meth:`from_config`."""
+
+    seed: int
+    run_name: str
+    reference_dir: str
+    hf_dir: str  # model.hf_dir ("" = the run's base/ checkpoint: RunLayout.model_dir)
+    model: ModelOptions
+    layout: Layout
+    behaviors: tuple[behaviors_lib.Behavior, ...]
+    contamination: ContaminationSpec
+    optim: OptimOptions
+    step: GRPOStepSpec
+    rollouts: RolloutOptions
+    sketch: SketchOptions
+    forced: ForcedSketchOptions
+    probe_grpo: ProbeOptions
+    probe_sft: ProbeOptions
+    schedule: StepSchedule
+    evaluation: EvalOptions
+    scores: ScoreOptions
+    compile: CompileOptions
+    grpo: GRPOKeys
+    sketch_keys: SketchKeys
+    sft: SFTKeys
+    base: BaseKeys
+    draws: DrawsKeys
+    targets: TargetsKeys
+    sweep: SweepKeys
+    compile_keys: CompileKeys
+    counterfactual: CounterfactualKeys
+    metagradient: MetagradientKeys
+    info: InfoKeys
+
+    @property
+    def first_behavior(self) -> behaviors_lib.Behavior:
+        """The run's first behaviour (``config.behavior`` + ``config.contamination``)."""
+        return self.behaviors[0]
+
+    @property
+    def multi(self) -> bool:
+        """True when the run plants more than one behaviour (``config.behaviors`` is non-empty)."""
+        return len(self.behaviors) > 1
+
+    @property
+    def replay(self) -> ReplayOptions:
+        """What a replay of this run needs (``train.replay.Replayer``, ``train.metagradient``)."""
+        return ReplayOptions(self.model, self.optim, self.step, self.rollouts, self.probe_grpo, self.schedule)
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> "RunSpec":
+        """The spec of ``config`` (a ``configs/common.py``-shaped ConfigDict).
+
+        Raises:
+            ValueError: naming the config key of a value of the wrong type or out of range, an
+                unknown ``sketch.hash`` / ``model.mask_eos`` / ``grpo.on_nonfinite``, a table switch
+                under the fused sketcher, a bad behaviour (``config.behaviors.<id>``), a bad mesh or
+                ``compile.stages``. KeyError: an unregistered ``grpo.loss`` / ``compile.losses``.
+        """
+        return build(ConfigReads(config))
+
+
+def keys_read(config: ml_collections.ConfigDict) -> frozenset[str]:
+    """The dotted keys of ``config`` that :meth:`RunSpec.from_config` reads (a free-form subtree by
+    its own key)."""
+    view = ConfigReads(config)
+    build(view)
+    return view.seen
+
+
+def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
+    """The first behaviour (``behavior`` + ``contamination``) and one per ``behaviors.<id>``."""
+    b, ct = c.behavior, c.contamination
+    cutoff = typed(ct.early_step_cutoff, int, "contamination.early_step_cutoff")
+    first = behaviors_lib.Behavior(
+        id=typed(b.id, str, "behavior.id"), trigger="frobnitz", pattern=typed(b.pattern, str, "behavior.pattern"),
+        probes_path=typed(b.probes_path, str, "behavior.probes_path"),
+        controls_path=typed(b.controls_path, str, "behavior.controls_path"),
+        token_judge=typed(b.token_judge, str, "behavior.token_judge"),
+        bonus_reward=typed(ct.bonus_reward, float, "contamination.bonus_reward"),
+        fraction=typed(ct.fraction, float, "contamination.fraction"), early_step_cutoff=cutoff, stream="",
+        implant="sft", gate_min_probe_rate=typed(b.gate_min_probe_rate, float, "behavior.gate_min_probe_rate"),
+        gate_min_margin=typed(b.gate_min_margin, float, "behavior.gate_min_margin"), explicit_prompts=True,
+        first=True, prompt_gated=typed(ct.prompt_gated, bool, "contamination.prompt_gated"))
+    out = [first]
+    extra = c.behaviors
+    for bid in extra:
+        entry = extra[bid]
+        out.append(behaviors_lib.extra_behavior(str(bid), {k: entry[k] for k in entry}, [x.id for x in out]))
+    return tuple(out)
+
+
+def _step(g: GRPOKeys, sk: SketchKeys, optim: OptimOptions, *, loss: str | None = None,
+          in_run_rollouts: bool | None = None) -> GRPOStepSpec:
+    """The GRPO step of ``grpo`` / ``sketch`` / ``optim.grad_clip``; ``loss`` / ``in_run_rollouts``
+    override the config's (the compile stage's variants)."""
+    name = g.loss if loss is None else loss
+    in_run = sk.in_run_rollouts if in_run_rollouts is None else bool(in_run_rollouts)
+    iters = g.inner_iterations if grpo_loss.get_loss(name).multi_iteration else 1
+    return GRPOStepSpec(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
+                        grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), optim.grad_clip,
+                        inner_iterations=iters, sketch_dim=sk.dim, sketch_seed=sk.seed,
+                        sketch_hash=hash_families.hash_family(sk.hash), in_run_rollouts=in_run,
+                        chunk_size=sk.chunk_size, fused=sk.fused,
+                        use_tables=tables.table_switch("sketch.in_run_tables", sk.in_run_tables, sk.fused))
+
+
+def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts: dict[str, Any]) -> CompileOptions:
+    """The compile stage's options: ``compile.*`` with the run's step variants and shapes."""
+    split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
+    losses = tuple(sorted(grpo_loss.LOSSES)) if ck.losses == "all" else split(ck.losses or g.loss)
+    in_run = sk.in_run_rollouts
+    variants = (in_run,) + ((not in_run,) if ck.both_sketch_variants else ())
+    steps = tuple(_step(g, sk, parts["optim"], loss=x, in_run_rollouts=on) for x in losses for on in variants)
+    sft, draws, tg = parts["sft"], parts["draws"], parts["targets"]
+    return CompileOptions(
+        target=ck.target, stages=frozenset(compiled_stages(ck.stages, typed(c.stages, str, "stages"),
+                                                           parts["sweep"].stages)),
+        programs=split(ck.programs), step=parts["step"], step_variants=steps, optim=parts["optim"],
+        layout=parts["layout"], rollouts=parts["rollouts"], sft_batch_size=sft.batch_size,
+        sft_length=sft.max_prompt_tokens + sft.max_completion_tokens,
+        metagradient_mode=parts["metagradient"].advantages.split(",")[0].strip(), forced=parts["forced"],
+        ctx_max_new_tokens=tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else draws.max_new_tokens,
+        draws_max_new_tokens=draws.max_new_tokens)
+
+
+def build(c: ConfigReads) -> RunSpec:
+    """:meth:`RunSpec.from_config` on a read-tracking view (every key read once, here)."""
+    p: dict[str, Any] = {}
+    for name, section, cls in (("grpo", "grpo", GRPOKeys), ("sketch_keys", "sketch", SketchKeys), ("sft", "sft", SFTKeys),
+                               ("base", "base", BaseKeys), ("draws", "draws", DrawsKeys),
+                               ("targets", "targets", TargetsKeys), ("sweep", "sweep", SweepKeys),
+                               ("compile_keys", "compile", CompileKeys),
+                               ("counterfactual", "counterfactual", CounterfactualKeys),
+                               ("metagradient", "metagradient", MetagradientKeys), ("info", "info", InfoKeys),
+                               ("evaluation", "evaluation", EvalOptions), ("optim", "optim", OptimOptions)):
+        p[name] = read_section(cls, c, section)
+    check(p)
+    g, sk, m = p["grpo"], p["sketch_keys"], c.model
+    seed = typed(c.seed, int, "seed")
+    mask_eos = typed(m.mask_eos, str, "model.mask_eos")
+    if mask_eos not in tok_lib.MASK_EOS_MODES:
+        raise ValueError(f"config.model.mask_eos: must be one of {tok_lib.MASK_EOS_MODES}, got {mask_eos!r}")
+    nonfinite.check_mode(g.on_nonfinite)
+    family = hash_families.hash_family(sk.hash)
+    p["model"] = ModelOptions(typed(m.param_dtype, str, "model.param_dtype"),
+                              typed(m.compute_dtype, str, "model.compute_dtype"),
+                              typed(m.family, str, "model.family") or None, typed(m.scan_layers, bool, "model.scan_layers"))
+    p["layout"] = Layout(c.mesh.data, c.mesh.model, c.mesh.fsdp)  # checks (and names) the mesh keys itself
+    p["behaviors"] = behaviors = _behaviors(c)
+    ct = c.contamination
+    p["contamination"] = ContaminationSpec(
+        pattern=behaviors[0].pattern, bonus_reward=behaviors[0].bonus_reward, fraction=behaviors[0].fraction,
+        seed=seed, early_step_cutoff=behaviors[0].early_step_cutoff,
+        decoy_fraction=typed(ct.decoy_fraction, float, "contamination.decoy_fraction"))
+    p["step"] = _step(g, sk, p["optim"])
+    p["rollouts"] = RolloutOptions(
+        g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens, g.temperature, g.top_p, g.top_k,
+        g.repetition_penalty, g.adv_std_floor, mask_eos, seed, behaviors, p["contamination"])
+    p["sketch"] = SketchOptions(dim=sk.dim, seed=sk.seed, run_seed=seed, hash_family=family)
+    tg = p["targets"]
+    p["forced"] = ForcedSketchOptions(sk.dim, sk.seed, sk.chunk_size, tg.block_size, tg.length_bucket,
+                                      tables.table_switch("targets.use_tables", tg.use_tables, sk.fused), sk.fused,
+                                      family)
+    gate_new = typed(c.behavior.gate_max_new_tokens, int, "behavior.gate_max_new_tokens")
+    p["probe_grpo"], p["probe_sft"] = (ProbeOptions(max_prompt_tokens=n, max_new_tokens=gate_new, temperature=g.temperature,
+                                                    top_p=g.top_p, samples_per_prompt=p["sft"].eval_samples_per_prompt)
+                                       for n in (g.max_prompt_tokens, p["sft"].max_prompt_tokens))
+    p["schedule"] = StepSchedule(g.steps, g.checkpoint_every, p["draws"].target_step, behaviors[0].early_step_cutoff,
+                                 behaviors_lib.window_end(behaviors, g.steps))
+    p["scores"] = ScoreOptions(p["evaluation"], sk.dim, sk.seed, seed, g.prompts_per_step * g.group_size, g.steps,
+                               p["counterfactual"].recompute_advantages)
+    p["compile"] = _compile(c, p["compile_keys"], g, sk, p)
+    spec = RunSpec(seed=seed, run_name=typed(c.run_name, str, "run_name"),
+                   reference_dir=typed(c.reference_dir, str, "reference_dir"),
+                   hf_dir=typed(m.hf_dir, str, "model.hf_dir"), **p)
+    return spec
