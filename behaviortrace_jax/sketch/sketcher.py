@@ -287,8 +287,12 @@ class PerExampleSketcher:
         hash_family: the hash family (a ``hash_families.HashFamily``, config ``sketch.hash``):
             default splitmix64 (SPEC §3.1); a scatter-free one (``hash_families.BLOCK``) takes no
             hash tables.
+        kernel: fused path: how matmul weight uses are sketched, "xla", or the Pallas kernel
+            "pallas" (TPU) / "interpret" (``sketch/pallas_sketch.py``; block family only; config
+            ``sketch.kernel``, resolved by ``stores.SketchOptions``).
     Raises:
-        ValueError: bad dim/chunk_size; ``use_tables`` with a scatter-free ``hash_family``;
+        ValueError: bad dim/chunk_size; ``use_tables`` with a scatter-free ``hash_family``; a kernel
+            other than "xla" without the block family;
             ``scan_layers`` with ``use_tables`` (``vmap(grad)`` path) or
             with an order that is not a decoder's; ``fused=True`` for a loss that is not a
             ``fused.DecoderLoss``; at call time, batch leaves without a common leading axis.
@@ -302,7 +306,7 @@ class PerExampleSketcher:
                  param_order: ParamOrder | None = None, use_tables: bool = False,
                  mesh: jax.sharding.Mesh | None = None, scan_layers: bool | None = None,
                  fused: bool | None = None, tile_elements: int = fused_lib.TILE_ELEMENTS,
-                 hash_family: HashFamily = DEFAULT_HASH_FAMILY):
+                 hash_family: HashFamily = DEFAULT_HASH_FAMILY, kernel: str = "xla"):
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
@@ -318,7 +322,8 @@ class PerExampleSketcher:
         if is_decoder_loss and fused is not False:
             self._plan = fused_lib.FusedPlan(self.order.paths, self.layout.offsets, self._group_idx,
                                              len(self.group_names), dim=self.dim, seed=self.seed,
-                                             tile_elements=tile_elements, hash_family=self.hash_family)
+                                             tile_elements=tile_elements, hash_family=self.hash_family,
+                                             kernel=kernel)
         self.use_tables = bool(use_tables) and self._plan is None
         self.mesh = mesh if mesh is not None and dict(mesh.shape).get(DATA_AXIS, 1) > 1 else None
         scan = self.order.scan_layers if scan_layers is None else bool(scan_layers)
