@@ -137,3 +137,57 @@ def test_kernel_compiles_for_tpu_v5e():
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     assert ca["flops"] >= 2 * bsz * n * out * inn  # the declared per-example matmuls are counted
     assert 0 < ca["bytes accessed"] < 1e9
+
+
+def test_auto_choice_per_backend_and_explicit_choices():
+    """sketch.hash / sketch.kernel "auto": CPU -> splitmix64 on the XLA path, TPU -> block + the
+    Pallas kernel, GPU -> block on the XLA path; explicit choices are kept; a kernel the family
+    cannot take is refused naming sketch.kernel."""
+    choose = hash_families.choose_sketch
+    assert choose("auto", "auto", "cpu") == (SPLITMIX64, "xla")
+    assert choose("auto", "auto", "tpu") == (BLOCK, "pallas")
+    assert choose("auto", "auto", "gpu") == (BLOCK, "xla")
+    assert choose("splitmix64", "auto", "tpu") == (SPLITMIX64, "xla")
+    assert choose("block", "auto", "cpu") == (BLOCK, "xla")
+    assert choose("block", "interpret", "cpu") == (BLOCK, "interpret")
+    assert choose("auto", "xla", "tpu") == (BLOCK, "xla")
+    assert choose("auto", "auto") == choose("auto", "auto", jax.default_backend())
+    with pytest.raises(ValueError, match=r"sketch\.kernel='pallas'.*sketch\.hash='block'"):
+        choose("splitmix64", "pallas", "tpu")
+    with pytest.raises(ValueError, match=r"sketch\.hash='blocks'"):
+        choose("blocks", "auto", "tpu")
+
+
+def test_auto_choice_through_the_config_and_the_stores(tmp_path):
+    """The default config ("auto") keeps splitmix64 / XLA on CPU (stores' metadata as before: no
+    sketch_kernel key), takes block + kernel for TPU in every constructor that reads the config
+    (SketchOptions, GRPOStepSpec, ForcedSketcher), records both in the stores' metadata, and a
+    store of one backend's family is refused by the other's options (never compared)."""
+    from behaviortrace_jax.io import sketch_store
+    from behaviortrace_jax.sketch import stores, targets
+    from behaviortrace_jax.train import grpo_step
+    from configs import tiny
+
+    config = tiny.get_config("smoke")
+    assert (config.sketch.hash, config.sketch.kernel) == ("auto", "auto")
+    cpu, tpu = stores.SketchOptions.from_config(config, "cpu"), stores.SketchOptions.from_config(config, "tpu")
+    assert (cpu.hash_family, cpu.kernel, tpu.hash_family, tpu.kernel) == (SPLITMIX64, "xla", BLOCK, "pallas")
+    spec = grpo_step.GRPOStepSpec.from_config(config, platform="tpu")
+    assert (spec.sketch_hash, spec.sketch_kernel) == (BLOCK, "pallas")
+    assert grpo_step.GRPOStepSpec.from_config(config, platform="cpu").sketch_hash is SPLITMIX64
+    cfg = families.preset("tiny", "qwen2", vocab_size=80, num_hidden_layers=1)
+    gd, abstract = nnx.split(decoder.abstract_model(cfg), nnx.Param)
+    fs = targets.ForcedSketcher.from_config(config, gd, cfg, abstract, pad_id=0, platform="tpu")
+    assert fs.sketcher.hash_family is BLOCK and fs.sketcher._plan.kernel == "pallas"
+    meta_cpu = stores.sketch_metadata(cpu, cfg, "targets_continuation")
+    meta_tpu = stores.sketch_metadata(tpu, cfg, "targets_continuation")
+    assert meta_cpu["hash_family"] == SPLITMIX64.metadata_name and "sketch_kernel" not in meta_cpu
+    assert meta_tpu["hash_family"] == BLOCK.metadata_name and meta_tpu["sketch_kernel"] == "pallas"
+    stores.open_store(cpu, tmp_path / "s.zarr", (2, 64), 1, meta_cpu)
+    with pytest.raises(ValueError, match="two hash families cannot be compared"):
+        stores.open_store(tpu, tmp_path / "s.zarr", (2, 64), 1, meta_tpu)
+    with sketch_store.SketchStore.open_or_create(tmp_path / "s.zarr", (2, 64), 1, meta_cpu) as store:
+        store.write_rows(0, np.ones((2, 64), np.float32))
+    assert stores.read_store(cpu, tmp_path / "s.zarr").read().sum() == 128
+    with pytest.raises(ValueError, match="two hash families cannot be compared"):
+        stores.read_store(tpu, tmp_path / "s.zarr")

@@ -79,6 +79,12 @@ class AbstractRun:
                    train_state.abstract_train_state(abs_params, tx, state_sh))
 
     @property
+    def platform(self) -> str:
+        """The mesh's backend ("tpu" for a TPU topology compiled on CPU): the sketch family and
+        kernel are chosen for it (``hash_families.choose_sketch``), not for the host."""
+        return str(self.mesh.devices.flat[0].platform)
+
+    @property
     def rep(self):
         """Replicated on the mesh."""
         return sharding.replicated(self.mesh)
@@ -162,7 +168,7 @@ def grpo_programs(a: AbstractRun) -> list[Program]:
     progs = []
     for loss in losses:
         for on in variants:
-            spec = grpo.GRPOStepSpec.from_config(config, loss=loss, in_run_rollouts=on)
+            spec = grpo.GRPOStepSpec.from_config(config, loss=loss, in_run_rollouts=on, platform=a.platform)
             fn = grpo.make_train_step(a.graphdef, a.abstract_params, a.optimizer, spec, order=order, mesh=a.mesh,
                                       param_shardings=a.param_shardings, opt_shardings=a.state_shardings.opt_state)
             ref = a.params if spec.loss_spec.needs_reference else None
@@ -183,7 +189,7 @@ def metagradient_programs(a: AbstractRun) -> list[Program]:
     from behaviortrace_jax.train import metagradient as mg_lib
 
     config = a.config
-    spec = grpo.GRPOStepSpec.from_config(config)
+    spec = grpo.GRPOStepSpec.from_config(config, platform=a.platform)
     mode = str(config.metagradient.advantages).split(",")[0].strip()
     gbatch = a.grpo_batch()
     batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
@@ -209,7 +215,8 @@ def sketcher_programs(a: AbstractRun) -> list[Program]:
     ``sketch`` and ``draws`` stages build it) at the lengths of the checkpoint target sketches, the
     rollout re-sketches and the draws' sketches, and its masked mean log-prob program."""
     config, g, tg = a.config, a.config.grpo, a.config.targets
-    fs = targets.ForcedSketcher.from_config(config, a.graphdef, a.cfg, a.abstract_params, pad_id=0, mesh=a.mesh)
+    fs = targets.ForcedSketcher.from_config(config, a.graphdef, a.cfg, a.abstract_params, pad_id=0, mesh=a.mesh,
+                                            platform=a.platform)
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
     ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
     lengths = {"target_sketcher": bucket(g.max_prompt_tokens + ctx_new),
@@ -288,4 +295,6 @@ def step_path(spec: grpo.GRPOStepSpec) -> str:
            else "fused sketcher for the sketches + batched backward" if spec.fused
            else "one backward (summed per-rollout gradients)" if spec.update_from_sketcher
            else "batched backward + per-rollout vmap(grad)")
-    return f"{spec.loss}, in-run rollout sketches on, {how}, chunk {spec.chunk_size}"
+    hashing = f"{spec.sketch_hash.name} hash" + (f", Pallas kernel ({spec.sketch_kernel})" if spec.sketch_kernel != "xla"
+                                                 and spec.fused else "")
+    return f"{spec.loss}, in-run rollout sketches on, {how}, chunk {spec.chunk_size}, {hashing}"

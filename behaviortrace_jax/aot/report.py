@@ -130,7 +130,8 @@ def run_report(config: ml_collections.ConfigDict, devs: list[Any], chip: Chip | 
     return {"target": config.compile.target, "chip": chip.name if chip else None, "n_devices": len(devs),
             "mesh": dict(mesh.shape), "model": f"{cfg.num_hidden_layers} layers, d {cfg.hidden_size}, "
             f"vocab {cfg.vocab_size}, {cfg.param_dtype}", "programs": rows, "grpo_step_flop_ratio": ratio,
-            "grpo_step_bytes_ratio": bratio, "grpo_step_path": step_path(grpo_step.GRPOStepSpec.from_config(config)),
+            "grpo_step_bytes_ratio": bratio, "grpo_step_path": step_path(grpo_step.GRPOStepSpec.from_config(
+                config, platform=str(devs[0].platform) if devs else None)),
             "cost_method": "XLA cost analysis per chip, every loop trip counted (loop_counted_cost)",
             "host_peak_rss_bytes": rss_bytes(), "stage_s": time.perf_counter() - t_start, "jax": jax.__version__}
 

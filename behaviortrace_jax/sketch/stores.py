@@ -42,31 +42,41 @@ class SketchOptions:
         seed (int): the CountSketch hash seed (``sketch.seed``; SPEC §3.1: 0).
         run_seed (int): the run's seed (``config.seed``).
         hash_family (HashFamily): the hash family (``sketch.hash``, resolved by
-            ``hash_families.hash_family``); the metadata records its versioned name
-            (``HashFamily.store_metadata``).
+            ``hash_families.choose_sketch``: "auto" per backend); the metadata records its
+            versioned name (``HashFamily.store_metadata``).
+        kernel (str): how the fused sketcher sketches matmul weight uses (``sketch.kernel``, resolved
+            with the family): "xla", or the Pallas kernel "pallas" / "interpret"
+            (``sketch/pallas_sketch.py``); the metadata records it as ``sketch_kernel`` unless "xla".
     """
 
     dim: int
     seed: int
     run_seed: int
     hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
+    kernel: str = "xla"
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> "SketchOptions":
-        """From ``config.sketch.dim``, ``config.sketch.seed``, ``config.sketch.hash`` and ``config.seed``.
+    def from_config(cls, config: ml_collections.ConfigDict, platform: str | None = None) -> "SketchOptions":
+        """From ``config.sketch.{dim, seed, hash, kernel}`` and ``config.seed``, the family and kernel
+        chosen for backend ``platform`` (default ``jax.default_backend()``; ``hash_families.choose_sketch``).
 
         Raises:
-            ValueError: an unknown ``sketch.hash``, naming the key and the known families.
+            ValueError: an unknown ``sketch.hash`` or ``sketch.kernel``, or a kernel the family cannot
+                take, naming the key.
         """
+        family, kernel = hash_families.choose_sketch(str(config.sketch.hash),
+                                                     str(config.sketch.get("kernel", hash_families.AUTO)), platform)
         return cls(dim=int(config.sketch.dim), seed=int(config.sketch.seed), run_seed=int(config.seed),
-                   hash_family=hash_families.hash_family(str(config.sketch.hash)))
+                   hash_family=family, kernel=kernel)
 
 
 def sketch_metadata(options: SketchOptions, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
     """Metadata every sketch array carries (sketch_store raises when a reopened store differs):
     ``kind``, the hash family's (``HashFamily.store_metadata``), ``options``' seed / dim / run seed,
-    the model's parameter-order and model fingerprints, and the dtype."""
-    return {"kind": kind, **options.hash_family.store_metadata(), "seed": options.seed,
+    the model's parameter-order and model fingerprints, and the dtype; ``sketch_kernel`` where the
+    Pallas kernel made them (absent for the XLA path, as in stores written before the key existed)."""
+    kernel = {} if options.kernel == "xla" else {"sketch_kernel": options.kernel}
+    return {"kind": kind, **options.hash_family.store_metadata(), **kernel, "seed": options.seed,
             "dim": options.dim, "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
             "model_fingerprint": hf_io.model_fingerprint(model_cfg), "dtype": "float32",
             "run_seed": options.run_seed}

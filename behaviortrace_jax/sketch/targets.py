@@ -184,6 +184,7 @@ class ForcedSketcher:
         fused: the fused one-backward sketcher (``sketch.fused``; ``sketch/fused.py``) instead of
             ``vmap(grad)``; False (the default) keeps ``vmap(grad)``.
         hash_family: the hash family (``hash_families.HashFamily``; config ``sketch.hash``).
+        kernel: the fused sketcher's matmul-use kernel (``PerExampleSketcher``; config ``sketch.kernel``).
     Raises:
         ValueError: bad sizes (and as ``PerExampleSketcher``: e.g. ``use_tables`` with a
             scatter-free family).
@@ -199,13 +200,14 @@ class ForcedSketcher:
     def __init__(self, graphdef: Any, model_config: decoder.DecoderConfig, params: Any, *, dim: int,
                  seed: int = 0, chunk_size: int = 4, block_size: int = 64, length_bucket: int = 32,
                  pad_id: int = 0, use_tables: bool = False, mesh: Any = None, fused: bool = False,
-                 hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY):
+                 hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY, kernel: str = "xla"):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
         self.graphdef, self.vocab_size = graphdef, int(model_config.vocab_size)
         self.sketcher = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=seed,
                                            chunk_size=chunk_size, param_order=hf_param_order(model_config),
-                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_family=hash_family)
+                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_family=hash_family,
+                                           kernel=kernel)
         self.dim, self.seed, self.chunk_size = self.sketcher.dim, self.sketcher.seed, self.sketcher.chunk_size
         self.block_size = -(-int(block_size) // self.chunk_size) * self.chunk_size
         self.length_bucket, self.pad_id = int(length_bucket), int(pad_id)
@@ -221,20 +223,23 @@ class ForcedSketcher:
 
     @classmethod
     def from_config(cls, config: Any, graphdef: Any, model_config: decoder.DecoderConfig, params: Any,
-                    pad_id: int, mesh: Any = None) -> "ForcedSketcher":
-        """Built from ``config.sketch.{dim, seed, chunk_size, fused, hash}`` and ``config.targets.{block_size,
-        length_bucket, use_tables}``.
+                    pad_id: int, mesh: Any = None, platform: str | None = None) -> "ForcedSketcher":
+        """Built from ``config.sketch.{dim, seed, chunk_size, fused, hash, kernel}`` and
+        ``config.targets.{block_size, length_bucket, use_tables}``; the family and kernel chosen for
+        backend ``platform`` (``hash_families.choose_sketch``; default ``jax.default_backend()``).
 
         Raises:
             ValueError: ``targets.use_tables`` with ``sketch.fused`` (``tables.tables_from_config``); an
-                unknown ``sketch.hash`` (naming the key and the known families).
+                unknown ``sketch.hash`` or ``sketch.kernel`` (naming the key).
         """
         t = config.targets
+        family, kernel = hash_families.choose_sketch(str(config.sketch.hash),
+                                                     str(config.sketch.get("kernel", hash_families.AUTO)), platform)
         return cls(graphdef, model_config, params, dim=config.sketch.dim, seed=config.sketch.seed,
                    chunk_size=config.sketch.chunk_size, block_size=t.block_size,
                    length_bucket=t.length_bucket, pad_id=pad_id, mesh=mesh,
                    use_tables=tables.tables_from_config(config, "targets.use_tables"),
-                   fused=bool(config.sketch.fused), hash_family=hash_families.hash_family(str(config.sketch.hash)))
+                   fused=bool(config.sketch.fused), hash_family=family, kernel=kernel)
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

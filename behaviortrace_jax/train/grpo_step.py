@@ -115,7 +115,8 @@ class GRPOStepSpec:
     Fields: ``shapes``; ``loss`` (a ``grpo_loss`` registry name) and ``loss_cfg``; ``grad_clip``
     (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
     1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed`` /
-    ``sketch_hash`` (the ``hash_families.HashFamily`` named by ``sketch.hash``);
+    ``sketch_hash`` / ``sketch_kernel`` (the ``hash_families.HashFamily`` and the matmul-use kernel
+    chosen from ``sketch.hash`` / ``sketch.kernel`` for the backend, ``hash_families.choose_sketch``);
     ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
     sketcher chunk), ``use_tables`` (hash tables as a step argument); ``fused`` (``sketch.fused``:
     the in-run sketches come from the fused per-example sketcher, ``sketch/fused.py``, whose one
@@ -134,6 +135,7 @@ class GRPOStepSpec:
     sketch_dim: int = 65536
     sketch_seed: int = 0
     sketch_hash: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
+    sketch_kernel: str = "xla"
     in_run_rollouts: bool = True
     chunk_size: int = 4
     use_tables: bool = False
@@ -167,24 +169,28 @@ class GRPOStepSpec:
         return self.fused and self.in_run_rollouts and self.loss_spec.one_backward
 
     @classmethod
-    def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None) -> "GRPOStepSpec":
+    def from_config(cls, config, *, loss: str | None = None, in_run_rollouts: bool | None = None,
+                    platform: str | None = None) -> "GRPOStepSpec":
         """The step of ``config`` (``grpo``, ``optim.grad_clip``, ``sketch``). ``loss`` /
         ``in_run_rollouts`` override the config's (the compile stage compiles every requested loss
-        and, for the FLOP ratio, the step without in-run sketches).
+        and, for the FLOP ratio, the step without in-run sketches); ``platform``: the backend the
+        sketch family and kernel are chosen for (default ``jax.default_backend()``; the compile
+        stage passes its target's).
 
         Raises:
             ValueError: ``sketch.in_run_tables`` with ``sketch.fused`` (``tables.tables_from_config``); an
-                unknown ``sketch.hash`` (naming the key and the known families).
+                unknown ``sketch.hash`` or ``sketch.kernel`` (naming the key).
         """
         g, sk = config.grpo, config.sketch
         name = g.loss if loss is None else loss
         in_run = bool(sk.in_run_rollouts) if in_run_rollouts is None else bool(in_run_rollouts)
         spec = grpo_loss.get_loss(name)
         iters = int(g.inner_iterations) if spec.multi_iteration else 1
+        family, kernel = hash_families.choose_sketch(str(sk.hash), str(sk.get("kernel", hash_families.AUTO)), platform)
         return cls(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
                    grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), float(config.optim.grad_clip),
                    inner_iterations=iters, sketch_dim=int(sk.dim), sketch_seed=int(sk.seed),
-                   sketch_hash=hash_families.hash_family(str(sk.hash)), in_run_rollouts=in_run,
+                   sketch_hash=family, sketch_kernel=kernel, in_run_rollouts=in_run,
                    chunk_size=int(sk.chunk_size), fused=bool(sk.fused),
                    use_tables=tables_from_config(config, "sketch.in_run_tables"))
 
@@ -345,7 +351,8 @@ def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: G
     loss = sketcher.DecoderLoss(functools.partial(rollout_losses, graphdef, spec, weighted))
     return sketcher.PerExampleSketcher(loss, abstract_params, dim=spec.sketch_dim, seed=spec.sketch_seed,
                                        chunk_size=spec.chunk_size, param_order=order, use_tables=spec.use_tables,
-                                       mesh=mesh, fused=spec.fused, hash_family=spec.sketch_hash)
+                                       mesh=mesh, fused=spec.fused, hash_family=spec.sketch_hash,
+                                       kernel=spec.sketch_kernel)
 
 
 def with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
