@@ -137,6 +137,11 @@ def test_kernel_compiles_for_tpu_v5e():
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     assert ca["flops"] >= 2 * bsz * n * out * inn  # the declared per-example matmuls are counted
     assert 0 < ca["bytes accessed"] < 1e9
+    # the compile report's loop-counted cost (host CPU cost model) adds what the kernel declares
+    from behaviortrace_jax.aot.cost import loop_counted_cost
+
+    counted = loop_counted_cost(compiled)
+    assert abs(counted["flops"] / ca["flops"] - 1) < 0.01
 
 
 def test_auto_choice_per_backend_and_explicit_choices():

@@ -22,6 +22,21 @@ _CALLEE = re.compile(r"\b(?:condition|body|calls|to_apply)=%([^\s,)}]+)")
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _WHILE = re.compile(r"\swhile\(.*\bcondition=%([^\s,]+), body=%([^\s,]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_KERNEL = re.compile(r'custom_call_target="tpu_custom_call".*?"cost_estimate":\{([^}]*)\}')  # a Pallas kernel's
+_DECLARED_KEYS = (("flops", "flops"), ("bytes_accessed", "bytes accessed"), ("transcendentals", "transcendentals"))
+
+
+def declared_kernel_cost(line: str) -> np.ndarray | None:
+    """The cost a Mosaic (Pallas TPU) kernel declares (``pl.CostEstimate``, in its custom call's
+    backend config) as [flops, bytes accessed, transcendentals] in :data:`COST_KEYS` order, or None
+    for a line that is not such a kernel. XLA:TPU's own cost analysis reads it; the host CPU
+    client's, which counts the loop bodies here, does not know the kernel and counts none of it."""
+    m = _KERNEL.search(line)
+    if m is None:
+        return None
+    fields = dict(re.findall(r'"(\w+)":"?(\d+)"?', m.group(1)))
+    by_cost_key = {cost: float(fields.get(decl, 0)) for decl, cost in _DECLARED_KEYS}
+    return np.array([by_cost_key[k] for k, _ in COST_KEYS])
 _DEF = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = ")
 _CONST = re.compile(r"\bconstant\((-?\d+)\)")
 
@@ -148,7 +163,9 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     :func:`_inferred_trips`),
     and its condition ``trips + 1`` times. A body's one-trip count is XLA's own cost analysis of the
     module re-entered at that body (``hlo_module_cost_analysis`` with the program's client, or the
-    host CPU client's for a compile-only TPU executable: same cost model, same HLO). A loop
+    host CPU client's for a compile-only TPU executable: same cost model, same HLO), plus the cost
+    each Pallas TPU kernel in it declares (:func:`declared_kernel_cost`), which the CPU client's
+    analysis does not see. A loop
     without a known trip count (a ``while_loop`` that may stop early, e.g. the sampler's decode loop)
     is counted ``unknown_trips`` times when given (the caller's upper bound).
 
@@ -168,11 +185,29 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     comps, entry, lines = _hlo_computations(text)
     cache: dict[str, np.ndarray] = {}
 
+    declared_memo: dict[str, np.ndarray] = {}
+
+    def declared(name: str) -> np.ndarray:
+        """The Pallas kernels' declared costs in ``name`` and what it calls (each computation once)."""
+        if name not in declared_memo:
+            declared_memo[name] = np.zeros(len(COST_KEYS))  # (a cycle guard; HLO has none)
+            total = np.zeros(len(COST_KEYS))
+            for line in comps.get(name, ()):
+                k = declared_kernel_cost(line)
+                if k is not None:
+                    total = total + k
+                callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for g in _CALLEES.findall(line)
+                                                   for c in g.split(",") if c.strip()]
+                for c in callees:
+                    total = total + declared(c)
+            declared_memo[name] = total
+        return declared_memo[name]
+
     def once(name: str) -> np.ndarray:
         if name not in cache:
             mod = hlo.hlo_module_from_text(_with_entry(lines, name))
             ca = _jax.hlo_module_cost_analysis(client, mod)
-            cache[name] = np.array([float(ca.get(k, 0.0)) for k, _ in COST_KEYS])
+            cache[name] = np.array([float(ca.get(k, 0.0)) for k, _ in COST_KEYS]) + declared(name)
         return cache[name]
 
     memo: dict[str, tuple[np.ndarray, list]] = {}
