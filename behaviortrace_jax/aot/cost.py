@@ -154,6 +154,30 @@ def _hlo_text_and_client(compiled: Any) -> tuple[str, Any]:
     return text, getattr(ex, "client", None) or jax.devices("cpu")[0].client
 
 
+def _kernel_costs(comps: dict) -> Any:
+    """``declared(name)``: the Pallas kernels' declared costs (:func:`declared_kernel_cost`) in
+    computation ``name`` of ``comps`` and in what it calls, each computation counted once (as
+    XLA's cost analysis counts a loop body once)."""
+    memo: dict[str, np.ndarray] = {}
+
+    def declared(name: str) -> np.ndarray:
+        if name not in memo:
+            memo[name] = np.zeros(len(COST_KEYS))  # (a cycle guard; HLO has none)
+            total = np.zeros(len(COST_KEYS))
+            for line in comps.get(name, ()):
+                k = declared_kernel_cost(line)
+                if k is not None:
+                    total = total + k
+                callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for g in _CALLEES.findall(line)
+                                                   for c in g.split(",") if c.strip()]
+                for c in callees:
+                    total = total + declared(c)
+            memo[name] = total
+        return memo[name]
+
+    return declared
+
+
 def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[str, Any] | None:
     """XLA's cost analysis of a compiled program (per chip, from its optimised HLO) with every loop
     trip counted: XLA's ``cost_analysis`` counts a ``while`` body once; here each while loop whose
@@ -185,23 +209,7 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     comps, entry, lines = _hlo_computations(text)
     cache: dict[str, np.ndarray] = {}
 
-    declared_memo: dict[str, np.ndarray] = {}
-
-    def declared(name: str) -> np.ndarray:
-        """The Pallas kernels' declared costs in ``name`` and what it calls (each computation once)."""
-        if name not in declared_memo:
-            declared_memo[name] = np.zeros(len(COST_KEYS))  # (a cycle guard; HLO has none)
-            total = np.zeros(len(COST_KEYS))
-            for line in comps.get(name, ()):
-                k = declared_kernel_cost(line)
-                if k is not None:
-                    total = total + k
-                callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for g in _CALLEES.findall(line)
-                                                   for c in g.split(",") if c.strip()]
-                for c in callees:
-                    total = total + declared(c)
-            declared_memo[name] = total
-        return declared_memo[name]
+    declared = _kernel_costs(comps)
 
     def once(name: str) -> np.ndarray:
         if name not in cache:
