@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The device check of issue 12, as one script: the compile stage for the attached GPU (target=local)
-# at Qwen2.5-1.5B (28 layers, paper config) and bench/bench_sketcher.py --gpu. Writes under $OUT
-# (or ./gpu_check). Needs jax with a CUDA plugin; on the lent H200 image, ml-collections and
-# tensorboardX travel as wheels in .whl/ (README of the device tool).
+# The device check of issue 34 (item 5), as one script of at most ~8 min: a paper-shaped Qwen2.5-1.5B
+# GRPO step (random weights, bfloat16, configs/seed0.py's batch shape, one device) timed plain, fused on
+# the XLA path (splitmix64 and block hash) and fused with the Pallas kernel (TPU only; reported as
+# skipped on a GPU): median ms, program and peak memory, ratios to plain (bench/gpu_step_check.py;
+# its --tiny CPU run is tests/test_gpu_step_check.py). Writes under $OUT (or ./gpu_check). Needs jax
+# with the device's plugin; on the lent image, ml-collections and tensorboardX travel as wheels in .whl/.
 #     bash bench/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-gpu_check}
@@ -12,14 +14,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1 BEHAVIORTRACE_MALLOC_TUNING=0
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-timeout "${COMPILE_TIMEOUT:-330}" python3 main.py --config=configs/seed0.py --config.stages=compile \
-  --config.compile.target=local --config.compile.model=qwen2p5_1p5b --workdir="$OUT/compile" \
-  > "$OUT/compile.log" 2>&1; echo "compile stage exit $?" | tee -a "$OUT/gpu.txt"
-cp "$OUT/compile/compile_report.md" "$OUT/compile/compile_report.json" "$OUT/" 2>/dev/null
-tail -25 "$OUT/compile.log"
-timeout "${BENCH_TIMEOUT:-200}" python3 bench/bench_sketcher.py --gpu --reps 3 --chunks 4,8 > "$OUT/bench_sketcher.log" 2>&1
-echo "bench_sketcher exit $?" | tee -a "$OUT/gpu.txt"
-tail -15 "$OUT/bench_sketcher.log"
-rm -rf "$OUT/compile"
+(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true) | tee "$OUT/device.txt"
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
+  | tee -a "$OUT/device.txt"
+timeout "${STEP_TIMEOUT:-440}" python3 bench/gpu_step_check.py --rounds "${ROUNDS:-5}" --steps "${STEPS:-3}" \
+  > "$OUT/gpu_step_check.log" 2>&1
+echo "gpu_step_check exit $?" | tee -a "$OUT/device.txt"
+grep -v "^W0\|^I0" "$OUT/gpu_step_check.log" | tail -12

@@ -145,11 +145,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.sketch = ml_collections.ConfigDict()
     c.sketch.dim = 65536  # SPEC §3.1: D = 2**16.
     c.sketch.seed = 0  # SPEC §3.1: grad_sample_seed.
-    # Bucket hash: "splitmix64" (SPEC §3.1, paper-exact: a splitmix64 bucket per coordinate, summed with a scatter) or
+    # Bucket hash: "auto" (chosen per backend, hash_families.AUTO_RULES: CPU -> splitmix64, TPU and GPU -> block), "splitmix64" (SPEC §3.1, paper-exact: a splitmix64 bucket per coordinate, summed with a scatter) or
     # "block" (scatter-free: each D-sized block of a parameter rolled by a random offset; same signs, unbiased, variance
     # <= the splitmix64 bound; needs sketch.in_run_tables and targets.use_tables off). Stores record the family. Any name
     # registered in behaviortrace_jax/sketch/hash_families.py (docs/architecture.md, "Add a hash family").
-    c.sketch.hash = "splitmix64"
+    c.sketch.hash = "auto"
+    # How the fused sketcher sketches matmul weight uses: "auto" (the Pallas kernel, sketch/pallas_sketch.py, for the block
+    # family on TPU; else XLA), "xla", "pallas" (TPU) or "interpret" (the kernel in Pallas's interpreter, any backend).
+    c.sketch.kernel = "auto"
     c.sketch.chunk_size = 4  # Examples per sketcher chunk: one vmap(grad) (peak memory ~ chunk x params) or one fused backward.
     # Per-example sketches from ONE backward of the batched loss per chunk (sketch/fused.py) in every sketcher (in-run
     # rollouts, whose backward then also gives the GRPO update of a loss that declares one_backward, e.g. "paper";

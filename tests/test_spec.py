@@ -11,6 +11,7 @@ import ml_collections
 import pytest
 
 from behaviortrace_jax.stages import spec as spec_lib
+from behaviortrace_jax.sketch import hash_families
 from behaviortrace_jax.stages.spec import RunSpec
 from configs import common, tiny, tiny_two_behaviors
 
@@ -101,8 +102,12 @@ def test_the_spec_is_frozen_and_holds_what_the_config_says():
         s.seed = 3
     assert (s.seed, s.step.loss, s.step.shapes.num_rollouts) == (c.seed, c.grpo.loss,
                                                                   c.grpo.prompts_per_step * c.grpo.group_size)
-    assert (s.sketch.dim, s.sketch.hash_family.name, s.forced.block_size) == (c.sketch.dim, c.sketch.hash,
-                                                                              c.targets.block_size)
+    assert (s.sketch.dim, s.forced.block_size) == (c.sketch.dim, c.targets.block_size)
+    # sketch.hash / sketch.kernel "auto", resolved once for the backend (hash_families.choose_sketch)
+    family, kernel = hash_families.choose_sketch(c.sketch.hash, c.sketch.kernel)
+    assert (c.sketch.hash, s.sketch.hash_family, s.sketch.kernel) == ("auto", family, kernel)
+    assert (s.step.sketch_hash, s.step.sketch_kernel, s.forced.hash_family, s.forced.kernel) == (family, kernel,
+                                                                                                family, kernel)
     assert (s.layout.data, s.layout.model, s.layout.fsdp) == (c.mesh.data, c.mesh.model, c.mesh.fsdp)
     assert (s.optim.lr, s.optim.grad_clip, s.step.grad_clip) == (c.optim.lr, c.optim.grad_clip, c.optim.grad_clip)
     assert (s.probe_grpo.max_prompt_tokens, s.probe_sft.max_prompt_tokens) == (c.grpo.max_prompt_tokens,

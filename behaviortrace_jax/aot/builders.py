@@ -312,4 +312,6 @@ def step_path(spec: grpo.GRPOStepSpec) -> str:
            else "fused sketcher for the sketches + batched backward" if spec.fused
            else "one backward (summed per-rollout gradients)" if spec.update_from_sketcher
            else "batched backward + per-rollout vmap(grad)")
-    return f"{spec.loss}, in-run rollout sketches on, {how}, chunk {spec.chunk_size}"
+    hashing = f"{spec.sketch_hash.name} hash" + (f", Pallas kernel ({spec.sketch_kernel})" if spec.sketch_kernel != "xla"
+                                                 and spec.fused else "")
+    return f"{spec.loss}, in-run rollout sketches on, {how}, chunk {spec.chunk_size}, {hashing}"

@@ -22,6 +22,21 @@ _CALLEE = re.compile(r"\b(?:condition|body|calls|to_apply)=%([^\s,)}]+)")
 _CALLEES = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _WHILE = re.compile(r"\swhile\(.*\bcondition=%([^\s,]+), body=%([^\s,]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_KERNEL = re.compile(r'custom_call_target="tpu_custom_call".*?"cost_estimate":\{([^}]*)\}')  # a Pallas kernel's
+_DECLARED_KEYS = (("flops", "flops"), ("bytes_accessed", "bytes accessed"), ("transcendentals", "transcendentals"))
+
+
+def declared_kernel_cost(line: str) -> np.ndarray | None:
+    """The cost a Mosaic (Pallas TPU) kernel declares (``pl.CostEstimate``, in its custom call's
+    backend config) as [flops, bytes accessed, transcendentals] in :data:`COST_KEYS` order, or None
+    for a line that is not such a kernel. XLA:TPU's own cost analysis reads it; the host CPU
+    client's, which counts the loop bodies here, does not know the kernel and counts none of it."""
+    m = _KERNEL.search(line)
+    if m is None:
+        return None
+    fields = dict(re.findall(r'"(\w+)":"?(\d+)"?', m.group(1)))
+    by_cost_key = {cost: float(fields.get(decl, 0)) for decl, cost in _DECLARED_KEYS}
+    return np.array([by_cost_key[k] for k, _ in COST_KEYS])
 _DEF = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = ")
 _CONST = re.compile(r"\bconstant\((-?\d+)\)")
 
@@ -139,6 +154,30 @@ def _hlo_text_and_client(compiled: Any) -> tuple[str, Any]:
     return text, getattr(ex, "client", None) or jax.devices("cpu")[0].client
 
 
+def _kernel_costs(comps: dict) -> Any:
+    """``declared(name)``: the Pallas kernels' declared costs (:func:`declared_kernel_cost`) in
+    computation ``name`` of ``comps`` and in what it calls, each computation counted once (as
+    XLA's cost analysis counts a loop body once)."""
+    memo: dict[str, np.ndarray] = {}
+
+    def declared(name: str) -> np.ndarray:
+        if name not in memo:
+            memo[name] = np.zeros(len(COST_KEYS))  # (a cycle guard; HLO has none)
+            total = np.zeros(len(COST_KEYS))
+            for line in comps.get(name, ()):
+                k = declared_kernel_cost(line)
+                if k is not None:
+                    total = total + k
+                callees = _CALLEE.findall(line) + [c.strip().lstrip("%") for g in _CALLEES.findall(line)
+                                                   for c in g.split(",") if c.strip()]
+                for c in callees:
+                    total = total + declared(c)
+            memo[name] = total
+        return memo[name]
+
+    return declared
+
+
 def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[str, Any] | None:
     """XLA's cost analysis of a compiled program (per chip, from its optimised HLO) with every loop
     trip counted: XLA's ``cost_analysis`` counts a ``while`` body once; here each while loop whose
@@ -148,7 +187,9 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     :func:`_inferred_trips`),
     and its condition ``trips + 1`` times. A body's one-trip count is XLA's own cost analysis of the
     module re-entered at that body (``hlo_module_cost_analysis`` with the program's client, or the
-    host CPU client's for a compile-only TPU executable: same cost model, same HLO). A loop
+    host CPU client's for a compile-only TPU executable: same cost model, same HLO), plus the cost
+    each Pallas TPU kernel in it declares (:func:`declared_kernel_cost`), which the CPU client's
+    analysis does not see. A loop
     without a known trip count (a ``while_loop`` that may stop early, e.g. the sampler's decode loop)
     is counted ``unknown_trips`` times when given (the caller's upper bound).
 
@@ -168,11 +209,13 @@ def loop_counted_cost(compiled: Any, unknown_trips: int | None = None) -> dict[s
     comps, entry, lines = _hlo_computations(text)
     cache: dict[str, np.ndarray] = {}
 
+    declared = _kernel_costs(comps)
+
     def once(name: str) -> np.ndarray:
         if name not in cache:
             mod = hlo.hlo_module_from_text(_with_entry(lines, name))
             ca = _jax.hlo_module_cost_analysis(client, mod)
-            cache[name] = np.array([float(ca.get(k, 0.0)) for k, _ in COST_KEYS])
+            cache[name] = np.array([float(ca.get(k, 0.0)) for k, _ in COST_KEYS]) + declared(name)
         return cache[name]
 
     memo: dict[str, tuple[np.ndarray, list]] = {}

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from behaviortrace_jax.models import decoder, tokenizer as tok_lib
+from behaviortrace_jax.sketch import pallas_sketch
 from behaviortrace_jax.sketch.hash_families import DEFAULT_HASH_FAMILY, HashFamily
 from behaviortrace_jax.sketch.splitmix64 import check_dim, split_u64
 
@@ -114,6 +115,7 @@ class _Cfg:
     tied: bool = False  # embedding: the head uses the same weight (carrier output); head: reads it
     head: bool = False  # the logits (decoder.head_apply) rather than a linear layer (decoder.linear_apply)
     hash_family: HashFamily = DEFAULT_HASH_FAMILY  # the hash family (hash_families; config sketch.hash)
+    kernel: str = "xla"  # matmul weight uses: "xla", or the Pallas kernel "pallas" / "interpret" (pallas_sketch)
 
 
 class FusedPlan:
@@ -125,14 +127,19 @@ class FusedPlan:
         groups: the group index of each parameter; n_groups: their number.
         dim, seed: CountSketch width and hash seed; tile_elements: see the module docstring.
         hash_family: the hash family (a ``hash_families.HashFamily``; config ``sketch.hash``).
+        kernel: how matmul weight uses are sketched: "xla" (``_matrix_grads``' tiles in XLA), or
+            the Pallas kernel ``pallas_sketch.matmul_sketch`` compiled ("pallas", TPU) or interpreted
+            ("interpret", any backend) for the block family (config ``sketch.kernel``).
     Raises:
-        ValueError: a decoder layer leaf missing from some layer (the layers must share leaves).
+        ValueError: a decoder layer leaf missing from some layer (the layers must share leaves); a
+            kernel other than "xla" with another family than the block one (``pallas_sketch.check_kernel``).
     """
 
     def __init__(self, paths, offsets, groups, n_groups: int, *, dim: int, seed: int,
-                 tile_elements: int = TILE_ELEMENTS, hash_family: HashFamily = DEFAULT_HASH_FAMILY):
+                 tile_elements: int = TILE_ELEMENTS, hash_family: HashFamily = DEFAULT_HASH_FAMILY,
+                 kernel: str = "xla"):
         self.dim, self.seed, self.n_groups = check_dim(dim), int(seed), int(n_groups)
-        self.hash_family = hash_family
+        self.hash_family, self.kernel = hash_family, pallas_sketch.check_kernel(kernel, hash_family)
         self.tile_elements = int(tile_elements)
         self.static = {tuple(p): (int(o), int(g)) for p, o, g in zip(paths, offsets, groups)}
         n = len(decoder.LAYERS_PATH)
@@ -150,7 +157,8 @@ class FusedPlan:
         self.tied = ("lm_head", "weight") not in self.static
 
     def cfg(self, weights: bool) -> _Cfg:
-        return _Cfg(self.dim, self.seed, self.n_groups, self.tile_elements, bool(weights), hash_family=self.hash_family)
+        return _Cfg(self.dim, self.seed, self.n_groups, self.tile_elements, bool(weights), hash_family=self.hash_family,
+                    kernel=self.kernel)
 
     def where(self, path: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(offset hi uint32, offset lo uint32, group int32) scalars of the parameter at ``path``; a
@@ -278,10 +286,15 @@ def _matrix_grads(cfg: _Cfg, acc: jax.Array, sq: jax.Array, dy: jax.Array, x: ja
                   where: tuple, shape: tuple) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Per-example gradients ``dW_i = dy_i^T x_i`` of a weight [out, in] (dy [B, N, out], x [B, N, in]),
     in row tiles of at most ``cfg.tile_elements`` values over the batch, added to the accumulators'
-    cotangents: (acc, sq, ``sum_i c_i dW_i`` float32 [out, in] or None)."""
+    cotangents: (acc, sq, ``sum_i c_i dW_i`` float32 [out, in] or None). With ``cfg.kernel`` and a
+    shape the kernel takes, ``pallas_sketch.matmul_sketch`` does it all with the tiles on chip."""
     out, inn = shape
     bsz = dy.shape[0]
     hi, lo, group = where
+    if cfg.kernel != "xla" and pallas_sketch.kernel_supported(shape, cfg.dim):  # the tiles stay on chip
+        acc, norms2, dw = pallas_sketch.matmul_sketch(acc, x, dy, coef if cfg.weights else None, hi, lo, cfg.dim,
+                                                      cfg.seed, interpret=cfg.kernel == "interpret")
+        return acc, _add_sq(sq, norms2, group), dw
     tiles = max(1, -(-bsz * out * inn // cfg.tile_elements))
     rows = -(-out // tiles)
     tiles = -(-out // rows)

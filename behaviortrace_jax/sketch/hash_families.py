@@ -15,6 +15,13 @@ The families (docs/architecture.md, "Add a hash family", says how to add one):
   sign per global coordinate index (``splitmix64.py``), summed with a scatter-add.
 * :data:`BLOCK` (``block``): scatter-free; each D-sized block of a parameter rolled by a splitmix64
   offset, the same signs (``block_hash.py``); no hash tables.
+
+``sketch.hash = "auto"`` (the default) and ``sketch.kernel = "auto"`` are chosen per backend by
+:func:`choose_sketch` (:data:`AUTO_RULES`): CPU keeps splitmix64 on the XLA path (the paper's hash;
+the block family's roll is slower than its scatter there, docs/benchmarks.md); TPU takes the block
+family with the Pallas kernel (``pallas_sketch.py``); GPU the block family on the XLA path (the
+kernel is Mosaic-TPU only). The chosen family is what every store records (``hash_family``), so
+sketches of a CPU run and a TPU run are never compared.
 """
 from __future__ import annotations
 
@@ -153,4 +160,38 @@ BLOCK = register_hash_family(HashFamily(
     name="block", metadata_name="splitmix64-block-countsketch-v1",
     index_bucket_sign=block_hash.block_index_bucket_sign, numpy_bucket_sign=block_hash.numpy_block_bucket_sign,
     block_sketch=block_hash.block_sketch_at))
-DEFAULT_HASH_FAMILY = SPLITMIX64  # config sketch.hash's default (configs/common.py); SPEC §3.1's hash
+DEFAULT_HASH_FAMILY = SPLITMIX64  # the family where none is chosen (library default); SPEC §3.1's hash
+AUTO = "auto"  # config sketch.hash / sketch.kernel: chosen per backend (choose_sketch)
+KERNEL_KEY = "sketch.kernel"
+# backend platform -> (family name, kernel) of "auto"; any other platform takes the "tpu" row's family
+# and the XLA path
+AUTO_RULES = {"cpu": ("splitmix64", "xla"), "tpu": ("block", "pallas"), "gpu": ("block", "xla"),
+              "cuda": ("block", "xla"), "rocm": ("block", "xla")}
+
+
+def choose_sketch(hash_name: str, kernel_name: str = AUTO, platform: str | None = None) -> tuple[HashFamily, str]:
+    """The hash family and the matmul-use kernel of config ``sketch.hash`` / ``sketch.kernel`` on
+    backend ``platform`` (``jax.default_backend()`` when None; the compile stage passes its target's).
+
+    ``"auto"`` takes :data:`AUTO_RULES`; an explicit family or kernel is kept (a kernel other than
+    "xla" needs the block family: ``pallas_sketch.check_kernel``). An "auto" kernel with an explicit
+    family takes the Pallas kernel only for the block family on TPU. Returns (HashFamily, kernel in
+    ``pallas_sketch.KERNELS``).
+
+    Raises:
+        ValueError: an unknown family (naming ``sketch.hash``) or kernel, or a kernel the family
+            cannot take (naming ``sketch.kernel``).
+    """
+    from behaviortrace_jax.sketch import pallas_sketch  # the kernel module imports jax's Pallas
+
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    rule_family, rule_kernel = AUTO_RULES.get(str(platform), (AUTO_RULES["tpu"][0], "xla"))
+    family = hash_family(rule_family if hash_name == AUTO else hash_name)
+    if kernel_name == AUTO:
+        kernel = rule_kernel if family.name == "block" else "xla"
+    else:
+        kernel = kernel_name
+    return family, pallas_sketch.check_kernel(kernel, family)

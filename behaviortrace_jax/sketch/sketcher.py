@@ -48,6 +48,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 
 from behaviortrace_jax.models import programs, sharding
 from behaviortrace_jax.sketch.countsketch import sketch_batch, sketch_batch_stacked, sketch_tree
@@ -287,8 +288,12 @@ class PerExampleSketcher:
         hash_family: the hash family (a ``hash_families.HashFamily``, config ``sketch.hash``):
             default splitmix64 (SPEC §3.1); a scatter-free one (``hash_families.BLOCK``) takes no
             hash tables.
+        kernel: fused path: how matmul weight uses are sketched, "xla", or the Pallas kernel
+            "pallas" (TPU) / "interpret" (``sketch/pallas_sketch.py``; block family only; config
+            ``sketch.kernel``, resolved by ``stores.SketchOptions``).
     Raises:
-        ValueError: bad dim/chunk_size; ``use_tables`` with a scatter-free ``hash_family``;
+        ValueError: bad dim/chunk_size; ``use_tables`` with a scatter-free ``hash_family``; a kernel
+            other than "xla" without the block family;
             ``scan_layers`` with ``use_tables`` (``vmap(grad)`` path) or
             with an order that is not a decoder's; ``fused=True`` for a loss that is not a
             ``fused.DecoderLoss``; at call time, batch leaves without a common leading axis.
@@ -302,7 +307,7 @@ class PerExampleSketcher:
                  param_order: ParamOrder | None = None, use_tables: bool = False,
                  mesh: jax.sharding.Mesh | None = None, scan_layers: bool | None = None,
                  fused: bool | None = None, tile_elements: int = fused_lib.TILE_ELEMENTS,
-                 hash_family: HashFamily = DEFAULT_HASH_FAMILY):
+                 hash_family: HashFamily = DEFAULT_HASH_FAMILY, kernel: str = "xla"):
         if int(chunk_size) != chunk_size or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
         self.loss_fn, self.dim, self.seed, self.chunk_size = loss_fn, check_dim(dim), int(seed), int(chunk_size)
@@ -318,9 +323,18 @@ class PerExampleSketcher:
         if is_decoder_loss and fused is not False:
             self._plan = fused_lib.FusedPlan(self.order.paths, self.layout.offsets, self._group_idx,
                                              len(self.group_names), dim=self.dim, seed=self.seed,
-                                             tile_elements=tile_elements, hash_family=self.hash_family)
+                                             tile_elements=tile_elements, hash_family=self.hash_family,
+                                             kernel=kernel)
         self.use_tables = bool(use_tables) and self._plan is None
         self.mesh = mesh if mesh is not None and dict(mesh.shape).get(DATA_AXIS, 1) > 1 else None
+        if self._plan is not None and self._plan.kernel != "xla" and mesh is not None and any(
+                n > 1 for ax, n in dict(mesh.shape).items() if ax != DATA_AXIS):
+            # a Mosaic kernel is never partitioned automatically: with weights split over another mesh
+            # axis (tensor parallel) the matmul uses take the XLA path (same family, same sketches)
+            logging.warning("sketch.kernel=%r: the mesh %s splits the weights over a non-data axis; the Pallas "
+                            "kernel runs only where every non-data axis has size 1: matmul uses take the XLA path",
+                            self._plan.kernel, dict(mesh.shape))
+            self._plan.kernel = "xla"
         scan = self.order.scan_layers if scan_layers is None else bool(scan_layers)
         if scan and self.use_tables:
             raise ValueError("PerExampleSketcher: scan_layers hashes inside the layer scan and takes no hash "
@@ -418,10 +432,12 @@ class PerExampleSketcher:
             params = decoder.stack_layers(params)
         if mesh is not None and b % mesh.shape[DATA_AXIS] == 0:
             rep, data = jax.sharding.PartitionSpec(), jax.sharding.PartitionSpec(DATA_AXIS)
+            # the Pallas kernel needs every axis manual (the others have size 1 then: __init__)
+            axes = set(mesh.axis_names) if self._plan is not None and self._plan.kernel != "xla" else {DATA_AXIS}
             local = jax.shard_map(lambda p, x, t, c: self._local(p, x, t, with_sum, DATA_AXIS, acc_dtype, c),
                                   mesh=mesh, in_specs=(rep, data, rep, data),
                                   out_specs=(data, rep, data) if with_sum else data,
-                                  axis_names={DATA_AXIS}, check_vma=False)
+                                  axis_names=axes, check_vma=False)
             return local(params, batch, tables, coefficients)
         return self._local(params, batch, tables, with_sum, None, acc_dtype, coefficients)
 

@@ -42,21 +42,27 @@ class SketchOptions:
         seed (int): the CountSketch hash seed (``sketch.seed``; SPEC §3.1: 0).
         run_seed (int): the run's seed (``config.seed``).
         hash_family (HashFamily): the hash family (``sketch.hash``, resolved by
-            ``hash_families.hash_family``); the metadata records its versioned name
-            (``HashFamily.store_metadata``).
+            ``hash_families.choose_sketch``: "auto" per backend); the metadata records its
+            versioned name (``HashFamily.store_metadata``).
+        kernel (str): how the fused sketcher sketches matmul weight uses (``sketch.kernel``, resolved
+            with the family): "xla", or the Pallas kernel "pallas" / "interpret"
+            (``sketch/pallas_sketch.py``); the metadata records it as ``sketch_kernel`` unless "xla".
     """
 
     dim: int
     seed: int
     run_seed: int
     hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
+    kernel: str = "xla"
 
 
 def sketch_metadata(options: SketchOptions, model_cfg: decoder.DecoderConfig, kind: str) -> dict:
     """Metadata every sketch array carries (sketch_store raises when a reopened store differs):
     ``kind``, the hash family's (``HashFamily.store_metadata``), ``options``' seed / dim / run seed,
-    the model's parameter-order and model fingerprints, and the dtype."""
-    return {"kind": kind, **options.hash_family.store_metadata(), "seed": options.seed,
+    the model's parameter-order and model fingerprints, and the dtype; ``sketch_kernel`` where the
+    Pallas kernel made them (absent for the XLA path, as in stores written before the key existed)."""
+    kernel = {} if options.kernel == "xla" else {"sketch_kernel": options.kernel}
+    return {"kind": kind, **options.hash_family.store_metadata(), **kernel, "seed": options.seed,
             "dim": options.dim, "param_fingerprint": hf_io.param_order_fingerprint(model_cfg),
             "model_fingerprint": hf_io.model_fingerprint(model_cfg), "dtype": "float32",
             "run_seed": options.run_seed}

@@ -170,7 +170,8 @@ class ForcedSketchOptions:
     built at the stage boundary (``stages/spec.py``, ``RunSpec.forced``).
 
     Fields: ``dim`` / ``seed`` / ``hash_family`` (the run's CountSketch: ``sketch.dim``,
-    ``sketch.seed``, ``sketch.hash``), ``chunk_size`` (``sketch.chunk_size``), ``fused``
+    ``sketch.seed``, ``sketch.hash``), ``kernel`` (the fused sketcher's matmul-use kernel,
+    ``sketch.kernel``; both resolved per backend by ``hash_families.choose_sketch``), ``chunk_size`` (``sketch.chunk_size``), ``fused``
     (``sketch.fused``), ``block_size`` / ``length_bucket`` (``targets.*``: sequences per call and
     the padding multiple), ``use_tables`` (``targets.use_tables``, refused with ``fused`` where the
     spec is built).
@@ -184,6 +185,7 @@ class ForcedSketchOptions:
     use_tables: bool
     fused: bool
     hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
+    kernel: str = "xla"
 
 
 class ForcedSketcher:
@@ -206,6 +208,7 @@ class ForcedSketcher:
         fused: the fused one-backward sketcher (``sketch.fused``; ``sketch/fused.py``) instead of
             ``vmap(grad)``; False (the default) keeps ``vmap(grad)``.
         hash_family: the hash family (``hash_families.HashFamily``; config ``sketch.hash``).
+        kernel: the fused sketcher's matmul-use kernel (``PerExampleSketcher``; config ``sketch.kernel``).
     Raises:
         ValueError: bad sizes (and as ``PerExampleSketcher``: e.g. ``use_tables`` with a
             scatter-free family).
@@ -221,13 +224,14 @@ class ForcedSketcher:
     def __init__(self, graphdef: Any, model_config: decoder.DecoderConfig, params: Any, *, dim: int,
                  seed: int = 0, chunk_size: int = 4, block_size: int = 64, length_bucket: int = 32,
                  pad_id: int = 0, use_tables: bool = False, mesh: Any = None, fused: bool = False,
-                 hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY):
+                 hash_family: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY, kernel: str = "xla"):
         if block_size < 1 or length_bucket < 1:
             raise ValueError(f"block_size={block_size} and length_bucket={length_bucket} must be >= 1")
         self.graphdef, self.vocab_size = graphdef, int(model_config.vocab_size)
         self.sketcher = PerExampleSketcher(completion_loss(graphdef), params, dim=dim, seed=seed,
                                            chunk_size=chunk_size, param_order=hf_param_order(model_config),
-                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_family=hash_family)
+                                           use_tables=use_tables, mesh=mesh, fused=bool(fused), hash_family=hash_family,
+                                           kernel=kernel)
         self.dim, self.seed, self.chunk_size = self.sketcher.dim, self.sketcher.seed, self.sketcher.chunk_size
         self.block_size = -(-int(block_size) // self.chunk_size) * self.chunk_size
         self.length_bucket, self.pad_id = int(length_bucket), int(pad_id)
@@ -249,7 +253,7 @@ class ForcedSketcher:
         o = options
         return cls(graphdef, model_config, params, dim=o.dim, seed=o.seed, chunk_size=o.chunk_size,
                    block_size=o.block_size, length_bucket=o.length_bucket, pad_id=pad_id, mesh=mesh,
-                   use_tables=o.use_tables, fused=o.fused, hash_family=o.hash_family)
+                   use_tables=o.use_tables, fused=o.fused, hash_family=o.hash_family, kernel=o.kernel)
 
     def pack(self, examples: Sequence[ForcedExample]) -> dict[str, np.ndarray]:
         """Right-pads ``examples`` (<= block_size) into one block: ``input_ids`` int32 [B, T],

@@ -79,8 +79,9 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         DoesNotFit: naming every program whose per-chip bytes exceed the chip's memory, and by how much.
     """
     t_start = time.perf_counter()
-    spec = RunSpec.from_config(config).compile
-    devs, chip, memory = target_devices(spec.target)
+    devs, chip, memory = target_devices(RunSpec.from_config(config).compile.target)
+    # the sketch family and kernel of the target's backend ("tpu" for a topology compiled on this host)
+    spec = RunSpec.from_config(config, platform=str(devs[0].platform) if devs else None).compile
     mesh = spec.layout.on(devs).mesh()
     cfg = model_config(config)
     programs = build_programs(spec, cfg, mesh)

@@ -93,6 +93,7 @@ class SketchKeys:
     dim: int
     seed: int
     hash: str
+    kernel: str
     chunk_size: int
     fused: bool
     in_run_rollouts: bool
@@ -362,16 +363,18 @@ class RunSpec:
         return ReplayOptions(self.model, self.optim, self.step, self.rollouts, self.probe_grpo, self.schedule)
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> "RunSpec":
-        """The spec of ``config`` (a ``configs/common.py``-shaped ConfigDict).
+    def from_config(cls, config: ml_collections.ConfigDict, platform: str | None = None) -> "RunSpec":
+        """The spec of ``config`` (a ``configs/common.py``-shaped ConfigDict); ``platform`` is the backend
+        ``sketch.hash`` / ``sketch.kernel`` "auto" are resolved for (``hash_families.choose_sketch``;
+        None = ``jax.default_backend()``; the compile stage passes its target's).
 
         Raises:
             ValueError: naming the config key of a value of the wrong type or out of range, an
-                unknown ``sketch.hash`` / ``model.mask_eos`` / ``grpo.on_nonfinite``, a table switch
+                unknown ``sketch.hash`` / ``sketch.kernel`` / ``model.mask_eos`` / ``grpo.on_nonfinite``, a table switch
                 under the fused sketcher, a bad behaviour (``config.behaviors.<id>``), a bad mesh or
                 ``compile.stages``. KeyError: an unregistered ``grpo.loss`` / ``compile.losses``.
         """
-        return build(ConfigReads(config))
+        return build(ConfigReads(config), platform)
 
 
 def keys_read(config: ml_collections.ConfigDict) -> frozenset[str]:
@@ -404,17 +407,17 @@ def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
     return tuple(out)
 
 
-def _step(g: GRPOKeys, sk: SketchKeys, optim: OptimOptions, *, loss: str | None = None,
+def _step(g: GRPOKeys, sk: SketchKeys, optim: OptimOptions, sketch: SketchOptions, *, loss: str | None = None,
           in_run_rollouts: bool | None = None) -> GRPOStepSpec:
-    """The GRPO step of ``grpo`` / ``sketch`` / ``optim.grad_clip``; ``loss`` / ``in_run_rollouts``
-    override the config's (the compile stage's variants)."""
+    """The GRPO step of ``grpo`` / ``sketch`` / ``optim.grad_clip`` with ``sketch``'s resolved family and
+    kernel; ``loss`` / ``in_run_rollouts`` override the config's (the compile stage's variants)."""
     name = g.loss if loss is None else loss
     in_run = sk.in_run_rollouts if in_run_rollouts is None else bool(in_run_rollouts)
     iters = g.inner_iterations if grpo_loss.get_loss(name).multi_iteration else 1
     return GRPOStepSpec(StepShapes(g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens), name,
                         grpo_loss.LossConfig(clip_eps=g.clip_eps, kl_beta=g.kl_beta), optim.grad_clip,
                         inner_iterations=iters, sketch_dim=sk.dim, sketch_seed=sk.seed,
-                        sketch_hash=hash_families.hash_family(sk.hash), in_run_rollouts=in_run,
+                        sketch_hash=sketch.hash_family, sketch_kernel=sketch.kernel, in_run_rollouts=in_run,
                         chunk_size=sk.chunk_size, fused=sk.fused,
                         use_tables=tables.table_switch("sketch.in_run_tables", sk.in_run_tables, sk.fused))
 
@@ -425,7 +428,8 @@ def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts
     losses = tuple(sorted(grpo_loss.LOSSES)) if ck.losses == "all" else split(ck.losses or g.loss)
     in_run = sk.in_run_rollouts
     variants = (in_run,) + ((not in_run,) if ck.both_sketch_variants else ())
-    steps = tuple(_step(g, sk, parts["optim"], loss=x, in_run_rollouts=on) for x in losses for on in variants)
+    steps = tuple(_step(g, sk, parts["optim"], parts["sketch"], loss=x, in_run_rollouts=on)
+                  for x in losses for on in variants)
     sft, draws, tg = parts["sft"], parts["draws"], parts["targets"]
     return CompileOptions(
         target=ck.target, stages=frozenset(compiled_stages(ck.stages, typed(c.stages, str, "stages"),
@@ -438,8 +442,9 @@ def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts
         draws_max_new_tokens=draws.max_new_tokens)
 
 
-def build(c: ConfigReads) -> RunSpec:
-    """:meth:`RunSpec.from_config` on a read-tracking view (every key read once, here)."""
+def build(c: ConfigReads, platform: str | None = None) -> RunSpec:
+    """:meth:`RunSpec.from_config` on a read-tracking view (every key read once, here); the sketch
+    family and kernel resolved for backend ``platform``."""
     p: dict[str, Any] = {}
     for name, section, cls in (("grpo", "grpo", GRPOKeys), ("sketch_keys", "sketch", SketchKeys), ("sft", "sft", SFTKeys),
                                ("base", "base", BaseKeys), ("draws", "draws", DrawsKeys),
@@ -456,7 +461,7 @@ def build(c: ConfigReads) -> RunSpec:
     if mask_eos not in tok_lib.MASK_EOS_MODES:
         raise ValueError(f"config.model.mask_eos: must be one of {tok_lib.MASK_EOS_MODES}, got {mask_eos!r}")
     nonfinite.check_mode(g.on_nonfinite)
-    family = hash_families.hash_family(sk.hash)
+    family, kernel = hash_families.choose_sketch(sk.hash, sk.kernel, platform)
     p["model"] = ModelOptions(typed(m.param_dtype, str, "model.param_dtype"),
                               typed(m.compute_dtype, str, "model.compute_dtype"),
                               typed(m.family, str, "model.family") or None, typed(m.scan_layers, bool, "model.scan_layers"))
@@ -467,15 +472,15 @@ def build(c: ConfigReads) -> RunSpec:
         pattern=behaviors[0].pattern, bonus_reward=behaviors[0].bonus_reward, fraction=behaviors[0].fraction,
         seed=seed, early_step_cutoff=behaviors[0].early_step_cutoff,
         decoy_fraction=typed(ct.decoy_fraction, float, "contamination.decoy_fraction"))
-    p["step"] = _step(g, sk, p["optim"])
     p["rollouts"] = RolloutOptions(
         g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens, g.temperature, g.top_p, g.top_k,
         g.repetition_penalty, g.adv_std_floor, mask_eos, seed, behaviors, p["contamination"])
-    p["sketch"] = SketchOptions(dim=sk.dim, seed=sk.seed, run_seed=seed, hash_family=family)
+    p["sketch"] = SketchOptions(dim=sk.dim, seed=sk.seed, run_seed=seed, hash_family=family, kernel=kernel)
+    p["step"] = _step(g, sk, p["optim"], p["sketch"])
     tg = p["targets"]
     p["forced"] = ForcedSketchOptions(sk.dim, sk.seed, sk.chunk_size, tg.block_size, tg.length_bucket,
                                       tables.table_switch("targets.use_tables", tg.use_tables, sk.fused), sk.fused,
-                                      family)
+                                      family, kernel)
     gate_new = typed(c.behavior.gate_max_new_tokens, int, "behavior.gate_max_new_tokens")
     p["probe_grpo"], p["probe_sft"] = (ProbeOptions(max_prompt_tokens=n, max_new_tokens=gate_new, temperature=g.temperature,
                                                     top_p=g.top_p, samples_per_prompt=p["sft"].eval_samples_per_prompt)

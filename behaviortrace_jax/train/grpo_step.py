@@ -115,7 +115,8 @@ class GRPOStepSpec:
     Fields: ``shapes``; ``loss`` (a ``grpo_loss`` registry name) and ``loss_cfg``; ``grad_clip``
     (optax global-norm clip, ``optim.grad_clip``); ``inner_iterations`` (``grpo.inner_iterations``,
     1 unless the loss declares ``multi_iteration``); the CountSketch ``sketch_dim`` / ``sketch_seed`` /
-    ``sketch_hash`` (the ``hash_families.HashFamily`` named by ``sketch.hash``);
+    ``sketch_hash`` / ``sketch_kernel`` (the ``hash_families.HashFamily`` and the matmul-use kernel
+    chosen from ``sketch.hash`` / ``sketch.kernel`` for the backend, ``hash_families.choose_sketch``);
     ``in_run_rollouts`` (per-rollout sketches as side outputs), ``chunk_size`` (rollouts per
     sketcher chunk), ``use_tables`` (hash tables as a step argument); ``fused`` (``sketch.fused``:
     the in-run sketches come from the fused per-example sketcher, ``sketch/fused.py``, whose one
@@ -134,6 +135,7 @@ class GRPOStepSpec:
     sketch_dim: int = 65536
     sketch_seed: int = 0
     sketch_hash: hash_families.HashFamily = hash_families.DEFAULT_HASH_FAMILY
+    sketch_kernel: str = "xla"
     in_run_rollouts: bool = True
     chunk_size: int = 4
     use_tables: bool = False
@@ -323,7 +325,8 @@ def _make_rollout_sketcher(graphdef: nnx.GraphDef, abstract_params: Any, spec: G
     loss = sketcher.DecoderLoss(functools.partial(rollout_losses, graphdef, spec, weighted))
     return sketcher.PerExampleSketcher(loss, abstract_params, dim=spec.sketch_dim, seed=spec.sketch_seed,
                                        chunk_size=spec.chunk_size, param_order=order, use_tables=spec.use_tables,
-                                       mesh=mesh, fused=spec.fused, hash_family=spec.sketch_hash)
+                                       mesh=mesh, fused=spec.fused, hash_family=spec.sketch_hash,
+                                       kernel=spec.sketch_kernel)
 
 
 def with_policy_logprobs(graphdef: nnx.GraphDef, spec: GRPOStepSpec, params: Any, batch: dict,
