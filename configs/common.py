@@ -244,6 +244,9 @@ def get_config() -> ml_collections.ConfigDict:
     # analogue of counterfactual.recompute_advantages) or "logged,recomputed"; must include the replays' mode.
     c.metagradient.advantages = "logged"
     c.metagradient.checkpoint_every = 0  # Reverse sweep: states held every k steps (0 = ceil(sqrt(steps))).
+    # The vjp's rematerialisation per decoder layer: "" = none, or a models.decoder.REMAT_POLICIES name
+    # ("nothing_saveable": keep each layer's input only). Same dM/dw to float rounding, less memory.
+    c.metagradient.remat = ""
 
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()

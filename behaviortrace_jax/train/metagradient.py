@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from behaviortrace_jax.models import programs, sharding
+from behaviortrace_jax.models import decoder, programs, sharding
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_step, nonfinite, train_state
 from behaviortrace_jax.train.grpo_loss import weighted_group_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
@@ -238,7 +238,10 @@ def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_conf
     (:class:`RunMetagradient` and the compile stage's ``metagradient_step`` rows, so the compiled
     program is the one that runs): the vjp of :func:`make_weighted_step` with the run's optimizer
     made differentiable (``config.optim``), forward :func:`make_run_forward` where the run's update
-    is the fused sketcher's (``spec.update_from_sketcher``), else that same step.
+    is the fused sketcher's (``spec.update_from_sketcher``), else that same step. The vjp's model
+    rematerialises each decoder layer with the policy ``config.metagradient.remat`` ("" = none; a
+    name of ``models.decoder.REMAT_POLICIES``): the same values to float rounding, in less memory
+    (docs/benchmarks.md, "The metagradient's vjp on a v5e:2x4"); the forward is never rematerialised.
 
     Args:
         config: the run's config (``optim``, ``grpo.adv_std_floor``). graphdef / abstract_params /
@@ -246,9 +249,14 @@ def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_conf
         shardings / opt_state: as :class:`MetaStep`'s (``opt_state``: arrays or ShapeDtypeStructs).
         advantages: "logged" or "recomputed".
     Raises:
-        ValueError: an unknown ``advantages`` mode.
+        ValueError: an unknown ``advantages`` mode, or a ``metagradient.remat`` that names no policy.
     """
     _check_advantages(advantages)
+    remat = str(config.metagradient.remat)
+    try:
+        vjp_graphdef = decoder.with_remat(graphdef, abstract_params, remat) if remat else graphdef
+    except ValueError as e:
+        raise ValueError(f"config.metagradient.remat={remat!r}: {e}") from None
     # The vjp differentiates the run's optimizer (same hyper-parameters and state tree) with a clip
     # whose vjp is finite at a zero gradient (a step whose advantages are all 0) and Adam's eps_root
     # (a finite derivative where a second moment is exactly 0: an untied model's unused rows). The
@@ -256,7 +264,7 @@ def build_meta_step(config: Any, graphdef: Any, abstract_params: Any, model_conf
     tx = train_state.make_optimizer(config.optim, differentiable=True)
     run_tx = train_state.make_optimizer(config.optim)
     floor = float(config.grpo.adv_std_floor)
-    step = make_weighted_step(graphdef, tx, spec, advantages=advantages, std_floor=floor)
+    step = make_weighted_step(vjp_graphdef, tx, spec, advantages=advantages, std_floor=floor)
     if spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
         forward = make_run_forward(graphdef, abstract_params, run_tx, spec, sketcher.hf_param_order(model_config),
                                    mesh, advantages=advantages, std_floor=floor)
