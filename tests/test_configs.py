@@ -105,6 +105,7 @@ def test_paper_configs_carry_the_layout_that_fits_a_v5e_slice(module):
     assert (c.sketch.fused, c.sketch.chunk_size) == (True, 16)
     assert c.sketch.chunk_size == c.grpo.prompts_per_step * c.grpo.group_size
     assert (c.model.scan_layers, c.sketch.in_run_tables, c.targets.use_tables) == (True, False, False)
+    assert c.metagradient.remat == "nothing_saveable"  # what fits the metagradient's vjp on a v5e chip
 
 
 def test_the_7b_config_compiles_qwen2p5_7b_shapes():

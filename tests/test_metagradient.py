@@ -181,7 +181,7 @@ def _primitives(jaxpr, acc=None) -> set[str]:
     return acc
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])  # unrolled: ~45 s more
 def test_remat_metagradient_vjp_equals_the_plain_one(scan):
     """float32: the vjp of one weighted GRPO step (clip + AdamW, 2-layer Qwen2) with each decoder layer
     rematerialised (every policy of decoder.REMAT_POLICIES) gives the plain vjp's cotangents of the

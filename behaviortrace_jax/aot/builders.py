@@ -200,7 +200,8 @@ def metagradient_programs(a: AbstractRun) -> list[Program]:
                     program="metagradient_step", mesh=where),
             Program("metagradient_step_vjp", lambda: meta.backward.lower(a.params, opt, batch, weights, ref, a.params,
                                                                          floats),
-                    note + "; held per step: params + Adam moments (the state) and their cotangents",
+                    note + "; held per step: params + Adam moments (the state) and their cotangents; "
+                    f"remat per layer: {config.metagradient.remat or 'none'}",
                     program="metagradient_step_vjp", mesh=where)]
 
 
