@@ -142,7 +142,7 @@ def test_the_32b_config_builds_qwen2p5_32b_abstract_shapes():
     state = nnx.state(decoder.abstract_model(cfg), nnx.Param)  # one nnx.eval_shape (64 layers: seconds)
     assert sum(x.size for x in jax.tree.leaves(state)) == 32_763_876_352  # decoder.count_params' count
     assert (c.mesh.fsdp, c.mesh.model, c.sketch.fused, c.sketch.dim, c.compile.target) == (
-        True, -1, True, 65536, "tpu:v5p:2x2x2")
+        True, -1, True, 65536, "tpu:v5p:2x2x4")
     flat = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(state)}
     assert flat["model.embed_tokens.weight"] == flat["lm_head.weight"] == (152064, 5120)
     assert flat["model.layers.63.self_attn.q_proj.weight"] == (5120, 5120)
