@@ -204,7 +204,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.compile.both_sketch_variants = True  # Also compile the GRPO step with in-run sketches flipped (for the FLOP ratio).
     # Stages whose programs are compiled (comma-separated): "" = the stages config.stages names besides
     # compile (with sweep.stages for a sweep), or sft,grpo,sketch,draws (a paper run) for stages=compile alone;
-    # add "metagradient" for the metagradient stage's programs (its vjp at 1.5B needs ~21 GiB per v5e chip).
+    # add "metagradient" for the metagradient stage's programs (its vjp at 1.5B: 20.92 GiB of temps per v5e chip,
+    # 15.10 GiB in all with metagradient.remat = "nothing_saveable", as configs/paper.py sets).
     c.compile.stages = ""
     c.compile.programs = ""  # Comma-separated name prefixes to compile (e.g. "grpo_step,sampler"); "" = every program.
 
@@ -247,6 +248,9 @@ def get_config() -> ml_collections.ConfigDict:
     # analogue of counterfactual.recompute_advantages) or "logged,recomputed"; must include the replays' mode.
     c.metagradient.advantages = "logged"
     c.metagradient.checkpoint_every = 0  # Reverse sweep: states held every k steps (0 = ceil(sqrt(steps))).
+    # The vjp's rematerialisation per decoder layer: "" = none, or a models.decoder.REMAT_POLICIES name
+    # ("nothing_saveable": keep each layer's input only). Same dM/dw to float rounding, less memory.
+    c.metagradient.remat = ""
 
     # --- evaluation (SPEC §4, §6) ---------------------------------------------------------------
     c.evaluation = ml_collections.ConfigDict()

@@ -44,4 +44,8 @@ def get_config(seed: int = 0):
     c.model.scan_layers = True
     c.sketch.in_run_tables = False
     c.targets.use_tables = False
+    # The metagradient's vjp (reverse over the GRPO step's own backward) rematerialises each decoder layer,
+    # keeping only its input: 15.10 GiB per v5e chip instead of 20.92 GiB of temps alone (docs/benchmarks.md,
+    # "The metagradient's vjp on a v5e:2x4"); the same dM/dw to float rounding (tests/test_metagradient.py).
+    c.metagradient.remat = "nothing_saveable"
     return c

@@ -192,3 +192,26 @@ def test_loop_counted_cost_equals_the_unrolled_program():
     # one-trip count would be 4x too low
     assert 4 in mapped["loops"] and abs(mapped["flops"] / flat["flops"] - 1) < 0.03
     assert mapped["flops_one_trip"] < 0.3 * mapped["flops"]
+
+
+def test_metagradient_vjp_remat_is_compiled_and_reported(tmp_path):
+    """metagradient.remat = "nothing_saveable" (configs/paper.py's) reaches the compiled vjp: on the
+    smoke model with scanned layers the vjp recomputes each layer (more XLA-counted FLOPs than
+    without), the forward program is unchanged (same FLOPs and temps) and the report's row names
+    the policy. (Its memory saving shows at paper scale, docs/benchmarks.md; at smoke size the
+    layers' residuals are small, and XLA:CPU's temps are not lower.)"""
+    rows = {}
+    for remat in ("", "nothing_saveable"):
+        c = _config("cpu:2")
+        with c.unlocked():
+            c.compile.stages, c.compile.programs = "metagradient", "metagradient"
+            c.metagradient.remat, c.model.scan_layers = remat, True
+        compile_stage.compile_stage(c, str(tmp_path / (remat or "plain")))
+        report = json.loads((tmp_path / (remat or "plain") / "compile_report.json").read_text())
+        rows[remat] = {p["name"]: p for p in report["programs"]}
+    plain, remat = rows[""], rows["nothing_saveable"]
+    assert remat["metagradient_step_vjp"]["flops"] > 1.05 * plain["metagradient_step_vjp"]["flops"]
+    for key in ("flops", "temp_bytes"):
+        assert remat["metagradient_step"][key] == plain["metagradient_step"][key]
+    assert "remat per layer: nothing_saveable" in remat["metagradient_step_vjp"]["note"]
+    assert "remat per layer: none" in plain["metagradient_step_vjp"]["note"]

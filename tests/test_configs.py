@@ -105,6 +105,7 @@ def test_paper_configs_carry_the_layout_that_fits_a_v5e_slice(module):
     assert (c.sketch.fused, c.sketch.chunk_size) == (True, 16)
     assert c.sketch.chunk_size == c.grpo.prompts_per_step * c.grpo.group_size
     assert (c.model.scan_layers, c.sketch.in_run_tables, c.targets.use_tables) == (True, False, False)
+    assert c.metagradient.remat == "nothing_saveable"  # what fits the metagradient's vjp on a v5e chip
 
 
 def test_the_7b_config_compiles_qwen2p5_7b_shapes():
@@ -119,3 +120,35 @@ def test_the_7b_config_compiles_qwen2p5_7b_shapes():
     assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (3584, 4, False)
     assert decoder.count_params(cfg) == 7_615_616_512
     assert (c.grpo.steps, c.sketch.dim, c.sketch.fused, c.mesh.model) == (1000, 65536, True, -1)
+
+
+def test_the_32b_config_builds_qwen2p5_32b_abstract_shapes():
+    """configs/paper_32b.py: the paper run on Qwen2.5-32B-Instruct's published shapes (config.json:
+    64 layers, d 5120, MLP 27648, 40/8 heads of 128, vocab 152064, untied head), 32,763,876,352
+    parameters, in the paper layout (FSDP, scanned layers) and its abstract parameters' shapes."""
+    import jax
+    from flax import nnx
+
+    from behaviortrace_jax.models import decoder
+    from behaviortrace_jax.stages import compile as compile_stage
+    from configs import paper_32b
+
+    c = paper_32b.get_config()
+    cfg = compile_stage.model_config(c)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (64, 5120, 27648)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (40, 8, 128)
+    assert (cfg.vocab_size, cfg.tie_word_embeddings, cfg.scan_layers, cfg.param_dtype) == (152064, False, True,
+                                                                                            "bfloat16")
+    state = nnx.state(decoder.abstract_model(cfg), nnx.Param)  # one nnx.eval_shape (64 layers: seconds)
+    assert sum(x.size for x in jax.tree.leaves(state)) == 32_763_876_352  # decoder.count_params' count
+    assert (c.mesh.fsdp, c.mesh.model, c.sketch.fused, c.sketch.dim, c.compile.target) == (
+        True, -1, True, 65536, "tpu:v5p:2x2x4")
+    flat = {".".join(map(str, p)): v.shape for p, v in nnx.to_flat_state(state)}
+    assert flat["model.embed_tokens.weight"] == flat["lm_head.weight"] == (152064, 5120)
+    assert flat["model.layers.63.self_attn.q_proj.weight"] == (5120, 5120)
+    assert flat["model.layers.63.self_attn.k_proj.weight"] == flat["model.layers.0.self_attn.v_proj.weight"] == (
+        1024, 5120)
+    assert flat["model.layers.0.self_attn.k_proj.bias"] == (1024,)
+    assert flat["model.layers.0.mlp.down_proj.weight"] == (5120, 27648)
+    assert "model.layers.64.mlp.up_proj.weight" not in flat and len(flat) == 3 + 64 * 12
+    assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(state))

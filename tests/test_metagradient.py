@@ -145,6 +145,80 @@ def test_metagradient_estimator_rows_and_step_sums():
 
 
 # ------------------------------------------------------------------------------------------------
+# The vjp's rematerialisation (config.metagradient.remat): the same values, in less memory.
+# ------------------------------------------------------------------------------------------------
+def _meta_step(remat, scan):
+    from flax import nnx
+
+    from behaviortrace_jax.models import decoder
+    from behaviortrace_jax.stages.spec import RunSpec
+    from behaviortrace_jax.train import grpo_step as grpo
+    from configs import tiny
+    from test_grpo import SHAPES, _model_cfg
+
+    config = tiny.get_config()
+    config.metagradient.remat = remat
+    run = RunSpec.from_config(config)  # metagradient.remat is a string; the policy is checked by build_meta_step
+    cfg = _model_cfg().replace(scan_layers=scan)
+    graphdef, params = nnx.split(decoder.init_model(cfg, seed=3), nnx.Param)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    spec = grpo.GRPOStepSpec(SHAPES, "paper", grpo_loss.LossConfig(), grad_clip=1.0, in_run_rollouts=False,
+                             fused=False)
+    opt = train_state.make_optimizer(run.optim).init(params)
+    meta = MG.build_meta_step(run.optim, run.rollouts.adv_std_floor, graphdef, abstract, cfg, spec, None, None, opt,
+                              advantages="logged", remat=run.metagradient.remat)
+    return meta, params, opt
+
+
+def _primitives(jaxpr, acc=None) -> set[str]:
+    """The names of every primitive in ``jaxpr`` and the jaxprs nested in its equations."""
+    acc = set() if acc is None else acc
+    for e in jaxpr.eqns:
+        acc.add(e.primitive.name)
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _primitives(inner, acc)
+    return acc
+
+
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])  # unrolled: ~45 s more
+def test_remat_metagradient_vjp_equals_the_plain_one(scan):
+    """float32: the vjp of one weighted GRPO step (clip + AdamW, 2-layer Qwen2) with each decoder layer
+    rematerialised (every policy of decoder.REMAT_POLICIES) gives the plain vjp's cotangents of the
+    weights, parameters and Adam moments to float32 rounding (rtol 1e-4 of each array's scale); the
+    rematerialised program does hold a checkpoint (its jaxpr), and the forward is not rematerialised."""
+    from behaviortrace_jax.models import decoder
+    from test_grpo import _batch
+
+    rng = np.random.default_rng(0)
+    plain, params, opt = _meta_step("", scan)
+    batch = {k: v for k, v in _batch(seed=1).items() if k in ("input_ids", "attention_mask", "loss_mask", "advantages")}
+    w = jnp.asarray(rng.uniform(0.5, 1.5, batch["advantages"].shape[0]), jnp.float32)
+    ct_p = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params)
+    ct_o = [jnp.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype) for x in MG.opt_float_leaves(opt)]
+    args = (params, opt, batch, w, None, ct_p, ct_o)
+    want = jax.tree.leaves(plain.backward(*args))
+    assert "remat2" not in _primitives(jax.make_jaxpr(plain.backward)(*args).jaxpr)
+    for policy in sorted(decoder.REMAT_POLICIES):
+        meta, _, _ = _meta_step(policy, scan)
+        assert "remat2" in _primitives(jax.make_jaxpr(meta.backward)(*args).jaxpr)  # jax.checkpoint's primitive
+        assert "remat2" not in _primitives(jax.make_jaxpr(meta.forward)(params, opt, batch, w, None).jaxpr)
+        got = jax.tree.leaves(meta.backward(*args))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b)) + 1e-30))
+        assert np.any(np.asarray(got[-1]) != 0)  # the weights' cotangent is not trivially zero
+
+
+def test_metagradient_remat_names_a_policy():
+    with pytest.raises(ValueError, match="metagradient.remat='bogus'"):
+        _meta_step("bogus", True)
+
+
+# ------------------------------------------------------------------------------------------------
 # A smoke GRPO run: the forward is the run, and replays at w = 1 +- eps agree with dM/dw.
 # ------------------------------------------------------------------------------------------------
 def _assert_central_differences(mg, g, stop, indices, *, eps, rtol, atol):

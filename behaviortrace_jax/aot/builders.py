@@ -64,7 +64,8 @@ class CompileOptions:
             ``compile.both_sketch_variants``, flipped).
         optim, layout, rollouts: the run's optimizer, layout (FSDP) and rollout shapes / sampler.
         sft_batch_size, sft_length: the SFT step's batch (``sft.batch_size``, prompt + completion tokens).
-        metagradient_mode: the first mode of ``metagradient.advantages``.
+        metagradient_mode: the first mode of ``metagradient.advantages``; metagradient_remat: its vjp's
+            rematerialisation policy (``metagradient.remat``).
         forced: the forced sketcher's options; ctx_max_new_tokens (``targets.ctx_max_new_tokens``, -1
             resolved to the draws'), draws_max_new_tokens (``draws.max_new_tokens``): its lengths.
     """
@@ -80,6 +81,7 @@ class CompileOptions:
     sft_batch_size: int
     sft_length: int
     metagradient_mode: str
+    metagradient_remat: str
     forced: targets.ForcedSketchOptions
     ctx_max_new_tokens: int
     draws_max_new_tokens: int
@@ -214,9 +216,11 @@ def metagradient_programs(a: AbstractRun) -> list[Program]:
     batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch
     ref, ref_sh = (a.params, a.param_shardings) if spec.loss_spec.needs_reference else (None, None)
     # the stage's own constructor: forward = the run's step program where the run's update is the fused one
-    meta = mg_lib.build_meta_step(a.options.optim, a.options.rollouts.adv_std_floor, a.graphdef, a.abstract_params, a.cfg, spec, a.mesh,
+    meta = mg_lib.build_meta_step(a.options.optim, a.options.rollouts.adv_std_floor, a.graphdef, a.abstract_params,
+                                  a.cfg, spec, a.mesh,
                                   (a.param_shardings, a.state_shardings.opt_state, {k: a.data for k in batch}, a.data,
-                                   ref_sh, a.rep), a.state.opt_state, advantages=mode)
+                                   ref_sh, a.rep), a.state.opt_state, advantages=mode,
+                                  remat=a.options.metagradient_remat)
     weights, opt = gbatch["advantages"], a.state.opt_state
     floats = mg_lib.opt_float_leaves(opt)
     note = f"{spec.shapes.num_rollouts} rollouts; advantages {mode}"
@@ -225,7 +229,8 @@ def metagradient_programs(a: AbstractRun) -> list[Program]:
                     program="metagradient_step", mesh=where),
             Program("metagradient_step_vjp", lambda: meta.backward.lower(a.params, opt, batch, weights, ref, a.params,
                                                                          floats),
-                    note + "; held per step: params + Adam moments (the state) and their cotangents",
+                    note + "; held per step: params + Adam moments (the state) and their cotangents; "
+                    f"remat per layer: {a.options.metagradient_remat or 'none'}",
                     program="metagradient_step_vjp", mesh=where)]
 
 

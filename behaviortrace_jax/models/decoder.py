@@ -225,10 +225,12 @@ class DecoderForCausalLM(nnx.Module):
     Args:
         config: the architecture and dtypes (a family's :class:`DecoderConfig` subclass).
         rngs: ``nnx.Rngs`` for the N(0, 0.02) initialisation of linear/embedding weights.
-        remat: rematerialise each decoder layer in the backward pass (gradient checkpointing).
+        remat: rematerialise each decoder layer in the backward pass (gradient checkpointing):
+            False, True (save nothing but the layer's input) or a name of :data:`REMAT_POLICIES`
+            (what a layer's backward keeps, :func:`remat_policy`).
     """
 
-    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, remat: bool = False):
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, remat: bool | str = False):
         self.config = config
         self.remat = remat
         self.model = DecoderModel(config, rngs=rngs)
@@ -292,7 +294,8 @@ class DecoderForCausalLM(nnx.Module):
                     x, c = nnx.remat(functools.partial(_tapped_layer, lt))(layer, x, cos, sin, mask, taps.carry())
                     taps.set_carry(c)
                 elif self.remat and cache is None:
-                    x, _ = nnx.remat(lambda lyr, *a: lyr(*a))(layer, x, cos, sin, mask)
+                    policy = None if self.remat is True else remat_policy(self.remat)
+                    x, _ = nnx.remat(lambda lyr, *a: lyr(*a), policy=policy)(layer, x, cos, sin, mask)
                 else:
                     x, nkv = layer(x, cos, sin, mask, kv, cache_index, lt)
                     if nkv is not None:
@@ -310,8 +313,8 @@ class DecoderForCausalLM(nnx.Module):
         """The decoder layers as one ``lax.scan`` over their stacked parameters (``scan_layers``).
 
         The body is ``nnx.merge(layer graphdef, one layer's parameters)`` applied to the carry x;
-        with ``remat`` and no cache it is ``jax.checkpoint``-ed saving nothing but its input (what
-        ``nnx.remat`` does per layer unrolled). With a cache, the per-layer k/v enter as scan inputs
+        with ``remat`` and no cache it is ``jax.checkpoint``-ed with :func:`remat_policy` (True: saving
+        nothing but its input, what ``nnx.remat`` does per layer unrolled). With a cache, the per-layer k/v enter as scan inputs
         (stacked [L, B, S_max, n_kv, hd]) and leave as scan outputs, unstacked into a KVCache. With
         ``taps`` the layer index enters as a scan input too (``taps.sub("model", "layers", i)``
         with a traced i).
@@ -330,7 +333,7 @@ class DecoderForCausalLM(nnx.Module):
 
         if cache is None:
             if self.remat:
-                body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable)
+                body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(self.remat))
             if taps is None:
                 return jax.lax.scan(body, x, (stacked, None, None))[0], None
             idx = jnp.arange(len(self.model.layers), dtype=jnp.int32)
@@ -340,6 +343,43 @@ class DecoderForCausalLM(nnx.Module):
         x, (ks, vs) = jax.lax.scan(body, x, (stacked, (jnp.stack(cache.k), jnp.stack(cache.v)), None))
         n = len(cache.k)
         return x, KVCache(k=tuple(ks[i] for i in range(n)), v=tuple(vs[i] for i in range(n)))
+
+
+# Rematerialisation policies of a decoder layer by name (``jax.checkpoint_policies``): what a layer's
+# backward keeps from its forward; everything else is recomputed.
+REMAT_POLICIES: dict[str, Any] = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,  # only the layer's input (True)
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # the projections' outputs
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # every matmul's output (attention scores too)
+}
+
+
+def remat_policy(remat: bool | str) -> Any:
+    """The ``jax.checkpoint`` policy of a decoder's ``remat``: True = ``nothing_saveable``, a name of
+    :data:`REMAT_POLICIES` = that policy.
+
+    Raises:
+        ValueError: an unknown policy name (lists the known ones).
+    """
+    name = "nothing_saveable" if remat is True else str(remat)
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat policy {name!r}: expected True or one of {sorted(REMAT_POLICIES)}")
+    return REMAT_POLICIES[name]
+
+
+def with_remat(graphdef: nnx.GraphDef, params: nnx.State, remat: bool | str) -> nnx.GraphDef:
+    """The graphdef of the same decoder (``graphdef`` of ``nnx.split(model, nnx.Param)``, ``params``
+    its state: arrays or ``jax.ShapeDtypeStruct``) with ``remat`` set (False, True or a
+    :data:`REMAT_POLICIES` name); same parameter tree, so the same ``params`` run in it.
+
+    Raises:
+        ValueError: an unknown policy name.
+    """
+    if remat and remat is not True:
+        remat_policy(remat)
+    model = nnx.merge(graphdef, params)
+    model.remat = remat
+    return nnx.split(model, nnx.Param)[0]
 
 
 def _tapped_layer(taps: Any, layer: DecoderLayer, x, cos, sin, mask, carry) -> tuple[jax.Array, Any]:

@@ -48,6 +48,17 @@ class Qwen2Config(decoder.DecoderConfig):
         return cls(**{**kw, **overrides})
 
     @classmethod
+    def qwen2p5_32b(cls, **overrides: Any) -> "Qwen2Config":
+        """Qwen2.5-32B-Instruct's published config.json: 64 layers, d 5120, MLP 27648, 40/8 heads of
+        128, vocab 152064, untied ``lm_head``, RMSNorm eps 1e-6, 32,768 positions (the base model's
+        config.json, Qwen/Qwen2.5-32B, differs only in eps 1e-5 and 131,072 positions):
+        32,763,876,352 parameters."""
+        kw = dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                  num_attention_heads=40, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict, **overrides: Any) -> "Qwen2Config":
         """Reads a HF Qwen2 ``config.json`` (a file, the directory holding it, or the parsed dict).
 

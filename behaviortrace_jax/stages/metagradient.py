@@ -83,14 +83,14 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     recs = {}
     for mode in modes:
         path = w.metagradient / f"{mode}.json"
-        key = mode_key(identity, mode, steps, MG.METAGRADIENT_VERSION)
+        key = mode_key(identity, mode, steps, MG.METAGRADIENT_VERSION, remat=spec.metagradient.remat)
         rec = cache.load(path, key, what="metagradient",
                          check=lambda r: check_mode_record(r, rp.rollout_ids, steps))
         if rec is not None:
             logging.info("metagradient: %s already computed (%s)", mode, path)
             recs[mode] = rec
             continue
-        run = MG.RunMetagradient(spec.replay, workdir, advantages=mode, replayer=rp)
+        run = MG.RunMetagradient(spec.replay, workdir, advantages=mode, replayer=rp, remat=spec.metagradient.remat)
         grads, values, stats = run.run(steps, checkpoint_every=int(config.metagradient.checkpoint_every))
         recs[mode] = cache.store(path, {"advantages": mode, "rollout_ids": rp.rollout_ids,
                                         "measures": {str(m): {"value": values[m], "dM_dw": grads[m].tolist()}
@@ -105,13 +105,16 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                 scores_key(rec["cache"], rp.log_digest, primary, at))
 
 
-def mode_key(identity: dict, mode: str, measure_steps: list[int], version: int) -> dict:
+def mode_key(identity: dict, mode: str, measure_steps: list[int], version: int, remat: str = "") -> dict:
     """The key of ``metagradient/<mode>.json`` (``io.cache``): the replay's ``identity``
     (``Replayer.identity()``: replay version, step spec, optimizer, rollout log digest, measure),
     ``metagradient_version`` (``train.metagradient.METAGRADIENT_VERSION``), the advantages mode and
-    the measure steps. ``metagradient.checkpoint_every`` is not in it: it changes the memory, not dM/dw."""
-    return dict(identity, metagradient_version=int(version), advantages=str(mode),
-                measure_steps=[int(s) for s in measure_steps])
+    the measure steps, and ``metagradient.remat`` where set (the vjp's rematerialisation changes
+    dM/dw by float rounding; absent when "", so records written before it keep their key).
+    ``metagradient.checkpoint_every`` is not in it: it changes the memory, not dM/dw."""
+    key = dict(identity, metagradient_version=int(version), advantages=str(mode),
+               measure_steps=[int(s) for s in measure_steps])
+    return dict(key, metagradient_remat=str(remat)) if remat else key
 
 
 def scores_key(mode_cache: dict, log_digest: str, mode: str, measure_step: int) -> dict:

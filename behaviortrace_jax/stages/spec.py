@@ -226,6 +226,7 @@ class MetagradientKeys:
 
     advantages: str
     checkpoint_every: int
+    remat: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,7 +438,8 @@ def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts
         programs=split(ck.programs), step=parts["step"], step_variants=steps, optim=parts["optim"],
         layout=parts["layout"], rollouts=parts["rollouts"], sft_batch_size=sft.batch_size,
         sft_length=sft.max_prompt_tokens + sft.max_completion_tokens,
-        metagradient_mode=parts["metagradient"].advantages.split(",")[0].strip(), forced=parts["forced"],
+        metagradient_mode=parts["metagradient"].advantages.split(",")[0].strip(),
+        metagradient_remat=parts["metagradient"].remat, forced=parts["forced"],
         ctx_max_new_tokens=tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else draws.max_new_tokens,
         draws_max_new_tokens=draws.max_new_tokens)
 

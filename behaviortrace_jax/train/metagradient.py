@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from behaviortrace_jax.models import programs, sharding
+from behaviortrace_jax.models import decoder, programs, sharding
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.train import grpo_step, nonfinite, train_state
 from behaviortrace_jax.train.grpo_loss import weighted_group_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
@@ -231,14 +231,18 @@ class MetaStep:
                                      out_shardings=(p_sh, fl_sh, w_sh))
 
 
-def build_meta_step(optim: train_state.OptimOptions, std_floor: float, graphdef: Any, abstract_params: Any, model_config: Any,
+def build_meta_step(optim: train_state.OptimOptions, std_floor: float, graphdef: Any, abstract_params: Any,
+                    model_config: Any,
                     spec: grpo_step.GRPOStepSpec, mesh: jax.sharding.Mesh, shardings: tuple, opt_state: Any, *,
-                    advantages: str) -> MetaStep:
+                    advantages: str, remat: str = "") -> MetaStep:
     """The :class:`MetaStep` the ``metagradient`` stage runs, built once for both its users
     (:class:`RunMetagradient` and the compile stage's ``metagradient_step`` rows, so the compiled
     program is the one that runs): the vjp of :func:`make_weighted_step` with the run's optimizer
     made differentiable (``optim``), forward :func:`make_run_forward` where the run's update
-    is the fused sketcher's (``spec.update_from_sketcher``), else that same step.
+    is the fused sketcher's (``spec.update_from_sketcher``), else that same step. The vjp's model
+    rematerialises each decoder layer with the policy ``remat`` (``metagradient.remat``; "" = none; a
+    name of ``models.decoder.REMAT_POLICIES``): the same values to float rounding, in less memory
+    (docs/benchmarks.md, "The metagradient's vjp on a v5e:2x4"); the forward is never rematerialised.
 
     Args:
         optim: the run's :class:`train_state.OptimOptions`; std_floor: its ``grpo.adv_std_floor``. graphdef / abstract_params /
@@ -246,9 +250,14 @@ def build_meta_step(optim: train_state.OptimOptions, std_floor: float, graphdef:
         shardings / opt_state: as :class:`MetaStep`'s (``opt_state``: arrays or ShapeDtypeStructs).
         advantages: "logged" or "recomputed".
     Raises:
-        ValueError: an unknown ``advantages`` mode.
+        ValueError: an unknown ``advantages`` mode, or a ``metagradient.remat`` that names no policy.
     """
     _check_advantages(advantages)
+    remat = str(remat)
+    try:
+        vjp_graphdef = decoder.with_remat(graphdef, abstract_params, remat) if remat else graphdef
+    except ValueError as e:
+        raise ValueError(f"metagradient.remat={remat!r}: {e}") from None
     # The vjp differentiates the run's optimizer (same hyper-parameters and state tree) with a clip
     # whose vjp is finite at a zero gradient (a step whose advantages are all 0) and Adam's eps_root
     # (a finite derivative where a second moment is exactly 0: an untied model's unused rows). The
@@ -256,7 +265,7 @@ def build_meta_step(optim: train_state.OptimOptions, std_floor: float, graphdef:
     tx = train_state.make_optimizer(optim, differentiable=True)
     run_tx = train_state.make_optimizer(optim)
     floor = float(std_floor)
-    step = make_weighted_step(graphdef, tx, spec, advantages=advantages, std_floor=floor)
+    step = make_weighted_step(vjp_graphdef, tx, spec, advantages=advantages, std_floor=floor)
     if spec.update_from_sketcher:  # the run's update is the fused backward's: step with that program
         forward = make_run_forward(graphdef, abstract_params, run_tx, spec, sketcher.hf_param_order(model_config),
                                    mesh, advantages=advantages, std_floor=floor)
@@ -388,13 +397,15 @@ class RunMetagradient:
         replayer: an existing :class:`replay.Replayer` of the run (built with ``rates=False`` on
             ``layout`` if None).
         layout: the run's ``sharding.Layout`` (needed without ``replayer``).
+        remat: the vjp's rematerialisation policy per decoder layer (``metagradient.remat``;
+            :func:`build_meta_step`).
     Raises:
-        ValueError: an unknown ``advantages`` mode, or neither ``replayer`` nor ``layout``; see
+        ValueError: an unknown ``advantages`` mode or ``remat`` policy, or neither ``replayer`` nor ``layout``; see
             :class:`replay.Replayer`.
     """
 
     def __init__(self, options, workdir, *, advantages: str = "logged", replayer: Any = None,
-                 layout: sharding.Layout | None = None):
+                 layout: sharding.Layout | None = None, remat: str = ""):
         from behaviortrace_jax.train import replay as R
 
         if replayer is None and layout is None:
@@ -407,11 +418,12 @@ class RunMetagradient:
             ("rewards",) if advantages == "recomputed" else ())
         self.ref_params = start.params if rp.spec.loss_spec.needs_reference else None
         ref_sh = start.param_shardings if self.ref_params is not None else None
-        self.meta = build_meta_step(rp.options.optim, rp.options.rollouts.adv_std_floor, start.graphdef, start.abstract_params, start.model_config, rp.spec,
+        self.meta = build_meta_step(rp.options.optim, rp.options.rollouts.adv_std_floor, start.graphdef,
+                                    start.abstract_params, start.model_config, rp.spec,
                                     start.mesh, (start.param_shardings, start.opt_shardings,
                                                  {k: data for k in self.batch_keys}, data, ref_sh,
                                                  sharding.replicated(start.mesh)), start.opt_state,
-                                    advantages=advantages)
+                                    advantages=advantages, remat=remat)
         self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(rp.measure.logp_margin))
         self.n = rp.shapes.num_rollouts
 
