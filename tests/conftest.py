@@ -97,3 +97,43 @@ def smoke_grpo_run(smoke_sft, tmp_path_factory):
         if src.sketch_store(name).exists():
             shutil.copytree(src.sketch_store(name), dst.sketch_store(name))
     return config, w
+
+
+GCS_BUCKET = "bucket"  # the emulator's bucket: gs://bucket/... (tensorstore needs >= 3 characters)
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+    """A GCS HTTP server serving ``gs://bucket`` (``tests/gcs_emulator.GcsEmulator``, the
+    ``gcp-storage-emulator`` of the ``test`` extra), with the variables that point gcsfs / etils'
+    epath / orbax, tensorstore and google-cloud-storage at it set in ``os.environ`` (so subprocesses
+    inherit them) until the session ends; then the server stops. Skips where the emulator or the
+    ``gcs`` extra's libraries are not installed."""
+    import importlib.util
+    import sys
+
+    from gcs_emulator import GcsEmulator
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            return False
+
+    missing = [m for m in ("gcp_storage_emulator", "gcsfs", "google.cloud.storage") if not installed(m)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (pip install -e '.[test]')")
+    with GcsEmulator(GCS_BUCKET) as gcs, pytest.MonkeyPatch.context() as mp:
+        for k, v in gcs.env().items():
+            mp.setenv(k, v)
+        if "gcsfs" in sys.modules:  # imported before these variables were set: its choice is made
+            import gcsfs
+            import gcsfs.core
+
+            assert gcsfs.GCSFileSystem is gcsfs.core.GCSFileSystem, (
+                "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set: its experimental "
+                "file system waits 60 s per bucket on the emulator")
+        import fsspec
+
+        mp.setitem(fsspec.config.conf, "gcs", {**fsspec.config.conf.get("gcs", {}), "token": "anon"})
+        yield gcs
