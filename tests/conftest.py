@@ -99,6 +99,15 @@ def smoke_grpo_run(smoke_sft, tmp_path_factory):
     return config, w
 
 
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory):
+    """``test_readme_command.SmokeRun``: the README's command with the smoke config, run once per
+    session as a subprocess in a copy of the repository, in a user's environment (no XLA_FLAGS)."""
+    from test_readme_command import run_readme_command
+
+    return run_readme_command(tmp_path_factory.mktemp("readme"))
+
+
 GCS_BUCKET = "bucket"  # the emulator's bucket: gs://bucket/... (tensorstore needs >= 3 characters)
 
 

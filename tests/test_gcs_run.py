@@ -6,12 +6,15 @@ workdir goes to the bucket (orbax train states, HF exports, the tensorstore sket
 rollout log, TensorBoard events, the JAX compilation cache, results and report). It is killed with
 SIGKILL in the grpo stage once a train-state checkpoint is in the bucket, rerun with the same command,
 and must resume there and end with the digests of the same config run on a local workdir in the
-same environment: the session's ``smoke_finished`` run (in-process; the subprocess inherits the
-test process's ``JAX_PLATFORMS=cpu`` and 8 fake CPU devices from conftest.py, so the two run the
-same programs on the same mesh).
+same environment: the session's ``readme_run`` (test_readme_command.py: ``main.py`` with the smoke
+config as a subprocess, local relative workdir). Both run in a user's environment, without the
+test process's ``XLA_FLAGS`` (8 fake devices) and ``JAX_PLATFORMS``: the in-process
+``smoke_finished`` run on 8 fake devices trains other base weights (``base_weights`` differs, the
+results table does not), and so did this command with the 8 devices inherited.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -33,7 +36,8 @@ def _run_until(gcs, stop_when, timeout_s: float = 900) -> tuple[str, int | None]
     """Runs :data:`COMMAND` until it exits or ``stop_when(object names)`` holds, then SIGKILLs it;
     returns (its console, its exit code or None when killed)."""
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, *COMMAND], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # as readme_run
+        proc = subprocess.Popen([sys.executable, *COMMAND], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline, killed = time.monotonic() + timeout_s, False
         try:
             while proc.poll() is None and time.monotonic() < deadline:
@@ -50,10 +54,7 @@ def _run_until(gcs, stop_when, timeout_s: float = 900) -> tuple[str, int | None]
         return log.read().decode(errors="replace"), None if killed else proc.returncode
 
 
-def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket, smoke_finished):
-    from configs import tiny
-    from behaviortrace_jax import pipeline
-
+def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket, readme_run):
     gcs_bucket.clear(RUN + "/")
     committed = re.compile(rf"^{RUN}/grpo/state/(\d+)/commit_success\.txt$")  # orbax's last write of a step
     steps = lambda names: sorted(m.group(1) for m in map(committed.match, names) if m)  # noqa: E731
@@ -69,10 +70,11 @@ def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket
     resumed = re.search(r"grpo: resuming from step (\d+)", console)
     assert resumed and resumed.group(1) in done, console[-3000:]
     remote = dict(DIGEST_RE.findall(console))
-    local = pipeline.run_digest(tiny.get_config("smoke"), str(smoke_finished))
+    local = {k: readme_run.digest[k] for k in ("base_weights", "results_table.csv")}
+    print("gs:// run digests", remote, "local", local)
     assert set(remote) == {"base_weights", "results_table.csv"} and remote == local, (remote, local)
     gs = RunLayout(f"gs://bucket/{RUN}")
-    assert rollout_log.digest(gs.rollouts) == rollout_log.digest(RunLayout(str(smoke_finished)).rollouts)
+    assert rollout_log.digest(gs.rollouts) == rollout_log.digest(RunLayout(str(readme_run.workdir)).rollouts)
 
     names = gcs_bucket.names(RUN + "/")
     for want in (f"{RUN}/grpo/state/6/commit_success.txt", f"{RUN}/grpo/checkpoints/step_00000006/model.safetensors",
@@ -82,5 +84,5 @@ def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket
     assert any(n.startswith(f"{RUN}/sketches/step_sketches.zarr/data/c/") for n in names)
     assert any(n.startswith(f"{RUN}/grpo/tb/events.out.tfevents.") for n in names)
     assert any(n.startswith(f"{RUN}/.jax_cache/") for n in names)
-    assert gcs_bucket.read(f"{RUN}/results_table.csv") == (smoke_finished / "results_table.csv").read_bytes()
+    assert gcs_bucket.read(f"{RUN}/results_table.csv") == (readme_run.workdir / "results_table.csv").read_bytes()
     assert not [n for n in names if ".tmp" in n]
