@@ -37,6 +37,14 @@ EXTRAS = {
         "torch==2.13.0",
         # Property-based bad-input tests (tests/test_bad_input.py).
         "hypothesis>=6.100,<7",
+        # A real GCS HTTP server for the gs:// tests (tests/gcs_emulator.py, test_remote_paths,
+        # test_gcs_run), and the `gcs` extra's clients they run against it. Pinned: the tests patch two
+        # of the emulator's handlers (list offsets, the generation header) and rely on its routes;
+        # gcsfs 2026.x needs GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false against an emulator (set there).
+        "gcp-storage-emulator==2026.7.19",
+        "etils[epath-gcs]",
+        "gcsfs>=2026.4,<2027",
+        "google-cloud-storage>=3,<4",
     ],
     # The `compile` stage's TPU targets (tpu:v5e:2x4, ...) and TPU VMs: libtpu (~700 MB, so not in
     # the default install or CI). pip install -e '.[tpu]'

@@ -8,8 +8,9 @@ The suite runs on two pytest-xdist workers by default (``pytest.ini``: ``-n auto
   programs are compiled by many tests; a cache hit replaces a compile). Its size limit turns on
   JAX's file lock around every read and write, so two workers never read a half-written entry.
   ``BEHAVIORTRACE_JAX_CACHE=<dir>`` names a folder that outlives the run instead.
-* The finished smoke run (:func:`smoke_finished`): the first worker that needs it runs it under a
-  file lock; the other reuses its folder.
+* The finished smoke run (:func:`smoke_finished`) and the README command's run (:func:`readme_run`):
+  the first worker that needs one runs it under a file lock; the other reuses its folder.
+* The GCS emulator (:func:`gcs_bucket`) is per worker: each starts its own on a free port.
 """
 import json
 import os
@@ -150,3 +151,66 @@ def smoke_grpo_run(smoke_sft, tmp_path_factory):
         if src.sketch_store(name).exists():
             shutil.copytree(src.sketch_store(name), dst.sketch_store(name))
     return config, w
+
+
+@pytest.fixture(scope="session")
+def readme_run(tmp_path_factory):
+    """``test_readme_command.SmokeRun``: the README's command with the smoke config, run once per
+    test run as a subprocess in a copy of the repository, in a user's environment (no XLA_FLAGS);
+    the first xdist worker to need it runs it under a file lock, the other reads its record
+    (test_readme_command.py and test_gcs_run.py may run on different workers)."""
+    import dataclasses
+
+    from test_readme_command import SmokeRun, run_readme_command
+
+    root = shared_tmp(tmp_path_factory)
+    record = root / "readme_run.json"
+    with FileLock(str(root / "readme_run.lock")):
+        if not record.exists():
+            dest = root / "readme"
+            shutil.rmtree(dest, ignore_errors=True)  # a worker that died mid-run left a partial folder
+            dest.mkdir()
+            run = run_readme_command(dest)
+            record.write_text(json.dumps(dict(dataclasses.asdict(run), workdir=str(run.workdir))))
+    fields = json.loads(record.read_text())
+    return SmokeRun(**dict(fields, workdir=pathlib.Path(fields["workdir"])))
+
+
+GCS_BUCKET = "bucket"  # the emulator's bucket: gs://bucket/... (tensorstore needs >= 3 characters)
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+    """A GCS HTTP server serving ``gs://bucket`` (``tests/gcs_emulator.GcsEmulator``, the
+    ``gcp-storage-emulator`` of the ``test`` extra), with the variables that point gcsfs / etils'
+    epath / orbax, tensorstore and google-cloud-storage at it set in ``os.environ`` (so subprocesses
+    inherit them) until the session ends; then the server stops. Skips where the emulator or the
+    ``gcs`` extra's libraries are not installed."""
+    import importlib.util
+    import sys
+
+    from gcs_emulator import GcsEmulator
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            return False
+
+    missing = [m for m in ("gcp_storage_emulator", "gcsfs", "google.cloud.storage") if not installed(m)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (pip install -e '.[test]')")
+    with GcsEmulator(GCS_BUCKET) as gcs, pytest.MonkeyPatch.context() as mp:
+        for k, v in gcs.env().items():
+            mp.setenv(k, v)
+        if "gcsfs" in sys.modules:  # imported before these variables were set: its choice is made
+            import gcsfs
+            import gcsfs.core
+
+            assert gcsfs.GCSFileSystem is gcsfs.core.GCSFileSystem, (
+                "gcsfs was imported before GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false was set: its experimental "
+                "file system waits 60 s per bucket on the emulator")
+        import fsspec
+
+        mp.setitem(fsspec.config.conf, "gcs", {**fsspec.config.conf.get("gcs", {}), "token": "anon"})
+        yield gcs

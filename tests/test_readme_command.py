@@ -193,9 +193,7 @@ def updated_table(table: dict, new_row: dict, lines: list[str]) -> tuple[dict, l
 # ------------------------------------------------------------------------------------------------
 # tests
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def readme_run(tmp_path_factory) -> SmokeRun:
-    return run_readme_command(tmp_path_factory.mktemp("readme"))
+# readme_run: the session fixture of conftest.py (run_readme_command, once; test_gcs_run compares with it)
 
 
 def test_readme_main_command_runs_as_typed(readme_run):

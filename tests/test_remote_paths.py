@@ -1,14 +1,13 @@
 """Remote workdirs (docs/architecture.md "Multi-process runs", "Remote workdirs").
 
-No cloud is reachable here, so:
-
 * the path type (``layout.as_path``: ``etils.epath.Path`` for local paths and ``gs://`` alike), the
   RunLayout of ``gs://bucket/run`` and the tensorstore spec of every store are checked as values;
-* a *fake bucket* (``fake_gs``): epath's ``gs`` backend replaced by its local-file backend in a
-  temporary current directory (``gs://bucket/k`` lands in ``./gs:/bucket/k``) and tensorstore's
-  ``gcs`` kvstore replaced by an in-memory one (after the spec was recorded) runs the real writers
-  and readers on ``gs://`` paths; the local ``.tmp`` + rename helpers are booby-trapped there, so a
-  writer that does not choose the direct object write fails;
+* the real writers and readers run on ``gs://bucket/run`` against a GCS HTTP server
+  (``gcp-storage-emulator``, the ``gcs_bucket`` fixture of conftest.py, tests/gcs_emulator.py):
+  through gcsfs (etils' epath) and tensorstore's ``gcs`` kvstore, and what they wrote is read back
+  from the server itself; the local ``.tmp`` + rename helpers are booby-trapped there, so a writer
+  that does not choose the direct object write fails (the whole smoke run on a bucket, killed and
+  resumed: tests/test_gcs_run.py);
 * an AST scan fails when a module outside ``io/`` touches the file system itself (builtin
   ``open``, ``os.replace``, ``shutil``, ``pathlib.Path(...)``, ``ts.open`` ...) instead of going
   through ``io/``.
@@ -16,12 +15,12 @@ No cloud is reachable here, so:
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import pathlib
 
 import numpy as np
 import pytest
-import tensorstore as ts
 from etils import epath
 
 from behaviortrace_jax.io import checkpoints, files, rollout_log, sketch_store
@@ -99,56 +98,44 @@ def test_writers_choose_the_direct_object_write_for_gs(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# the real writers on a fake bucket
+# the real writers on a GCS server (gcp-storage-emulator, tests/gcs_emulator.py)
 # ------------------------------------------------------------------------------------------------
 @pytest.fixture
-def fake_gs(tmp_path, monkeypatch):
-    """``gs://bucket/...`` served from ``tmp_path/"gs:"/"bucket"`` (epath) and from memory
-    (tensorstore, after the spec is recorded); returns (the bucket folder, the recorded ts specs)."""
-    import etils.epath.gpath as gpath
-    from etils.epath import backend
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(gpath._PREFIX_TO_BACKEND, "gs", backend.os_backend)
+def gs(gcs_bucket, monkeypatch):
+    """The emulator's bucket with ``run/`` empty, and the local ``.tmp`` + rename helpers
+    booby-trapped (a writer that does not choose the direct object write fails)."""
+    gcs_bucket.clear("run/")
 
     def trap(*a, **k):
         raise AssertionError(f"a local-file write (.tmp + rename) was used for {a[0]}")
 
     monkeypatch.setattr(files, "_write_replace", trap)
     monkeypatch.setattr(files, "_atomic_write_dir", trap)
-    specs, ctx, real_open = [], ts.Context(), ts.open
-
-    def ts_open(spec, **kw):
-        specs.append(spec)
-        kv = spec["kvstore"]
-        assert kv["driver"] == "gcs", spec
-        return real_open({**spec, "kvstore": {"driver": "memory", "path": kv["bucket"] + "/" + kv["path"]}},
-                         context=ctx, **kw)
-
-    monkeypatch.setattr(sketch_store.ts, "open", ts_open)
-    return tmp_path / "gs:" / "bucket", specs
+    return gcs_bucket
 
 
-def test_file_helpers_on_gs(fake_gs):
-    bucket, _ = fake_gs
+def test_file_helpers_on_gs(gs):
     files.write_json(GS + "/x/a.json", {"a": 1})
-    assert (bucket / "run/x/a.json").read_text() == '{\n  "a": 1\n}\n'
+    assert gs.read("run/x/a.json") == b'{\n  "a": 1\n}\n'
     assert files.read_json(GS + "/x/a.json") == {"a": 1} and files.read_json(GS + "/none.json", 7) == 7
     files.atomic_write_text(GS + "/x/b.txt", b"\x00bytes")
-    assert files.sha256_file(GS + "/x/b.txt") == files.sha256_file(bucket / "run/x/b.txt")
+    assert gs.read("run/x/b.txt") == b"\x00bytes"
+    assert files.sha256_file(GS + "/x/b.txt") == hashlib.sha256(b"\x00bytes").hexdigest()
     files.copy_file(GS + "/x/b.txt", GS + "/y/c.txt")
-    files.copy_tree(GS + "/x", GS + "/z")
-    assert sorted(p.name for p in (bucket / "run/z").iterdir()) == ["a.json", "b.txt"]
+    files.write_json(GS + "/x/sub/d.json", [])
+    files.copy_tree(GS + "/x", GS + "/z")  # recursively (epath's walk on gs:// loses the scheme)
+    assert gs.names("run/z/") == ["run/z/a.json", "run/z/b.txt", "run/z/sub/d.json"]
+    assert gs.read("run/y/c.txt") == b"\x00bytes"
     files.remove_file(GS + "/y/c.txt")
     files.remove_tree(GS + "/z")
-    assert not (bucket / "run/y/c.txt").exists() and not (bucket / "run/z").exists()
+    assert gs.names("run/y/") == gs.names("run/z/") == []
 
     def fill(d: pathlib.Path) -> None:
         (d / "config.json").write_text("{}")
         (d / "model.safetensors").write_bytes(b"w" * 10)
 
     files.atomic_write_dir(GS + "/base", fill)
-    assert sorted(p.name for p in (bucket / "run/base").iterdir()) == ["config.json", "model.safetensors"]
+    assert gs.names("run/base/") == ["run/base/config.json", "run/base/model.safetensors"]
     local = files.local_dir(GS + "/base")  # what safetensors / AutoTokenizer read
     assert not is_url(local) and (local / "model.safetensors").read_bytes() == b"w" * 10
     assert files.local_dir(GS + "/base") == local
@@ -156,21 +143,20 @@ def test_file_helpers_on_gs(fake_gs):
     assert (files.local_dir(GS + "/base") / "model.safetensors").read_bytes() == b"v" * 12
     with pytest.raises(FileNotFoundError, match="gs://bucket/run/nowhere"):
         files.local_dir(GS + "/nowhere")
-    assert not [p for p in bucket.rglob("*") if ".tmp" in p.name]
+    assert not [n for n in gs.names("run/") if ".tmp" in n]
 
 
-def test_rollout_log_registry_and_tables_on_gs(fake_gs):
+def test_rollout_log_registry_and_tables_on_gs(gs):
     from behaviortrace_jax.attribution import formats
 
-    bucket, _ = fake_gs
     paths = RunLayout(GS)
     recs = [rollout_log.RolloutRecord(rollout_log.rollout_id(s, i), s, "grpo", "p", "r", float(i))
             for s in range(3) for i in range(2)]
     with rollout_log.RolloutLogger(paths.rollouts, shard_size=4) as log:
         for r in recs:
             log.log(r)
-    assert sorted(p.name for p in (bucket / "run/grpo/rollouts").iterdir()) == [
-        "schema.json", "shard_00000000.jsonl", "shard_00000001.jsonl"]
+    assert gs.names("run/grpo/rollouts/") == [f"run/grpo/rollouts/{n}" for n in (
+        "schema.json", "shard_00000000.jsonl", "shard_00000001.jsonl")]
     assert list(rollout_log.read_rollouts(GS + "/grpo/rollouts")) == recs
     assert rollout_log.truncate_after_step(paths.rollouts, 0) == 4
     assert [r.step for r in rollout_log.read_rollouts(paths.rollouts)] == [0, 0]
@@ -184,11 +170,11 @@ def test_rollout_log_registry_and_tables_on_gs(fake_gs):
     rows = [formats.Row("0", "t", "m", value=0.5, lo=0.1, hi=0.9, chance=0.2, ceiling=1.0, n=4)]
     formats.write_results_csv(paths.results_table, rows)
     assert formats.read_results_csv(paths.results_table) == rows
-    assert (bucket / "run/results_table.csv").is_file()
+    assert gs.read("run/results_table.csv") == paths.results_table.read_bytes()
 
 
-def test_sketch_store_on_gs(fake_gs):
-    bucket, specs = fake_gs
+def test_sketch_store_on_gs(gs):
+    files.write_json(GS + "/sketches/keep.json", {})  # creating a store deletes its own keys only
     path = RunLayout(GS).sketch_store("step_sketches")
     store = sketch_store.SketchStore.open_or_create(path, (4, 3), 2, {"dtype": "float32", "kind": "x"})
     store.write_rows(0, np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -196,37 +182,51 @@ def test_sketch_store_on_gs(fake_gs):
     assert store.missing_rows().tolist() == [2, 3]
     back = sketch_store.SketchStore.open(GS + "/sketches/step_sketches.zarr")
     assert back.read()[:2].tolist() == [[0, 1, 2], [3, 4, 5]] and back.metadata["kind"] == "x"
-    assert (bucket / "run/sketches/step_sketches.zarr/metadata.json").is_file()
-    keys = {s["kvstore"]["path"] for s in specs}
-    assert keys == {"run/sketches/step_sketches.zarr/data/", "run/sketches/step_sketches.zarr/done/"}
-    assert {s["kvstore"]["bucket"] for s in specs} == {"bucket"}
+    zarr = "run/sketches/step_sketches.zarr/"
+    assert gs.names("run/sketches/") == ["run/sketches/keep.json"] + [zarr + k for k in (
+        "data/c/0/0", "data/zarr.json", "done/c/0", "done/zarr.json", "metadata.json")]
+    assert np.frombuffer(gs.read(zarr + "data/c/0/0"), "<f4").tolist() == [0, 1, 2, 3, 4, 5]
 
 
-def test_in_run_stores_of_a_gs_run_open_on_the_gcs_kvstore(fake_gs):
+def test_in_run_stores_of_a_gs_run_open_on_the_gcs_kvstore(gs):
     from configs import tiny
     from behaviortrace_jax.models import qwen2
     from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
 
-    _, specs = fake_gs
     config = tiny.get_config("smoke")
     stores = open_sketch_stores(RunSpec.from_config(config).sketch, qwen2.Qwen2Config.tiny(), RunLayout(GS),
                                 steps=config.grpo.steps, rollouts_per_step=16, in_run_rollouts=True)
     assert set(stores) >= {"step_sketches", "step_grad_norms"}
-    want = {f"run/sketches/{n}.zarr/{a}/" for n in stores for a in ("data", "done")}
-    assert {s["kvstore"]["path"] for s in specs} == want
+    want = {f"run/sketches/{n}.zarr/{f}" for n in stores for f in ("data/zarr.json", "done/zarr.json",
+                                                                   "metadata.json")}
+    assert set(gs.names("run/")) == want
 
 
-def test_ground_truth_log_of_a_gs_run_is_written_to_the_bucket(fake_gs):
+def test_train_state_checkpoint_on_gs(gs):
+    """orbax (through epath, and tensorstore's gcs kvstore for its OCDBT arrays) saves and restores a
+    train state on the bucket; ``complete_steps`` sees its commit marker."""
+    import jax
+
+    state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "step": np.int32(2)}
+    checkpoints.save_train_state(RunLayout(GS).state, 2, state)
+    assert checkpoints.complete_steps(GS + "/grpo/state") == [2]
+    assert "run/grpo/state/2/commit_success.txt" in gs.names("run/grpo/state/2/")
+    assert any("ocdbt.process_0/manifest.ocdbt" in n for n in gs.names("run/grpo/state/2/"))
+    back = checkpoints.restore_train_state(GS + "/grpo/state", None, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state))
+    assert np.asarray(back["params"]["w"]).tolist() == state["params"]["w"].tolist() and int(back["step"]) == 2
+
+
+def test_ground_truth_log_of_a_gs_run_is_written_to_the_bucket(gs):
     """The ground-truth log keeps the gs:// scheme: events flushed by the grpo stage's writer land as
-    one object in the (fake) bucket, with the local rename path booby-trapped, and read back."""
+    one object in the bucket, with the local rename path booby-trapped, and read back."""
     from behaviortrace_jax.behavior import contaminator
 
-    bucket, _ = fake_gs
     log = contaminator.GroundTruthLog(RunLayout(GS).ground_truth)
     assert str(log.path) == "gs://bucket/run/grpo/ground_truth.jsonl"
     log.record(contaminator.GroundTruthEvent("grpo_000000_001", 0, 1.0, 9.0))
     log.flush()
-    assert (bucket / "run/grpo/ground_truth.jsonl").is_file()
+    assert gs.names("run/") == ["run/grpo/ground_truth.jsonl"]
     back = contaminator.GroundTruthLog(RunLayout(GS).ground_truth)
     assert [(e.rollout_id, e.boosted_reward) for e in back.events] == [("grpo_000000_001", 9.0)]
 

@@ -118,12 +118,21 @@ def copy_tree(src: str | os.PathLike, dst: str | os.PathLike) -> None:
             if not is_url(src) and not is_url(dst):
                 shutil.copytree(src, dst, dirs_exist_ok=True)
                 return
-            for folder, _, names in src.walk():  # epath: no recursive glob on GCS
-                rel = os.path.relpath(os.fspath(folder), os.fspath(src))
-                for name in sorted(names):
-                    out = dst / rel / name if rel != "." else dst / name
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    out.write_bytes((as_path(folder) / name).read_bytes())
+            for rel, f in _files_under(src):
+                out = dst / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_bytes(f.read_bytes())
+
+
+def _files_under(root: epath.Path, rel: str = "") -> Iterator[tuple[str, epath.Path]]:
+    """``(path relative to root, path)`` of every file under ``root``, in sorted order, by
+    ``iterdir``: epath's ``walk`` on ``gs://`` yields folders without their scheme (``bucket/key``,
+    which epath then takes for a local path), and it has no recursive glob on GCS."""
+    for p in sorted(root.iterdir(), key=lambda x: x.name):
+        if p.is_dir():
+            yield from _files_under(p, f"{rel}{p.name}/")
+        else:
+            yield rel + p.name, p
 
 
 def remove_file(path: str | os.PathLike) -> None:
