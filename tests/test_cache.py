@@ -82,7 +82,7 @@ class _FakeReplayer:
 class _FakeRun:
     calls: list = []
 
-    def __init__(self, options, workdir, *, advantages, replayer):
+    def __init__(self, options, workdir, *, advantages, replayer, remat=""):
         self.mode, self.rp = advantages, replayer
 
     def run(self, steps, checkpoint_every=0):

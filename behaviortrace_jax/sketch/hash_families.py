@@ -55,6 +55,9 @@ class HashFamily:
             aligned=None) -> float32 [C, dim]`` of coordinates ``first .. first + n - 1`` of one
             parameter per row (``block_hash.block_sketch_at``), equal to scattering ``g`` with
             ``index_bucket_sign`` up to float rounding.
+        kernel_layout (bool): the Pallas kernel (``pallas_sketch.py``) sketches in this family's
+            layout (dense bucket updates by rotations: the block family's); only such a family takes
+            ``sketch.kernel`` "pallas" / "interpret".
     Raises:
         ValueError: an empty name or metadata name; TypeError: a hash that is not callable.
     """
@@ -64,6 +67,7 @@ class HashFamily:
     index_bucket_sign: Callable
     numpy_bucket_sign: Callable
     block_sketch: Callable | None = None
+    kernel_layout: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or not isinstance(self.metadata_name, str) \
@@ -159,14 +163,14 @@ SPLITMIX64 = register_hash_family(HashFamily(
 BLOCK = register_hash_family(HashFamily(
     name="block", metadata_name="splitmix64-block-countsketch-v1",
     index_bucket_sign=block_hash.block_index_bucket_sign, numpy_bucket_sign=block_hash.numpy_block_bucket_sign,
-    block_sketch=block_hash.block_sketch_at))
+    block_sketch=block_hash.block_sketch_at, kernel_layout=True))
 DEFAULT_HASH_FAMILY = SPLITMIX64  # the family where none is chosen (library default); SPEC §3.1's hash
 AUTO = "auto"  # config sketch.hash / sketch.kernel: chosen per backend (choose_sketch)
 KERNEL_KEY = "sketch.kernel"
-# backend platform -> (family name, kernel) of "auto"; any other platform takes the "tpu" row's family
+# backend platform -> (family, kernel) of "auto"; any other platform takes the "tpu" row's family
 # and the XLA path
-AUTO_RULES = {"cpu": ("splitmix64", "xla"), "tpu": ("block", "pallas"), "gpu": ("block", "xla"),
-              "cuda": ("block", "xla"), "rocm": ("block", "xla")}
+AUTO_RULES = {"cpu": (SPLITMIX64, "xla"), "tpu": (BLOCK, "pallas"), "gpu": (BLOCK, "xla"),
+              "cuda": (BLOCK, "xla"), "rocm": (BLOCK, "xla")}
 
 
 def choose_sketch(hash_name: str, kernel_name: str = AUTO, platform: str | None = None) -> tuple[HashFamily, str]:
@@ -174,8 +178,8 @@ def choose_sketch(hash_name: str, kernel_name: str = AUTO, platform: str | None 
     backend ``platform`` (``jax.default_backend()`` when None; the compile stage passes its target's).
 
     ``"auto"`` takes :data:`AUTO_RULES`; an explicit family or kernel is kept (a kernel other than
-    "xla" needs the block family: ``pallas_sketch.check_kernel``). An "auto" kernel with an explicit
-    family takes the Pallas kernel only for the block family on TPU. Returns (HashFamily, kernel in
+    "xla" needs a family with ``kernel_layout``, the block family: ``pallas_sketch.check_kernel``).
+    An "auto" kernel with an explicit family takes the Pallas kernel only for such a family on TPU. Returns (HashFamily, kernel in
     ``pallas_sketch.KERNELS``).
 
     Raises:
@@ -189,9 +193,9 @@ def choose_sketch(hash_name: str, kernel_name: str = AUTO, platform: str | None 
 
         platform = jax.default_backend()
     rule_family, rule_kernel = AUTO_RULES.get(str(platform), (AUTO_RULES["tpu"][0], "xla"))
-    family = hash_family(rule_family if hash_name == AUTO else hash_name)
+    family = rule_family if hash_name == AUTO else hash_family(hash_name)
     if kernel_name == AUTO:
-        kernel = rule_kernel if family.name == "block" else "xla"
+        kernel = rule_kernel if family.kernel_layout else "xla"
     else:
         kernel = kernel_name
     return family, pallas_sketch.check_kernel(kernel, family)

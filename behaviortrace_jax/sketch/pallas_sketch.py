@@ -59,10 +59,11 @@ KERNELS = ("xla", "pallas", "interpret")  # config sketch.kernel's resolved valu
 
 def check_kernel(kernel: str, family: Any) -> str:
     """``kernel`` if it is one of :data:`KERNELS` and, unless "xla", ``family`` is the block family
-    (the kernel's layout). Raises ValueError naming config ``sketch.kernel`` otherwise."""
+    (``HashFamily.kernel_layout``: the kernel's layout). Raises ValueError naming config
+    ``sketch.kernel`` otherwise."""
     if kernel not in KERNELS:
         raise ValueError(f"sketch.kernel={kernel!r}: expected one of {KERNELS} (or 'auto' in the config)")
-    if kernel != "xla" and getattr(family, "name", None) != "block":
+    if kernel != "xla" and not getattr(family, "kernel_layout", False):
         raise ValueError(f"sketch.kernel={kernel!r} sketches with the block hash's layout: it needs sketch.hash="
                          f"'block', got {getattr(family, 'name', family)!r}")
     return kernel
