@@ -12,6 +12,10 @@ The second table is the ``sketch`` stage's unit of work: one ``targets.ForcedSke
 and hash tables) with ``vmap(grad)`` and with the fused sketcher, alternating likewise.
 
     python bench/bench_grpo_step.py [--rounds 5 --steps 3]
+    python bench/bench_grpo_step.py --model small --single-thread --no-stage   # issue #34's CPU target
+
+``--model small`` is bench_sketcher.py's ``small`` Qwen2 (22.5 M parameters, 6 layers, d 512, V 8192)
+at the same step shapes; ``--single-thread`` runs XLA on one thread (robust on a shared machine).
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ sys.path.insert(0, str(REPO))
 
 from behaviortrace_jax import runtime  # noqa: E402
 
+if "--single-thread" in sys.argv:  # must precede the jax import: XLA reads XLA_FLAGS once
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                               " intra_op_parallelism_threads=1").strip()
+
 _ENV = runtime.reproducible_cpu_env(os.environ)
 _ENV.update(runtime.platform_env(os.environ))
 if _ENV:
@@ -39,19 +47,29 @@ from flax import nnx  # noqa: E402
 from behaviortrace_jax.models import qwen2, sharding  # noqa: E402
 from behaviortrace_jax.sketch import sketcher, targets  # noqa: E402
 from behaviortrace_jax.train import grpo_loss, grpo_step, train_state  # noqa: E402
-from behaviortrace_jax.stages.spec import RunSpec
+from behaviortrace_jax.stages.spec import RunSpec  # noqa: E402
 from configs import tiny  # noqa: E402
+
+SMALL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=512)  # bench_sketcher.py's "small"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--model", choices=("tiny", "small"), default="tiny",
+                    help="tiny: the tiny default's base model; small: bench_sketcher.py's 22.5M-parameter Qwen2")
+    ap.add_argument("--single-thread", action="store_true", help="XLA on one thread (read before jax starts)")
+    ap.add_argument("--no-stage", action="store_true", help="skip the sketch stage's ForcedSketcher block")
     args = ap.parse_args()
     c = tiny.get_config()
     g, sk = c.grpo, c.sketch
-    cfg = qwen2.Qwen2Config.tiny(vocab_size=c.base.vocab_size, num_hidden_layers=c.base.num_layers,
-                                 param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype)
+    dt = dict(param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype)
+    if args.model == "small":
+        cfg = qwen2.Qwen2Config(**SMALL, **dt)
+    else:
+        cfg = qwen2.Qwen2Config.tiny(vocab_size=c.base.vocab_size, num_hidden_layers=c.base.num_layers, **dt)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
     graphdef, params = nnx.split(qwen2.Qwen2ForCausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     p_sh = sharding.param_shardings(params, mesh)
@@ -88,12 +106,16 @@ def main() -> None:
             if r:  # round 0 compiles
                 times[one].append((time.perf_counter() - t0) / args.steps)
     base = statistics.median(times["two_backward"])
-    print(f"{n} rollouts x {g.max_prompt_tokens + t} tokens, {sum(x.size for x in jax.tree.leaves(params)):,} params, "
-          f"D {sk.dim}, chunk {sk.chunk_size}; median of {args.rounds} rounds x {args.steps} steps")
+    plain = statistics.median(times["no_sketches"])
+    threads = "1 thread" if args.single_thread else f"{os.cpu_count()} CPUs"
+    print(f"jax {jax.__version__}, {threads}; model {args.model}; {n} rollouts x {g.max_prompt_tokens + t} tokens, "
+          f"{sum(x.size for x in jax.tree.leaves(params)):,} params, D {sk.dim}, chunk {sk.chunk_size}; "
+          f"median of {args.rounds} rounds x {args.steps} steps")
     for k in programs:
         med = statistics.median(times[k])
-        print(f"  {k:<14} {med * 1e3:8.1f} ms/step  ({med / base:.2f}x two_backward)")
-    sketch_stage(c, cfg, graphdef, params, args)
+        print(f"  {k:<14} {med * 1e3:8.1f} ms/step  ({med / base:.2f}x two_backward, {med / plain:.2f}x no_sketches)")
+    if not args.no_stage:
+        sketch_stage(c, cfg, graphdef, params, args)
 
 
 def sketch_stage(c, cfg, graphdef, params, args) -> None:

@@ -183,13 +183,26 @@ def _primitives(jaxpr, acc=None) -> set[str]:
     return acc
 
 
-@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])  # unrolled: ~45 s more
-def test_remat_metagradient_vjp_equals_the_plain_one(scan):
-    """float32: the vjp of one weighted GRPO step (clip + AdamW, 2-layer Qwen2) with each decoder layer
-    rematerialised (every policy of decoder.REMAT_POLICIES) gives the plain vjp's cotangents of the
-    weights, parameters and Adam moments to float32 rounding (rtol 1e-4 of each array's scale); the
-    rematerialised program does hold a checkpoint (its jaxpr), and the forward is not rematerialised."""
+# configs/paper.py's policy runs in CI; the other policies (and the unrolled layers) take the same
+# code path with another jax.checkpoint policy: `-m slow`.
+REMAT_NAMES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable")
+REMAT_CASES = [pytest.param(p, s, marks=pytest.mark.slow) if (p, s) != ("nothing_saveable", True) else (p, s)
+               for p in REMAT_NAMES for s in (True, False)]
+
+
+def test_remat_cases_cover_every_policy():
     from behaviortrace_jax.models import decoder
+
+    assert sorted(REMAT_NAMES) == sorted(decoder.REMAT_POLICIES)
+
+
+@pytest.mark.parametrize("policy,scan", REMAT_CASES)
+def test_remat_metagradient_vjp_equals_the_plain_one(policy, scan):
+    """float32: the vjp of one weighted GRPO step (clip + AdamW, 2-layer Qwen2) with each decoder layer
+    rematerialised (a policy of decoder.REMAT_POLICIES; every one is a case) gives the plain vjp's
+    cotangents of the weights, parameters and Adam moments to float32 rounding (rtol 1e-4 of each
+    array's scale); the rematerialised program does hold a checkpoint (its jaxpr), and the forward
+    is not rematerialised."""
     from test_grpo import _batch
 
     rng = np.random.default_rng(0)
@@ -201,16 +214,15 @@ def test_remat_metagradient_vjp_equals_the_plain_one(scan):
     args = (params, opt, batch, w, None, ct_p, ct_o)
     want = jax.tree.leaves(plain.backward(*args))
     assert "remat2" not in _primitives(jax.make_jaxpr(plain.backward)(*args).jaxpr)
-    for policy in sorted(decoder.REMAT_POLICIES):
-        meta, _, _ = _meta_step(policy, scan)
-        assert "remat2" in _primitives(jax.make_jaxpr(meta.backward)(*args).jaxpr)  # jax.checkpoint's primitive
-        assert "remat2" not in _primitives(jax.make_jaxpr(meta.forward)(params, opt, batch, w, None).jaxpr)
-        got = jax.tree.leaves(meta.backward(*args))
-        assert len(got) == len(want)
-        for a, b in zip(got, want):
-            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b)) + 1e-30))
-        assert np.any(np.asarray(got[-1]) != 0)  # the weights' cotangent is not trivially zero
+    meta, _, _ = _meta_step(policy, scan)
+    assert "remat2" in _primitives(jax.make_jaxpr(meta.backward)(*args).jaxpr)  # jax.checkpoint's primitive
+    assert "remat2" not in _primitives(jax.make_jaxpr(meta.forward)(params, opt, batch, w, None).jaxpr)
+    got = jax.tree.leaves(meta.backward(*args))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b)) + 1e-30))
+    assert np.any(np.asarray(got[-1]) != 0)  # the weights' cotangent is not trivially zero
 
 
 def test_metagradient_remat_names_a_policy():
