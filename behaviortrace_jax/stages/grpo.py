@@ -14,7 +14,7 @@ One GRPO step (SPEC §2.2), for B prompts x G samples = N rollouts:
      -meanlp_i at the step's parameters with its loss coefficient c_i (in-run rollout sketches:
      clip x c_i x sketch_i, summed over the step, is the step sketch; ``sketch/stores.py``).
 
-This stage reads the config (:func:`_run_options`, its one reader of config keys) and runs the
+This stage reads the config (``RunSpec.from_config``, where every key is typed and checked) and runs the
 library's parts in order (:class:`GRPORun`):
 
 * sampling and rewards, steps 1-2: ``train/rollouts.RolloutSource`` (the one code path, which the
@@ -32,25 +32,19 @@ library's parts in order (:class:`GRPORun`):
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import ml_collections
 from absl import logging
 
-from behaviortrace_jax.behavior.behaviors import Behavior
 from behaviortrace_jax.behavior.contaminator import ContaminationSpec
-from behaviortrace_jax.behavior.probes import ProbeOptions
 from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
-from behaviortrace_jax.models import sharding
-from behaviortrace_jax.sketch.stores import SketchOptions, open_sketch_stores
+from behaviortrace_jax.sketch.stores import open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
-from behaviortrace_jax.train import nonfinite
 from behaviortrace_jax.train.grpo_checkpoint import GRPOCheckpointer, resume
 from behaviortrace_jax.train.grpo_logs import GRPOLogs, step_metrics, write_summary
-from behaviortrace_jax.train.grpo_step import GRPOStepSpec
 from behaviortrace_jax.train.grpo_tracks import open_tracks
 from behaviortrace_jax.train.grpo_updater import GRPOUpdater, logged_skips
 from behaviortrace_jax.train.rollouts import RolloutSource, step_key
@@ -69,38 +63,10 @@ def grpo_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     run.finish()
 
 
-@dataclasses.dataclass(frozen=True)
-class _RunOptions:
-    """What the GRPO stage reads from the config (:func:`_run_options`), typed."""
-
-    run: RunSpec  # the whole typed spec (``RunSpec.from_config``): model, optimizer, rollouts
-    layout: sharding.Layout  # the mesh (``mesh.*``)
-    spec: GRPOStepSpec  # the train step (``grpo``, ``optim.grad_clip``, ``sketch``)
-    sketch: SketchOptions  # the in-run sketch stores (``sketch``, ``seed``)
-    probe: ProbeOptions  # the learning curve's and gate's probes
-    behaviors: list[Behavior]  # the first is config.behavior + config.contamination
-    contamination: list[ContaminationSpec]  # each behaviour's bonus, same order
-    seed: int
-    run_name: str
-    steps: int  # grpo.steps
-    checkpoint_every: int  # grpo.checkpoint_every
-    log_shard_size: int  # grpo.log_shard_size
-    on_nonfinite: str  # grpo.on_nonfinite: "stop" or "skip"
-    group_size: int  # grpo.group_size (G)
-    adv_std_floor: float  # grpo.adv_std_floor
-
-
-def _run_options(config: ml_collections.ConfigDict) -> _RunOptions:
-    """The GRPO stage's options, from the run's one typed spec (``RunSpec.from_config``: raises
-    ValueError naming the key; ``nonfinite.check_mode`` names ``grpo.on_nonfinite``)."""
-    spec = RunSpec.from_config(config)
-    g, behaviors = spec.grpo, list(spec.behaviors)
-    return _RunOptions(
-        run=spec, layout=spec.layout, spec=spec.step, sketch=spec.sketch, probe=spec.probe_grpo, behaviors=behaviors,
-        contamination=[spec.contamination] + [b.contamination_spec(spec.seed) for b in behaviors[1:]],
-        seed=spec.seed, run_name=spec.run_name, steps=g.steps, checkpoint_every=g.checkpoint_every,
-        log_shard_size=g.log_shard_size, on_nonfinite=nonfinite.check_mode(g.on_nonfinite),
-        group_size=g.group_size, adv_std_floor=g.adv_std_floor)
+def _contamination(run: RunSpec) -> list[ContaminationSpec]:
+    """Each behaviour's bonus, in ``run.behaviors``' order (the first is config.behavior +
+    config.contamination, with its decoys)."""
+    return [run.contamination] + [b.contamination_spec(run.seed) for b in run.behaviors[1:]]
 
 
 class GRPORun:
@@ -113,29 +79,30 @@ class GRPORun:
 
     def __init__(self, config: ml_collections.ConfigDict, paths: RunLayout):
         self.config, self.paths = config, paths
-        self.options = o = _run_options(config)
-        start = load_start_state(o.run.model, o.run.optim, paths.workdir, o.layout)
+        self.run = o = RunSpec.from_config(config)  # every key typed and checked, errors naming it
+        g, step = o.grpo, o.step
+        start = load_start_state(o.model, o.optim, paths.workdir, o.layout)
         resumed = resume(paths, start)
-        self.start_step, self.post_sft, n = resumed.start_step, start.summary, o.spec.shapes.num_rollouts
-        self.tracks = open_tracks(o.behaviors, o.contamination, paths, start_step=self.start_step,
-                                  rollouts_per_step=n, probe_options=o.probe, graphdef=start.graphdef,
+        self.start_step, self.post_sft, n = resumed.start_step, start.summary, step.shapes.num_rollouts
+        self.tracks = open_tracks(list(o.behaviors), _contamination(o), paths, start_step=self.start_step,
+                                  rollouts_per_step=n, probe_options=o.probe_grpo, graphdef=start.graphdef,
                                   model_cfg=start.model_config, tok=start.tokenizer, mesh=start.mesh)
-        self.source = RolloutSource(o.run.rollouts, start.graphdef, start.model_config, start.tokenizer, start.mesh,
-                                    paths.sft_hf, o.spec.shapes, contaminators={t.id: t.contaminator for t in self.tracks})
-        self.updater = GRPOUpdater(start, o.spec, resumed.params, resumed.opt_state, resumed=bool(self.start_step),
-                                   state_dir=paths.state, on_nonfinite=o.on_nonfinite, group_size=o.group_size,
-                                   adv_std_floor=o.adv_std_floor,
+        self.source = RolloutSource(o.rollouts, start.graphdef, start.model_config, start.tokenizer, start.mesh,
+                                    paths.sft_hf, step.shapes, contaminators={t.id: t.contaminator for t in self.tracks})
+        self.updater = GRPOUpdater(start, step, resumed.params, resumed.opt_state, resumed=bool(self.start_step),
+                                   state_dir=paths.state, on_nonfinite=g.on_nonfinite, group_size=g.group_size,
+                                   adv_std_floor=g.adv_std_floor,
                                    skipped=logged_skips(paths.rollouts) if self.start_step else [])
-        stores = open_sketch_stores(o.sketch, start.model_config, paths, steps=o.steps, rollouts_per_step=n,
-                                    in_run_rollouts=o.spec.in_run_rollouts, rollout_sketch=o.spec.rollout_sketch)
-        self.logs = GRPOLogs(paths, stores, rollouts_per_step=n, shard_size=o.log_shard_size)
+        stores = open_sketch_stores(o.sketch, start.model_config, paths, steps=g.steps, rollouts_per_step=n,
+                                    in_run_rollouts=step.in_run_rollouts, rollout_sketch=step.rollout_sketch)
+        self.logs = GRPOLogs(paths, stores, rollouts_per_step=n, shard_size=g.log_shard_size)
         self.checkpointer = GRPOCheckpointer(paths, self.start_step, start, seed=o.seed, run_name=o.run_name)
 
     def rollout_step(self, step: int) -> dict[str, float]:
         """Samples, rewards, trains and logs one GRPO step (SPEC §2.2). Returns its scalar metrics
         (``grpo_logs.step_metrics``; none feeds back into the run)."""
         t0 = time.perf_counter()
-        ro = self.source.sample_and_reward(self.updater.params, step, step_key(self.options.seed, step))
+        ro = self.source.sample_and_reward(self.updater.params, step, step_key(self.run.seed, step))
         t_sample = time.perf_counter() - t0  # sampling, decoding and rewards
         adv, dropped = self.updater.advantages(step, ro.ids, ro.rewards, ro.sample)
         out = self.updater.update(step, self.source.batch(ro, adv), dropped, ro.ids)
@@ -152,7 +119,7 @@ class GRPORun:
         """The GRPO loop from ``start_step`` to ``grpo.steps`` with a progress line."""
         from tqdm import tqdm
 
-        steps, every = self.options.steps, self.options.checkpoint_every
+        steps, every = self.run.grpo.steps, self.run.grpo.checkpoint_every
         self.logs.start_watch(start_step=self.start_step, steps=steps, checkpoint_every=every)
         bar = tqdm(range(self.start_step, steps), initial=self.start_step, total=steps, desc="grpo",
                    unit="step", dynamic_ncols=True)
@@ -175,7 +142,7 @@ class GRPORun:
 
     def finish(self) -> None:
         """Each behaviour's emergence gate (SPEC §1.8) on the final parameters -> ``summary.json``."""
-        o = self.options
+        o = self.run
         write_summary(self.paths.summary, self.tracks, [t.rates(self.updater.params) for t in self.tracks],
-                      run_name=o.run_name, seed=o.seed, steps=o.steps, post_sft=self.post_sft,
+                      run_name=o.run_name, seed=o.seed, steps=o.grpo.steps, post_sft=self.post_sft,
                       curve=self.checkpointer.curve, skipped=self.updater.skipped, rollouts=self.paths.rollouts)
