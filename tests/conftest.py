@@ -2,7 +2,8 @@
 run, the shared smoke run, and the shared/ reference dir.
 
 The suite runs on two pytest-xdist workers by default (``pytest.ini``: ``-n auto --maxprocesses 4
---dist loadfile``; ``-p no:xdist`` or ``-n 0`` runs it in one process). What the workers share:
+--dist loadfile``; ``-n 0`` runs it in one process; ``-p no:xdist`` fails, as the ``-n`` of ``addopts`` then
+has no plugin to read it). What the workers share:
 
 * JAX's persistent compilation cache, in a temporary folder made for this test run (the same small
   programs are compiled by many tests; a cache hit replaces a compile). Its size limit turns on

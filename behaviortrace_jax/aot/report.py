@@ -108,8 +108,10 @@ def report_markdown(report: dict[str, Any]) -> str:
             "(../shared/notes/AOT_FINDINGS.md), so bandwidth-bound rooflines of sketching programs are "
             "upper bounds.\n\n"
             f"GRPO step with over without in-run rollout sketches [{report.get('grpo_step_path') or '-'}]: "
-            f"FLOP ratio {fmt(ratio)}, bytes ratio {fmt(bratio)} (both variants compiled; "
-            "`compile.both_sketch_variants`)\n")
+            f"FLOP ratio {fmt(ratio)}, bytes ratio {fmt(bratio)} "
+            + ("(both variants compiled: `compile.both_sketch_variants`)\n" if ratio is not None else
+               "(not computed: it needs the step with and without in-run sketches in this report, "
+               "`sketch.in_run_rollouts` and `compile.both_sketch_variants`)\n"))
     return head + "\n".join(lines) + tail
 
 
