@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 
 from behaviortrace_jax import runtime  # noqa: E402
 
-if "--single-thread" in sys.argv:  # must precede the jax import: XLA reads XLA_FLAGS once
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                               " intra_op_parallelism_threads=1").strip()
+from bench.bench_common import SMALL_QWEN2, single_thread_if_asked  # noqa: E402
+
+single_thread_if_asked()  # --single-thread: before the jax import (XLA reads XLA_FLAGS once)
 
 _ENV = runtime.reproducible_cpu_env(os.environ)
 _ENV.update(runtime.platform_env(os.environ))
@@ -50,9 +50,6 @@ from behaviortrace_jax.train import grpo_loss, grpo_step, train_state  # noqa: E
 from behaviortrace_jax.stages.spec import RunSpec  # noqa: E402
 from configs import tiny  # noqa: E402
 
-SMALL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=512)  # bench_sketcher.py's "small"
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -67,7 +64,7 @@ def main() -> None:
     g, sk = c.grpo, c.sketch
     dt = dict(param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype)
     if args.model == "small":
-        cfg = qwen2.Qwen2Config(**SMALL, **dt)
+        cfg = qwen2.Qwen2Config(**SMALL_QWEN2, **dt)
     else:
         cfg = qwen2.Qwen2Config.tiny(vocab_size=c.base.vocab_size, num_hidden_layers=c.base.num_layers, **dt)
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])

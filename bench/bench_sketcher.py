@@ -39,10 +39,9 @@ import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if "--single-thread" in sys.argv:  # must precede the jax import: XLA reads XLA_FLAGS once
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                               " intra_op_parallelism_threads=1").strip()
-    os.environ["OMP_NUM_THREADS"] = "1"
+from bench.bench_common import SMALL_QWEN2, single_thread_if_asked  # noqa: E402
+
+single_thread_if_asked()  # --single-thread: before the jax import (XLA reads XLA_FLAGS once)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -56,9 +55,7 @@ from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_los
 
 CONFIGS = {
     "tiny": qwen2.Qwen2Config.tiny(),  # d 128, 4 layers, V 1536: 0.99M params
-    "small": qwen2.Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                               num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                               max_position_embeddings=512),  # 22.5M params
+    "small": qwen2.Qwen2Config(**SMALL_QWEN2),  # 22.5M params
 }
 
 
