@@ -1,6 +1,6 @@
 """What several benchmark scripts share, importable before jax (no jax import here).
 
-* :data:`SMALL_QWEN2`: the ``small`` Qwen2 of bench_sketcher.py and bench_grpo_step.py (22.5 M
+* :data:`SMALL_QWEN2`: the ``small`` Qwen2 of bench_sketcher.py and bench_grpo_step.py (22.3 M
   parameters: 6 layers, d 512, 8 query / 2 KV heads of 64, FFN 1536, vocab 8192), as
   ``qwen2.Qwen2Config`` keyword arguments.
 * :func:`single_thread_if_asked`: ``--single-thread`` on the command line puts XLA:CPU (and OpenMP,

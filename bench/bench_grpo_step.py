@@ -14,8 +14,9 @@ and hash tables) with ``vmap(grad)`` and with the fused sketcher, alternating li
     python bench/bench_grpo_step.py [--rounds 5 --steps 3]
     python bench/bench_grpo_step.py --model small --single-thread --no-stage   # issue #34's CPU target
 
-``--model small`` is bench_sketcher.py's ``small`` Qwen2 (22.5 M parameters, 6 layers, d 512, V 8192)
-at the same step shapes; ``--single-thread`` runs XLA on one thread (robust on a shared machine).
+``--model small`` is bench_common.SMALL_QWEN2 (bench_sketcher.py's ``small``: 22.3 M parameters, 6
+layers, d 512, V 8192) at the same step shapes; ``--single-thread`` runs XLA on one thread (robust on
+a shared machine).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--model", choices=("tiny", "small"), default="tiny",
-                    help="tiny: the tiny default's base model; small: bench_sketcher.py's 22.5M-parameter Qwen2")
+                    help="tiny: the tiny default's base model; small: bench_common.SMALL_QWEN2, 22.3M parameters")
     ap.add_argument("--single-thread", action="store_true", help="XLA on one thread (read before jax starts)")
     ap.add_argument("--no-stage", action="store_true", help="skip the sketch stage's ForcedSketcher block")
     args = ap.parse_args()

@@ -55,7 +55,7 @@ from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_los
 
 CONFIGS = {
     "tiny": qwen2.Qwen2Config.tiny(),  # d 128, 4 layers, V 1536: 0.99M params
-    "small": qwen2.Qwen2Config(**SMALL_QWEN2),  # 22.5M params
+    "small": qwen2.Qwen2Config(**SMALL_QWEN2),  # 22.3M params
 }
 
 
