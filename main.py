@@ -56,7 +56,7 @@ def main(argv):
     runtime.start_distributed(runtime.distributed_settings(FLAGS.coordinator_address, FLAGS.num_processes,
                                                            FLAGS.process_id, os.environ), auto=FLAGS.multihost)
     # Reruns and resumed runs reuse compiled programs instead of recompiling.
-    jax.config.update("jax_compilation_cache_dir", os.path.join(files.resolve_path(FLAGS.workdir), ".jax_cache"))
+    runtime.configure_compilation_cache(files.resolve_path(FLAGS.workdir), os.environ)
     logging.info("JAX process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
     pipeline.run(FLAGS.config, FLAGS.workdir)
 

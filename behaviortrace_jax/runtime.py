@@ -233,3 +233,37 @@ def _barrier():
         client.wait_at_barrier(f"behaviortrace:{count[0]}:{zlib.crc32(name.encode()):08x}", BARRIER_TIMEOUT_S * 1000)
 
     return barrier
+
+
+# --------------------------------------------------------------------------------------------
+# JAX's persistent compilation cache
+# --------------------------------------------------------------------------------------------
+CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own variable (the default of jax_compilation_cache_dir)
+
+
+def compilation_cache_dir(workdir: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The folder of JAX's persistent compilation cache for a run in ``workdir``: ``$JAX_COMPILATION_CACHE_DIR``
+    where it is set (one cache shared by many runs), else ``<workdir>/.jax_cache`` (a ``gs://`` path
+    where the workdir is one)."""
+    return environ.get(CACHE_DIR_ENV) or os.path.join(workdir, ".jax_cache")
+
+
+def configure_compilation_cache(workdir: str, environ: Mapping[str, str] = os.environ) -> str:
+    """Points JAX's persistent compilation cache at :func:`compilation_cache_dir` so reruns, resumed
+    runs and (with ``$JAX_COMPILATION_CACHE_DIR``) other runs of the same programs load them instead
+    of compiling. Returns the folder.
+
+    Off a GPU it also turns off the XLA caches JAX adds beside its own
+    (``jax_persistent_cache_enable_xla_caches``, by default the GPU autotune cache): JAX writes their
+    folder, a path inside the cache folder, into the compile options it hashes into every cache key
+    (jax/_src/compiler.py, jax 0.10.2), so with them a cache that is copied, moved or shared under
+    another path never hits. They only act on GPUs, where they stay on. Call after
+    :func:`start_distributed` (it asks JAX for its backend).
+    """
+    import jax
+
+    folder = compilation_cache_dir(workdir, environ)
+    if jax.default_backend() != "gpu":
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder

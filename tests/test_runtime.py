@@ -97,3 +97,45 @@ def test_every_invocation_is_recorded_in_run_info(tmp_path, monkeypatch):
     pipeline.record_run_info(str(tmp_path), "sft,grpo")
     runs = json.loads((tmp_path / "run_info.json").read_text())["runs"]
     assert [r["stages"] for r in runs] == ["base", "sft,grpo"] and len(warned) == 1 and "another CPU type" in warned[0]
+
+
+_CACHE_PROBE = """
+import sys
+import jax, jax.numpy as jnp
+from behaviortrace_jax import runtime
+hits = []
+jax.monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e.endswith("/cache_hits") else None)
+print(runtime.configure_compilation_cache(sys.argv[1]))
+jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((16, 16)))
+print(len(hits))
+"""
+
+
+def test_compilation_cache_entries_hit_under_another_folder_and_workdir(tmp_path):
+    """A cache copied to another folder (another workdir's .jax_cache, or $JAX_COMPILATION_CACHE_DIR)
+    still hits: the key holds no path (runtime.configure_compilation_cache)."""
+    import shutil
+    import subprocess
+    import sys
+
+    def probe(workdir, cache=None):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+        env.update({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"})
+        if cache:
+            env[runtime.CACHE_DIR_ENV] = str(cache)
+        out = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(workdir)], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        folder, hits = out.stdout.split()
+        return folder, int(hits)
+
+    a = tmp_path / "a" / ".jax_cache"
+    assert probe(tmp_path / "a") == (str(a), 0)
+    n = len(list(a.glob("*-cache")))  # the jitted function and the eager ops (jnp.ones) it ran
+    assert n >= 2
+    shutil.copytree(a, tmp_path / "b" / ".jax_cache")
+    assert probe(tmp_path / "b") == (str(tmp_path / "b" / ".jax_cache"), n)  # copied to another workdir: all hit
+    assert probe(tmp_path / "c", cache=a) == (str(a), n)  # one cache for several workdirs
+    assert len(list(a.glob("*-cache"))) == n and not (tmp_path / "c" / ".jax_cache").exists()
+    assert runtime.compilation_cache_dir("gs://b/run", {}) == "gs://b/run/.jax_cache"
+    assert runtime.compilation_cache_dir("w", {runtime.CACHE_DIR_ENV: "/shared"}) == "/shared"
