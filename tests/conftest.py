@@ -8,7 +8,10 @@ has no plugin to read it). What the workers share:
 * JAX's persistent compilation cache, in a temporary folder made for this test run (the same small
   programs are compiled by many tests; a cache hit replaces a compile). Its size limit turns on
   JAX's file lock around every read and write, so two workers never read a half-written entry.
-  ``BEHAVIORTRACE_JAX_CACHE=<dir>`` names a folder that outlives the run instead.
+  ``JAX_COMPILATION_CACHE_DIR=<dir>`` names a folder that outlives the run instead. The variables
+  are also set in ``os.environ``, so ``main.py`` run as a subprocess uses the same folder
+  (``runtime.configure_compilation_cache``); the README command, the ``gs://`` run and the
+  multi-process runs run in a user's environment instead (:func:`user_env`).
 * The finished smoke run (:func:`smoke_finished`) and the README command's run (:func:`readme_run`):
   the first worker that needs one runs it under a file lock; the other reuses its folder.
 * The GCS emulator (:func:`gcs_bucket`) is per worker: each starts its own on a free port.
@@ -30,8 +33,19 @@ from filelock import FileLock  # noqa: E402  (a dependency of huggingface_hub)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", REPO.parent / "shared"))
-CACHE_ENV = "BEHAVIORTRACE_JAX_CACHE"
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own variable; main.py honours it too
 CACHE_ROOT = pathlib.Path(tempfile.gettempdir()) / "behaviortrace_jax_tests"
+_USER_CACHE = bool(os.environ.get(CACHE_ENV))  # named by the user (kept) or made for this test run (removed)
+# What the test process sets for itself and its subprocesses, and what a user's shell does not have.
+_TEST_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", CACHE_ENV, "JAX_COMPILATION_CACHE_MAX_SIZE",
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` as a user's shell has it: without the test process's 8 fake devices
+    (``XLA_FLAGS``), ``JAX_PLATFORMS`` and this test run's compilation cache (so ``main.py`` keeps
+    its cache in ``<workdir>/.jax_cache``); plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k not in _TEST_ENV}, **extra}
 
 
 def _test_run_id(config) -> str:
@@ -48,16 +62,21 @@ def _test_run_id(config) -> str:
 def pytest_configure(config):
     """Points JAX's persistent compilation cache at this test run's folder (before any compile)."""
     cache = os.environ.get(CACHE_ENV) or str(CACHE_ROOT / _test_run_id(config))
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     # A size limit turns on jax's FileLock around cache reads and writes (jax/_src/lru_cache.py):
     # without it a worker can read an entry another worker is still writing, and XLA aborts.
+    settings = {CACHE_ENV: cache, "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    os.environ.update(settings)  # main.py subprocesses read them (JAX's own variables)
+    jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # The key of a cache entry otherwise holds the folder's path (runtime.configure_compilation_cache).
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "")
 
 
 def pytest_unconfigure(config):
     """Removes this test run's compilation cache (by the controller, or a run without xdist)."""
-    if getattr(config, "workerinput", None) is None and not os.environ.get(CACHE_ENV):
+    if getattr(config, "workerinput", None) is None and not _USER_CACHE:
         shutil.rmtree(CACHE_ROOT / _test_run_id(config), ignore_errors=True)
 
 

@@ -155,6 +155,14 @@ class GcsEmulator:
         with urllib.request.urlopen(f"{self.url}/storage/v1/b/{self.bucket}/o/{key}?alt=media", timeout=10) as r:
             return r.read()
 
+    def write(self, name: str, data: bytes) -> None:
+        """Uploads ``data`` as object ``name`` (the JSON API's media upload), asked of the server itself."""
+        q = urllib.parse.urlencode({"uploadType": "media", "name": name})
+        req = urllib.request.Request(f"{self.url}/upload/storage/v1/b/{self.bucket}/o?{q}", data=data, method="POST",
+                                     headers={"Content-Type": "application/octet-stream"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
     def clear(self, prefix: str) -> None:
         """Deletes every object under ``prefix`` (a test's own corner of the bucket)."""
         for name in self.names(prefix):

@@ -11,10 +11,13 @@ config as a subprocess, local relative workdir). Both run in a user's environmen
 test process's ``XLA_FLAGS`` (8 fake devices) and ``JAX_PLATFORMS``: the in-process
 ``smoke_finished`` run on 8 fake devices trains other base weights (``base_weights`` differs, the
 results table does not), and so did this command with the 8 devices inherited.
+
+The bucket's compilation cache starts with the local run's entries (``<workdir>/.jax_cache``, every
+program: ``tests/conftest.user_env``), all but those of the base stage's train step (``jit_step``):
+the run reads the others from the bucket instead of compiling them, and writes that one to it.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -25,7 +28,7 @@ import time
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 
-from conftest import REPO
+from conftest import REPO, user_env
 
 RUN = "smoke"  # the workdir's key prefix in the bucket
 COMMAND = ["main.py", "--config=configs/tiny.py:smoke", f"--workdir=gs://bucket/{RUN}"]
@@ -36,7 +39,7 @@ def _run_until(gcs, stop_when, timeout_s: float = 900) -> tuple[str, int | None]
     """Runs :data:`COMMAND` until it exits or ``stop_when(object names)`` holds, then SIGKILLs it;
     returns (its console, its exit code or None when killed)."""
     with tempfile.TemporaryFile() as log:
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # as readme_run
+        env = user_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # as readme_run
         proc = subprocess.Popen([sys.executable, *COMMAND], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline, killed = time.monotonic() + timeout_s, False
         try:
@@ -54,8 +57,21 @@ def _run_until(gcs, stop_when, timeout_s: float = 900) -> tuple[str, int | None]
         return log.read().decode(errors="replace"), None if killed else proc.returncode
 
 
+def _seed_compilation_cache(gcs, local_cache) -> tuple[list[str], list[str]]:
+    """Uploads the local run's compilation cache entries to ``<RUN>/.jax_cache/`` but those of
+    ``jit_step`` (the base stage's train step); returns (uploaded names, withheld names)."""
+    entries = sorted(p for p in local_cache.iterdir() if p.is_file())
+    withheld = [p.name for p in entries if p.name.startswith("jit_step-")]
+    assert withheld and len(withheld) < len(entries), f"no jit_step entry among {[p.name for p in entries]}"
+    for p in entries:
+        if p.name not in withheld:
+            gcs.write(f"{RUN}/.jax_cache/{p.name}", p.read_bytes())
+    return [p.name for p in entries if p.name not in withheld], withheld
+
+
 def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket, readme_run):
     gcs_bucket.clear(RUN + "/")
+    seeded, withheld = _seed_compilation_cache(gcs_bucket, readme_run.workdir / ".jax_cache")
     committed = re.compile(rf"^{RUN}/grpo/state/(\d+)/commit_success\.txt$")  # orbax's last write of a step
     steps = lambda names: sorted(m.group(1) for m in map(committed.match, names) if m)  # noqa: E731
     console, rc = _run_until(gcs_bucket, steps)
@@ -83,6 +99,7 @@ def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket
         assert want in names, want
     assert any(n.startswith(f"{RUN}/sketches/step_sketches.zarr/data/c/") for n in names)
     assert any(n.startswith(f"{RUN}/grpo/tb/events.out.tfevents.") for n in names)
-    assert any(n.startswith(f"{RUN}/.jax_cache/") for n in names)
+    cached = {n.split("/")[-1] for n in names if n.startswith(f"{RUN}/.jax_cache/")}
+    assert set(seeded) <= cached and set(withheld) <= cached, sorted(set(withheld) - cached)  # the run wrote it
     assert gcs_bucket.read(f"{RUN}/results_table.csv") == (readme_run.workdir / "results_table.csv").read_bytes()
     assert not [n for n in names if ".tmp" in n]

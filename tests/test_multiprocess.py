@@ -27,6 +27,7 @@ import pytest
 
 from behaviortrace_jax import runtime
 from behaviortrace_jax.io import files, rollout_log, sketch_store
+from conftest import user_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch" / "local_multiprocess.sh"
@@ -45,7 +46,7 @@ def _gloo_available() -> bool:
 
 
 def _env(devices: int | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = user_env()
     env["PYTHON"] = sys.executable  # the launcher runs this interpreter, not whatever python3 is on PATH
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

@@ -43,6 +43,7 @@ if str(REPO) not in sys.path:  # run as a script (--record)
     sys.path.insert(0, str(REPO))
 
 from behaviortrace_jax.io import machine  # noqa: E402
+from conftest import user_env  # noqa: E402
 
 TABLE = pathlib.Path(__file__).with_name("cpu_digests.json")
 IGNORE_TABLE_ENV = "BEHAVIORTRACE_CPU_TABLE_IGNORE"
@@ -114,7 +115,9 @@ def run_readme_command(dest: pathlib.Path) -> SmokeRun:
     assert not os.path.isabs(workdir), "the README's command uses a relative workdir; test that"
     argv = [sys.executable, "main.py"] + [a + ":smoke" if a == "--config=configs/tiny.py" else a for a in argv[2:]]
     clone = copy_of_repository(dest / "clone")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # as a user's shell
+    # As a user's shell, with one setting more: every program goes into the run's compilation cache
+    # (<workdir>/.jax_cache), not only those that take >= 1 s to compile (test_gcs_run starts from it).
+    env = user_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     proc = subprocess.run(argv, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
     digest = dict(re.findall(r"^digest (\S+): sha256 ([0-9a-f]{64})$", proc.stdout, re.M))
     digest["files"], lines = files_digest(clone / workdir)
