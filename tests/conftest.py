@@ -61,17 +61,16 @@ def _test_run_id(config) -> str:
 
 def pytest_configure(config):
     """Points JAX's persistent compilation cache at this test run's folder (before any compile)."""
+    from behaviortrace_jax import runtime
+
     cache = os.environ.get(CACHE_ENV) or str(CACHE_ROOT / _test_run_id(config))
     # A size limit turns on jax's FileLock around cache reads and writes (jax/_src/lru_cache.py):
     # without it a worker can read an entry another worker is still writing, and XLA aborts.
-    settings = {CACHE_ENV: cache, "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30),
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
-    os.environ.update(settings)  # main.py subprocesses read them (JAX's own variables)
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    # The key of a cache entry otherwise holds the folder's path (runtime.configure_compilation_cache).
-    jax.config.update("jax_persistent_cache_enable_xla_caches", "")
+    for name, value in {"jax_compilation_cache_max_size": 8 << 30,
+                        "jax_persistent_cache_min_compile_time_secs": 0.5}.items():
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)  # JAX's own variables: main.py subprocesses read them
+    os.environ[CACHE_ENV] = runtime.configure_compilation_cache(str(CACHE_ROOT), {CACHE_ENV: cache})
 
 
 def pytest_unconfigure(config):

@@ -61,12 +61,12 @@ def _seed_compilation_cache(gcs, local_cache) -> tuple[list[str], list[str]]:
     """Uploads the local run's compilation cache entries to ``<RUN>/.jax_cache/`` but those of
     ``jit_step`` (the base stage's train step); returns (uploaded names, withheld names)."""
     entries = sorted(p for p in local_cache.iterdir() if p.is_file())
-    withheld = [p.name for p in entries if p.name.startswith("jit_step-")]
-    assert withheld and len(withheld) < len(entries), f"no jit_step entry among {[p.name for p in entries]}"
-    for p in entries:
-        if p.name not in withheld:
-            gcs.write(f"{RUN}/.jax_cache/{p.name}", p.read_bytes())
-    return [p.name for p in entries if p.name not in withheld], withheld
+    seeded = [p for p in entries if not p.name.startswith("jit_step-")]
+    withheld = [p.name for p in entries if p not in seeded]
+    assert withheld and seeded, f"no jit_step entry among {[p.name for p in entries]}"
+    for p in seeded:
+        gcs.write(f"{RUN}/.jax_cache/{p.name}", p.read_bytes())
+    return [p.name for p in seeded], withheld
 
 
 def test_smoke_run_on_gs_killed_mid_grpo_resumes_to_the_local_digests(gcs_bucket, readme_run):

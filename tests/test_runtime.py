@@ -13,6 +13,7 @@ from behaviortrace_jax import pipeline
 from behaviortrace_jax import runtime
 from behaviortrace_jax.io import machine
 from configs import reproduce, tiny
+from conftest import user_env
 
 
 def test_reproducible_cpu_env_caps_xla_and_numpy_and_keeps_user_settings():
@@ -119,8 +120,7 @@ def test_compilation_cache_entries_hit_under_another_folder_and_workdir(tmp_path
     import sys
 
     def probe(workdir, cache=None):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
-        env.update({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PLATFORMS": "cpu"})
+        env = user_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
         if cache:
             env[runtime.CACHE_DIR_ENV] = str(cache)
         out = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(workdir)], env=env, capture_output=True,
