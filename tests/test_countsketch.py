@@ -231,3 +231,57 @@ def test_stacked_layout_rejects_irregular_blocks():
             [("model.layers.0.w", (2,)), ("model.norm", (2,)), ("model.layers.1.w", (2,))]))
     with pytest.raises(ValueError, match="no parameter name"):
         StackedLayout.from_prefix(ParamLayout.from_entries([("w", (2,))]))
+
+
+def test_hash_segments_cut_consecutive_parameters():
+    assert cs.hash_segments([4, 0, 4, 9], 8) == [[0, 2], [3]]
+    assert cs.hash_segments([3, 3, 3], 6) == [[0, 1], [2]]
+    assert cs.hash_segments([0, 0], 8) == [] and cs.hash_segments([], 8) == []
+    assert cs.hash_segments([5, 2, 1]) == [[0, 1, 2]]  # default limit: HASH_SEGMENT coordinates
+
+
+def test_a_global_index_family_is_hashed_once_per_segment_and_others_once_per_parameter():
+    """splitmix64 (``global_index``) hashes the whole small layout at once: one hash for XLA to
+    compile instead of one per parameter, the same sketch. A family keyed per parameter (here: the
+    local index alone) must not be: flagged False, it is hashed per parameter and equals its numpy
+    reference, which a segment hash would not."""
+    import dataclasses
+
+    from behaviortrace_jax.sketch.hash_families import SPLITMIX64
+
+    rng = np.random.default_rng(5)
+    layout = ParamLayout.from_entries([("emb", (30, 8)), ("w", (8, 12)), ("empty", (0,)), ("b", (12,)),
+                                       ("norm", (8,))])
+    grads = [rng.standard_normal(s).astype(np.float32) for s in layout.shapes]
+    calls = []
+
+    def counted(fn):
+        def index_bucket_sign(*args):
+            calls.append(args[2].shape)
+            return fn(*args)
+        return index_bucket_sign
+
+    def local_only(hi, lo, local, dim, seed):  # ignores the parameter's offset
+        return sm.index_bucket_sign(jnp.uint32(0), jnp.uint32(0), local, dim, seed)
+
+    def numpy_local_only(local, offset, dim, seed):
+        return sm.numpy_index_bucket_sign(local, 0, dim, seed)
+
+    ref = numpy_countsketch(np.concatenate([g.ravel() for g in grads]), 2**10, 0)
+    for flag, n_calls in ((True, 1), (False, 4)):
+        fam = dataclasses.replace(SPLITMIX64, index_bucket_sign=counted(sm.index_bucket_sign), global_index=flag)
+        calls.clear()
+        got = jax.jit(lambda g: sketch_tree(g, layout, 2**10, 0, hash_family=fam))([jnp.asarray(g) for g in grads])
+        assert len(calls) == n_calls and _rel(got, ref) < 1e-6
+        calls.clear()
+        batch = [jnp.asarray(np.stack([g, -g])) for g in grads]
+        got_b = np.asarray(jax.jit(lambda g: sketch_batch(g, layout, 2**10, 0, hash_family=fam))(batch))
+        assert len(calls) == n_calls and _rel(got_b[0], ref) < 1e-6 and _rel(got_b[1], -ref) < 1e-6
+    keyed = dataclasses.replace(SPLITMIX64, name="local-only", metadata_name="local-only-v0",
+                                index_bucket_sign=local_only, numpy_bucket_sign=numpy_local_only, global_index=False)
+    want = cs.numpy_sketch(grads, 2**10, 0, keyed)
+    got = jax.jit(lambda g: sketch_tree(g, layout, 2**10, 0, hash_family=keyed))([jnp.asarray(g) for g in grads])
+    assert _rel(got, want) < 1e-6 and _rel(want, ref) > 0.5
+    wrong = dataclasses.replace(keyed, global_index=True)  # what hashing it as one segment would give
+    assert _rel(jax.jit(lambda g: sketch_tree(g, layout, 2**10, 0, hash_family=wrong))(
+        [jnp.asarray(g) for g in grads]), want) > 0.5

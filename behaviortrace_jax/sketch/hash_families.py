@@ -58,6 +58,12 @@ class HashFamily:
         kernel_layout (bool): the Pallas kernel (``pallas_sketch.py``) sketches in this family's
             layout (dense bucket updates by rotations: the block family's); only such a family takes
             ``sketch.kernel`` "pallas" / "interpret".
+        global_index (bool): ``index_bucket_sign`` depends on the global index ``offset + local``
+            alone, not on where one parameter ends and the next begins (splitmix64: yes; the block
+            family keys each block: no). Then consecutive parameters may be hashed as one segment
+            (``countsketch.sketch_tree`` / ``sketch_batch``: one hash per segment instead of one per
+            parameter, the same buckets and signs, and far less for XLA to compile). Default False,
+            the safe choice for a new family.
     Raises:
         ValueError: an empty name or metadata name; TypeError: a hash that is not callable.
     """
@@ -68,6 +74,7 @@ class HashFamily:
     numpy_bucket_sign: Callable
     block_sketch: Callable | None = None
     kernel_layout: bool = False
+    global_index: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or not isinstance(self.metadata_name, str) \
@@ -159,7 +166,8 @@ def family_for_metadata(metadata_name: str) -> HashFamily | None:
 
 SPLITMIX64 = register_hash_family(HashFamily(
     name="splitmix64", metadata_name="splitmix64-countsketch-v3",
-    index_bucket_sign=splitmix64.index_bucket_sign, numpy_bucket_sign=splitmix64.numpy_index_bucket_sign))
+    index_bucket_sign=splitmix64.index_bucket_sign, numpy_bucket_sign=splitmix64.numpy_index_bucket_sign,
+    global_index=True))
 BLOCK = register_hash_family(HashFamily(
     name="block", metadata_name="splitmix64-block-countsketch-v1",
     index_bucket_sign=block_hash.block_index_bucket_sign, numpy_bucket_sign=block_hash.numpy_block_bucket_sign,
