@@ -128,12 +128,16 @@ def hash_segments(sizes: Sequence[int], limit: int = HASH_SEGMENT) -> list[list[
     return runs
 
 
-def _hashes_at(sizes: Sequence[int], rel: Sequence[int], base: int | tuple[Any, Any], dim: int, seed: int,
-               hash_family: HashFamily) -> list[tuple[jax.Array, jax.Array]]:
-    """(bucket int32[n_m], sign float32[n_m]) of consecutive non-empty arrays, one hash per
-    :func:`hash_segments` run: array m holds ``sizes[m]`` coordinates from global index ``base +
-    rel[m]`` (``rel`` static ints, increasing by ``sizes``; ``base`` a static int, or (hi, lo) uint32
-    scalars, possibly traced: a scanned layer's offset). Only for a family with ``global_index``."""
+_Run = tuple[list[int], jax.Array, jax.Array]  # (members, bucket int32[n], sign float32[n]) of one hash
+
+
+def _hash_runs(sizes: Sequence[int], rel: Sequence[int], base: int | tuple[Any, Any], dim: int, seed: int,
+               hash_family: HashFamily) -> list[_Run]:
+    """One hash per :func:`hash_segments` run of consecutive non-empty arrays: array m holds
+    ``sizes[m]`` coordinates from global index ``base + rel[m]`` (``rel`` static ints, increasing by
+    ``sizes``; ``base`` a static int, or (hi, lo) uint32 scalars, possibly traced: a scanned
+    layer's offset). Returns (the run's array indices m, bucket, sign) over the run's coordinates.
+    Only for a family with ``global_index``."""
     out = []
     for run in hash_segments(sizes):
         start, n = rel[run[0]], rel[run[-1]] + sizes[run[-1]] - rel[run[0]]
@@ -144,24 +148,33 @@ def _hashes_at(sizes: Sequence[int], rel: Sequence[int], base: int | tuple[Any, 
                 raise ValueError(f"hash segment of {n} coordinates at {start} past a traced offset exceeds 2**32")
             local = jax.lax.iota(U32, n) + np.uint32(start) if start else jax.lax.iota(U32, n)
             bucket, sign = hash_family.index_bucket_sign(*base, local, dim, seed)
-        for m in run:
-            lo = rel[m] - start
-            out.append((bucket, sign) if len(run) == 1 else (bucket[lo:lo + sizes[m]], sign[lo:lo + sizes[m]]))
+        out.append((run, bucket, sign))
     return out
 
 
-def _layout_bucket_signs(layout: ParamLayout, dim: int, seed: int, tables: Sequence[jax.Array] | None,
-                         hash_family: HashFamily) -> list[tuple[jax.Array, jax.Array]]:
-    """(bucket int32[n_k], sign float32[n_k]) of every non-empty parameter k, in layout order.
+def _layout_hash_runs(layout: ParamLayout, dim: int, seed: int, tables: Sequence[jax.Array] | None,
+                      hash_family: HashFamily) -> list[_Run]:
+    """The hashes of the non-empty parameters of ``layout``, as (members, bucket, sign) with members
+    indexing the non-empty parameters in layout order.
 
     With tables, or a family without ``global_index``, one hash per parameter. Otherwise one hash per
-    :func:`hash_segments` run (the global indices of its consecutive parameters), sliced per
-    parameter: the same buckets and signs, but XLA compiles one hash per run instead of one per
-    parameter (a 2-layer Qwen2's GRPO step: ~21,000 -> ~5,000 lines of StableHLO)."""
+    :func:`hash_segments` run of consecutive parameters (their global indices): the same buckets and
+    signs, but XLA compiles one hash and one scatter per run instead of one per parameter (a 2-layer
+    Qwen2's two-backward GRPO step: ~21,000 -> ~5,000 lines of StableHLO)."""
     live = [k for k in range(len(layout)) if layout.sizes[k]]
     if tables is not None or not hash_family.global_index:
-        return [_param_bucket_sign(k, layout, dim, seed, tables, hash_family) for k in live]
-    return _hashes_at([layout.sizes[k] for k in live], [layout.offsets[k] for k in live], 0, dim, seed, hash_family)
+        return [([m], *_param_bucket_sign(k, layout, dim, seed, tables, hash_family)) for m, k in enumerate(live)]
+    return _hash_runs([layout.sizes[k] for k in live], [layout.offsets[k] for k in live], 0, dim, seed, hash_family)
+
+
+def _scatter_runs(acc: jax.Array, flat: Sequence[jax.Array], runs: Sequence[_Run]) -> jax.Array:
+    """``acc`` float32 [D] plus the signed scatter-add of the flat arrays ``flat`` (one example's
+    non-empty parameters, any float dtype) run by run: a run's arrays are concatenated in order, so
+    its coordinates are added in the same order as one scatter per array would add them."""
+    for members, bucket, sign in runs:
+        parts = [flat[m].reshape(-1).astype(jnp.float32) for m in members]
+        acc = acc.at[bucket].add((parts[0] if len(parts) == 1 else jnp.concatenate(parts)) * sign)
+    return acc
 
 
 def _scatter_free_add(acc: jax.Array, gs: Sequence[jax.Array], offsets: Sequence[tuple[Any, Any]], dim: int,
@@ -187,8 +200,9 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
             hashes on the fly.
         hash_family: the hash family (``hash_families``; config ``sketch.hash``); a scatter-free
             one sketches each parameter with its ``block_sketch`` and takes no tables. A family with
-            ``global_index`` (splitmix64) is hashed once per :func:`hash_segments` run of
-            consecutive parameters, then scattered parameter by parameter as before.
+            ``global_index`` (splitmix64) is hashed and scattered once per :func:`hash_segments`
+            run of consecutive parameters (concatenated in order: the same additions in the same
+            order as one scatter per parameter).
     Returns:
         float32[dim] = sum over parameters of ``segment_sum(sign * g.ravel(), bucket, dim)``.
     Raises:
@@ -199,11 +213,9 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
     if check_tables(hash_family, tables is not None).scatter_free:
         return sketch_batch([g[None] for g in grads], layout, dim, seed, hash_family=hash_family)[0]
     layout.check(grads)
-    acc = jnp.zeros((dim,), jnp.float32)
     live = [g for k, g in enumerate(grads) if layout.sizes[k]]
-    for g, (b, s) in zip(live, _layout_bucket_signs(layout, dim, seed, tables, hash_family)):
-        acc = acc.at[b].add(g.reshape(-1).astype(jnp.float32) * s)
-    return acc
+    return _scatter_runs(jnp.zeros((dim,), jnp.float32), live,
+                         _layout_hash_runs(layout, dim, seed, tables, hash_family))
 
 
 def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed: int = 0,
@@ -212,8 +224,9 @@ def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed
     """Per-example CountSketch of a batch of gradients; arrays in layout order with a leading axis C.
 
     Returns float32[C, dim]; row c equals ``sketch_tree([g[c] for g in grads], ...)``. The hash is
-    computed once per call (per :func:`hash_segments` run, as :func:`sketch_tree`) and the examples are scattered one after another (``lax.map``), which
-    measured faster on CPU than a batched scatter (docs/benchmarks.md). A scatter-free
+    computed once per call (per :func:`hash_segments` run, as :func:`sketch_tree`) and the examples
+    are scattered one after another (``lax.map``), which measured faster on CPU than a batched
+    scatter (docs/benchmarks.md). A scatter-free
     ``hash_family``: the whole batch at once per parameter (its ``block_sketch``, no scatter).
     """
     dim = check_dim(dim)
@@ -223,14 +236,11 @@ def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed
         live = [k for k in range(len(layout)) if layout.sizes[k]]
         return _scatter_free_add(jnp.zeros((c, dim), jnp.float32), [grads[k].reshape(c, -1) for k in live],
                                  [_static_u32(layout.offsets[k]) for k in live], dim, seed, hash_family)
-    hashes = _layout_bucket_signs(layout, dim, seed, tables, hash_family)
+    runs = _layout_hash_runs(layout, dim, seed, tables, hash_family)
     flat = [g.reshape(c, -1) for k, g in enumerate(grads) if layout.sizes[k]]
 
     def one(gs: list[jax.Array]) -> jax.Array:
-        acc = jnp.zeros((dim,), jnp.float32)
-        for g, (b, s) in zip(gs, hashes):
-            acc = acc.at[b].add(g.astype(jnp.float32) * s)
-        return acc
+        return _scatter_runs(jnp.zeros((dim,), jnp.float32), gs, runs)
 
     return jax.lax.map(one, flat)
 
@@ -287,16 +297,14 @@ def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], 
         if hash_family.scatter_free or not gs:
             return _scatter_free_add(acc, gs, wheres, dim, seed, hash_family)
         if hash_family.global_index:
-            hashes = _hashes_at([g.shape[1] for g in gs], rel, base, dim, seed, hash_family)
+            runs = _hash_runs([g.shape[1] for g in gs], rel, base, dim, seed, hash_family)
         else:
-            hashes = [hash_family.index_bucket_sign(h, l_, jax.lax.iota(U32, g.shape[1]), dim, seed)
-                      for g, (h, l_) in zip(gs, wheres)]
+            runs = [([m], *hash_family.index_bucket_sign(h, l_, jax.lax.iota(U32, g.shape[1]), dim, seed))
+                    for m, (g, (h, l_)) in enumerate(zip(gs, wheres))]
 
         def one(args):
             a, g = args
-            for gk, (b, s) in zip(g, hashes):
-                a = a.at[b].add(gk.astype(jnp.float32) * s)
-            return a
+            return _scatter_runs(a, g, runs)
 
         return jax.lax.map(one, (acc, list(gs)))
 
