@@ -61,9 +61,9 @@ class HashFamily:
         global_index (bool): ``index_bucket_sign`` depends on the global index ``offset + local``
             alone, not on where one parameter ends and the next begins (splitmix64: yes; the block
             family keys each block: no). Then consecutive parameters may be hashed as one segment
-            (``countsketch.sketch_tree`` / ``sketch_batch``: one hash per segment instead of one per
-            parameter, the same buckets and signs, and far less for XLA to compile). Default False,
-            the safe choice for a new family.
+            (``countsketch.sketch_tree``, ``sketch_batch``, ``sketch_batch_stacked``: one hash and
+            one scatter per ``hash_segments`` run instead of one per parameter, the same buckets and
+            signs, and far less for XLA to compile). Default False, the safe choice for a new family.
     Raises:
         ValueError: an empty name or metadata name; TypeError: a hash that is not callable.
     """
