@@ -1,9 +1,10 @@
 """Test set-up: CPU only, 8 fake devices (for the sharding tests), one compilation cache per test
 run, the shared smoke run, and the shared/ reference dir.
 
-The suite runs on two pytest-xdist workers by default (``pytest.ini``: ``-n auto --maxprocesses 4
---dist loadfile``; ``-n 0`` runs it in one process; ``-p no:xdist`` fails, as the ``-n`` of ``addopts`` then
-has no plugin to read it). What the workers share:
+The suite runs on pytest-xdist workers by default (``pytest.ini``: ``-n auto --maxprocesses 4
+--dist loadfile``; ``auto`` is one worker more than the CPUs, :func:`pytest_xdist_auto_num_workers`:
+three on a 2-core VM; ``-n 0`` runs it in one process; ``-p no:xdist`` fails, as the ``-n`` of
+``addopts`` then has no plugin to read it). What the workers share:
 
 * JAX's persistent compilation cache, in a temporary folder made for this test run (the same small
   programs are compiled by many tests; a cache hit replaces a compile). Its size limit turns on
@@ -57,6 +58,17 @@ def _test_run_id(config) -> str:
     if getattr(config.option, "testrunuid", None) is None:
         config.option.testrunuid = uuid.uuid4().hex  # xdist's controller hands it to its workers
     return config.option.testrunuid
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: the CPUs this process may use plus one (``--maxprocesses`` caps it;
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it, as in xdist). A worker often waits without
+    using its core: for a shared run another worker holds the file lock of (:func:`smoke_finished`,
+    :func:`readme_run`), or for a subprocess. On the 2-core AMD EPYC VM (2026-12-06, the suite with
+    ``../shared``, alternating orders) three workers took 916-926 s and two 965-970 s (0.95x)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
 
 
 def pytest_configure(config):
