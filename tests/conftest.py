@@ -61,14 +61,16 @@ def _test_run_id(config) -> str:
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: the CPUs this process may use plus one (``--maxprocesses`` caps it;
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it, as in xdist). A worker often waits without
+    """``-n auto`` / ``-n logical``: xdist's own count of the CPUs plus one (``--maxprocesses`` caps
+    it; ``PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides it, as in xdist). A worker often waits without
     using its core: for a shared run another worker holds the file lock of (:func:`smoke_finished`,
     :func:`readme_run`), or for a subprocess. On the 2-core AMD EPYC VM (2026-12-06, the suite with
     ``../shared``, alternating orders) three workers took 916-926 s and two 965-970 s (0.95x)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own hook reads it
-    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+    from xdist import plugin
+
+    return plugin.pytest_xdist_auto_num_workers(config) + 1
 
 
 def pytest_configure(config):

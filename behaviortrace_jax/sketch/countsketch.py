@@ -310,9 +310,8 @@ def sketch_batch_stacked(pre: Sequence[jax.Array], blocks: Sequence[jax.Array], 
 
     def static(acc, ks, gs):
         keep = [(k, g) for k, g in zip(ks, gs) if lay.sizes[k]]
-        base = lay.offsets[keep[0][0]] if keep else 0
-        return add(acc, [g.reshape(c, -1) for _, g in keep], [_static_u32(lay.offsets[k]) for k, _ in keep], base,
-                   [lay.offsets[k] - base for k, _ in keep])
+        return add(acc, [g.reshape(c, -1) for _, g in keep], [_static_u32(lay.offsets[k]) for k, _ in keep], 0,
+                   [lay.offsets[k] for k, _ in keep])
 
     acc = static(jnp.zeros((c, dim), jnp.float32), slayout.pre, pre)
     live = [j for j in range(len(blocks)) if lay.sizes[slayout.blocks[0][j]]]
