@@ -68,3 +68,20 @@ def test_two_arm_mde_uses_the_pooled_sd_and_bad_input_is_named():
         cg.causal_gate("probe_rate", [0.3], [0.1])
     zero = cg.causal_gate("probe_rate", [0.3, 0.3], [0.3])
     assert zero.status == cg.NOT_DETECTED and zero.delta_over_sd == 0.0
+
+
+def test_gate_measures_gates_each_measure_beside_the_others():
+    """Probe, leakage and margin measures gated in one call: the probe measure decides, the leakage
+    line stands beside it (expected sign 0: any detected change is reported as acting)."""
+    base = {"probe_rate": [0.26, 0.30, 0.36], "leakage_rate": [0.02, 0.01, 0.025], "logp_margin": [-0.05, -0.08, 0.22]}
+    held = {"probe_rate": [0.06], "leakage_rate": [0.01], "logp_margin": [0.0]}
+    rep = cg.gate_measures(base, held, primary="probe_rate", sampling_se={"probe_rate": [0.05] * 3},
+                           expected_signs={"leakage_rate": 0})
+    assert rep.acted and [v.measure for v in rep.verdicts] == list(base)
+    lines = rep.lines()
+    assert len(lines) == 3 and lines[0].startswith("the planted cause acted") and "probe_rate;" in lines[0]
+    assert lines[2].startswith("the planted cause did not act (not detected)") and "logp_margin;" in lines[2]
+    assert rep.verdicts[0].floor.sd_sampling == pytest.approx(0.05) and np.isnan(rep.verdicts[1].floor.sd_sampling)
+    assert not cg.gate_measures(base, held, primary="logp_margin").acted
+    with pytest.raises(ValueError, match="no withheld"):
+        cg.gate_measures(base, {"probe_rate": [0.06]}, primary="probe_rate")

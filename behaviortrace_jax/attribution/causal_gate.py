@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -139,3 +139,25 @@ class GateReport:
         first = [v for v in self.verdicts if v.measure == self.primary]
         out = [v.line for v in first + [v for v in self.verdicts if v.measure != self.primary]]
         return out if self.acted else out + [LABEL_NOT_CAUSE]
+
+
+def gate_measures(baseline: Mapping[str, Sequence[float]], withheld: Mapping[str, Sequence[float]], *,
+                  primary: str, sampling_se: Mapping[str, Sequence[float]] | None = None, paired: bool = False,
+                  expected_signs: Mapping[str, int] | None = None, alpha: float = nf.ALPHA,
+                  power: float = nf.POWER) -> GateReport:
+    """The :class:`GateReport` of every measure in ``baseline`` ``{measure: float [n streams]}``
+    against ``withheld`` ``{measure: float [n] or [1]}`` (:func:`causal_gate` per measure, in
+    ``baseline``'s order), decided by ``primary``. ``sampling_se``: ``{measure: float [n]}`` for the
+    measures that have one; ``expected_signs``: ``{measure: -1 / 0 / 1}`` (default 1).
+
+    Raises:
+        ValueError: a measure of ``baseline`` missing from ``withheld``, or as :func:`causal_gate`
+            and :class:`GateReport`.
+    """
+    missing = [m for m in baseline if m not in withheld]
+    if missing:
+        raise ValueError(f"causal gate: measures {missing} have baseline values but no withheld values")
+    se, signs = sampling_se or {}, expected_signs or {}
+    return GateReport(tuple(causal_gate(m, baseline[m], withheld[m], sampling_se=se.get(m), paired=paired,
+                                        expected_sign=signs.get(m, 1), alpha=alpha, power=power)
+                            for m in baseline), primary)
