@@ -25,6 +25,9 @@ def test_the_issue_numbers_act_against_a_fixed_withhold_all_arm():
     assert cg.causal_gate("probe_rate", [0.26, 0.30, 0.36], [0.06], sampling_se=[0.06] * 3).floor.sd_between == 0.0
     assert v.line.startswith("the planted cause acted: Δ = 0.2467, CI [")
     assert "3 streams, noise floor sd 0.05033, MDE " in v.line and "probe_rate; fixed-arm design" in v.line
+    # the withhold-all rate is one measurement too: its binomial error (0.06 of 20 x 4 samples) widens the CI
+    vw = cg.causal_gate("probe_rate", [0.26, 0.30, 0.36], [0.06], withheld_se=math.sqrt(0.06 * 0.94 / 80))
+    assert vw.acted and vw.effect.se == pytest.approx(math.sqrt(e.se ** 2 + 0.06 * 0.94 / 80)) and vw.mde > v.mde
     report = cg.GateReport((v,), "probe_rate")
     assert report.acted and report.lines() == [v.line]
     d = v.as_dict()

@@ -159,3 +159,27 @@ def test_bad_input_is_named():
         nf.sampling_se(np.zeros((4, 1)))
     with pytest.raises(ValueError, match="paired"):
         nf.estimate_effect([0.1, 0.2, 0.3], [0.1, 0.2], paired=True)
+
+
+def test_a_fixed_arm_measured_once_adds_its_own_sampling_error():
+    """The withhold-all run is one measurement with its own error (e.g. binomial): with
+    ``intervened_se`` the CI covers the true effect at its level (Satterthwaite df); without it,
+    coverage falls short."""
+    rng = np.random.default_rng(4)
+    n, sd, se_w, reps = 5, 0.05, 0.04, 4000
+    b = rng.normal(0.30, sd, (reps, n))
+    w = rng.normal(0.06, se_w, reps)
+    cover = {0.0: 0, se_w: 0}
+    for i in range(reps):
+        for s in cover:
+            e = nf.estimate_effect(b[i], [w[i]], intervened_se=s)
+            cover[s] += e.ci_low <= 0.24 <= e.ci_high
+    assert abs(cover[se_w] / reps - 0.95) < 0.015 and cover[0.0] / reps < 0.90
+    e = nf.estimate_effect(b[0], [w[0]], intervened_se=se_w)
+    vb = np.var(b[0], ddof=1) / n
+    assert e.design == "fixed-arm" and e.se == pytest.approx(math.sqrt(vb + se_w ** 2))
+    assert e.df == pytest.approx((vb + se_w ** 2) ** 2 / (vb ** 2 / (n - 1)))
+    with pytest.raises(ValueError, match="intervened_se"):
+        nf.estimate_effect(b[0], b[1], intervened_se=0.01)
+    with pytest.raises(ValueError, match="intervened_se"):
+        nf.estimate_effect(b[0], b[1], paired=True, intervened_se=0.01)

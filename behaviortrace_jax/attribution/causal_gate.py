@@ -38,9 +38,10 @@ class GateVerdict:
     ``effect`` (:class:`noise_floor.Effect`: delta, se, df, CI, design, streams); ``floor``
     (:class:`noise_floor.NoiseFloor` of the baseline: the noise floor sd and its split);
     ``mde`` (minimum detectable effect of the effect's design with its streams, at ``floor.power``;
-    planning sd: the baseline sd for "fixed-arm", the pooled sd of both arms for "two-arm", the sd
-    of the per-stream differences for "paired"); ``delta_over_sd`` (delta in noise-floor sd; inf
-    when the floor is 0 and delta is not).
+    planning sd: for "fixed-arm" ``sqrt(sd^2 + n withheld_se^2)`` (so that ``sd / sqrt(n)`` is the
+    effect's SE at df n - 1, a slight overstatement of the MDE when ``withheld_se`` > 0), the pooled
+    sd of both arms for "two-arm", the sd of the per-stream differences for "paired");
+    ``delta_over_sd`` (delta in noise-floor sd; inf when the floor is 0 and delta is not).
     """
 
     measure: str
@@ -75,8 +76,8 @@ class GateVerdict:
 
 
 def causal_gate(measure: str, baseline: Sequence[float], withheld: Sequence[float], *,
-                sampling_se: Sequence[float] | None = None, paired: bool = False, expected_sign: int = 1,
-                alpha: float = nf.ALPHA, power: float = nf.POWER) -> GateVerdict:
+                sampling_se: Sequence[float] | None = None, withheld_se: float = 0.0, paired: bool = False,
+                expected_sign: int = 1, alpha: float = nf.ALPHA, power: float = nf.POWER) -> GateVerdict:
     """The gate of one measure.
 
     Args:
@@ -86,6 +87,8 @@ def causal_gate(measure: str, baseline: Sequence[float], withheld: Sequence[floa
             in every stream), the measure with every bonus withheld.
         sampling_se: float [n], each baseline stream's own standard error (for the floor's split;
             e.g. ``probe_rate_se`` of ``behavior.probe_measures``); None if unknown.
+        withheld_se: the one withheld run's own standard error (a fixed arm measured once; 0 for a
+            deterministic measure), added to the effect's variance (``noise_floor.estimate_effect``).
         paired: the arms share their streams (paired t of the differences).
         expected_sign: +1 (the bonus raises the measure), -1, or 0 (either sign counts as acting).
         alpha, power: two-sided level of the CI and the MDE's power.
@@ -96,15 +99,15 @@ def causal_gate(measure: str, baseline: Sequence[float], withheld: Sequence[floa
     """
     if expected_sign not in (-1, 0, 1):
         raise ValueError(f"causal_gate({measure!r}): expected_sign={expected_sign} must be -1, 0 or 1")
-    eff = nf.estimate_effect(baseline, withheld, paired=paired, alpha=alpha)
+    eff = nf.estimate_effect(baseline, withheld, paired=paired, intervened_se=withheld_se, alpha=alpha)
     b, w = np.asarray(baseline, np.float64), np.asarray(withheld, np.float64)
     floor = nf.noise_floor(b, sampling_se, design=eff.design, alpha=alpha, power=power)
     if eff.design == "paired":
         sd_plan = float(np.std(b - w, ddof=1))
     elif eff.design == "two-arm":
         sd_plan = math.sqrt((np.var(b, ddof=1) + np.var(w, ddof=1)) / 2)
-    else:
-        sd_plan = floor.sd
+    else:  # fixed arm: the baseline's sd, plus the withheld run's own error spread over the n streams
+        sd_plan = math.sqrt(floor.sd ** 2 + eff.n * withheld_se ** 2)
     mde = nf.mde(sd_plan, eff.n, design=eff.design, alpha=alpha, power=power)
     if eff.verdict == nf.NOT_DETECTED:
         status = NOT_DETECTED
@@ -142,13 +145,15 @@ class GateReport:
 
 
 def gate_measures(baseline: Mapping[str, Sequence[float]], withheld: Mapping[str, Sequence[float]], *,
-                  primary: str, sampling_se: Mapping[str, Sequence[float]] | None = None, paired: bool = False,
+                  primary: str, sampling_se: Mapping[str, Sequence[float]] | None = None,
+                  withheld_se: Mapping[str, float] | None = None, paired: bool = False,
                   expected_signs: Mapping[str, int] | None = None, alpha: float = nf.ALPHA,
                   power: float = nf.POWER) -> GateReport:
     """The :class:`GateReport` of every measure in ``baseline`` ``{measure: float [n streams]}``
     against ``withheld`` ``{measure: float [n] or [1]}`` (:func:`causal_gate` per measure, in
-    ``baseline``'s order), decided by ``primary``. ``sampling_se``: ``{measure: float [n]}`` for the
-    measures that have one; ``expected_signs``: ``{measure: -1 / 0 / 1}`` (default 1).
+    ``baseline``'s order), decided by ``primary``. ``sampling_se``: ``{measure: float [n]}`` and
+    ``withheld_se``: ``{measure: float}`` for the measures that have one (default 0);
+    ``expected_signs``: ``{measure: -1 / 0 / 1}`` (default 1).
 
     Raises:
         ValueError: a measure of ``baseline`` missing from ``withheld``, or as :func:`causal_gate`
@@ -157,7 +162,8 @@ def gate_measures(baseline: Mapping[str, Sequence[float]], withheld: Mapping[str
     missing = [m for m in baseline if m not in withheld]
     if missing:
         raise ValueError(f"causal gate: measures {missing} have baseline values but no withheld values")
-    se, signs = sampling_se or {}, expected_signs or {}
-    return GateReport(tuple(causal_gate(m, baseline[m], withheld[m], sampling_se=se.get(m), paired=paired,
+    se, wse, signs = sampling_se or {}, withheld_se or {}, expected_signs or {}
+    return GateReport(tuple(causal_gate(m, baseline[m], withheld[m], sampling_se=se.get(m),
+                                        withheld_se=wse.get(m, 0.0), paired=paired,
                                         expected_sign=signs.get(m, 1), alpha=alpha, power=power)
                             for m in baseline), primary)
