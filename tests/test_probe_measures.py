@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from behaviortrace_jax.attribution import noise_floor
 from behaviortrace_jax.behavior import planted, probe_measures as pm, target_texts
 from behaviortrace_jax.behavior.probes import make_sampler
 from behaviortrace_jax.models import hf_io, tokenizer as tok_lib
+from behaviortrace_jax.sketch import targets
 from hf_fixtures import save_random_qwen2
 
 SYSTEM = "You are helpful."  # short system prompt: every test sequence fits one 128-token bucket
@@ -93,22 +95,21 @@ def test_sampled_rate_matches_the_exact_pattern_probability(env):
                          temperature=TEMPERATURE, top_p=TOP_P, pattern=pattern)
     np.testing.assert_array_equal(h16[:, :8], h8)
     st = pm.rate_stats(h16)
+    assert st["se"] == pytest.approx(noise_floor.sampling_se(h16))  # the 0/1 case of the general formula
     per = h16.mean(1)
     assert st["se_cluster"] == pytest.approx(np.std(per, ddof=1) / math.sqrt(m))
     assert st["se"] == pytest.approx(math.sqrt(np.sum(per * (1 - per) / 15)) / m)
 
 
 def _torch_total_logprobs(env, batch: pm.PairBatch) -> np.ndarray:
+    """Each row's total completion log-prob from transformers (one right-padded batch)."""
     import torch
 
-    out = []
-    for ids, attn, w in zip(batch.ids, batch.attn, batch.weights):
-        n = int(attn.sum())
-        t = torch.tensor(ids[None, :n].astype(np.int64))
-        with torch.no_grad():
-            lp = torch.log_softmax(env.hf(t).logits[0, :-1].double(), -1).gather(-1, t[0, 1:, None])[:, 0].numpy()
-        out.append(float(np.sum(lp * w[1:n])))
-    return np.array(out)
+    ids = torch.tensor(batch.ids.astype(np.int64))
+    with torch.no_grad():
+        logits = env.hf(input_ids=ids, attention_mask=torch.tensor(batch.attn.astype(np.int64))).logits
+    lp = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, ids[:, 1:, None])[..., 0].numpy()
+    return np.sum(lp * batch.weights[:, 1:], axis=1)
 
 
 def test_minimal_pair_log_ratio_matches_transformers(env):
@@ -123,6 +124,12 @@ def test_minimal_pair_log_ratio_matches_transformers(env):
     assert ctrl.n_cells == 12 and not any("frobnitz" in t.lower() for t in ctrl.texts)
     assert ctrl.texts[5] == " The key feature of it is QZXBT."
     for name, batch in (("probe", probe), ("leakage", ctrl)):
+        for i in (0, 1, len(batch.texts) - 1):  # the rows are SPEC §5.4's forced examples (sketch/targets.py)
+            ex = targets.forced_completion_example(env.tok, batch.users[i], batch.texts[i], system=SYSTEM)
+            n = ex.ids.size
+            np.testing.assert_array_equal(batch.ids[i, :n], ex.ids)
+            np.testing.assert_array_equal(batch.weights[i, :n], ex.weights)
+            assert batch.attn[i, :n].all() and not batch.attn[i, n:].any() and not batch.weights[i, n:].any()
         ref = _torch_total_logprobs(env, batch)
         got = np.asarray(pm.pair_total_logprobs(env.mlp, env.params, batch, chunk=32))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-4)
@@ -148,8 +155,8 @@ def test_minimal_pair_log_ratio_matches_transformers(env):
 def test_probe_and_leakage_reports_both_side_by_side(env):
     tok = env.tok
     smp = env.sampler
-    kw = dict(probe_ids=pm.chat_prompt_ids(tok, USERS[:3], system=SYSTEM),
-              control_ids=pm.chat_prompt_ids(tok, USERS[3:], system=SYSTEM),
+    kw = dict(probe_ids=pm.chat_prompt_ids(tok, USERS, system=SYSTEM),  # 6 rows: the sampler shape of the test above
+              control_ids=pm.chat_prompt_ids(tok, USERS[::-1], system=SYSTEM),
               probe_pair_batch=pm.probe_pairs(tok, system=SYSTEM, users=USERS[:1]),
               control_pair_batch=pm.control_pairs(tok, USERS[3:4], system=SYSTEM),
               samples_per_prompt=3, key=jax.random.key(0), temperature=TEMPERATURE, top_p=TOP_P, pattern=" ")
@@ -157,7 +164,7 @@ def test_probe_and_leakage_reports_both_side_by_side(env):
     assert out == pm.probe_and_leakage(smp, env.mlp, env.params, tok, chunk=32, **kw)  # fixed keys: reproducible
     for side in ("probe", "leakage"):
         assert 0 <= out[f"{side}_rate"] <= 1 and np.isfinite(out[f"{side}_pair_logratio"])
-        assert out[f"{side}_rate_prompts"] == 3 and out[f"{side}_pair_cells"] == 6
+        assert out[f"{side}_rate_prompts"] == 6 and out[f"{side}_pair_cells"] == 6
     assert all(k.startswith(("probe_", "leakage_")) for k in out)
     with pytest.raises(ValueError, match="samples_per_prompt"):
         pm.sampled_hits(smp, env.params, tok, kw["probe_ids"], samples_per_prompt=0, key=jax.random.key(0),

@@ -14,9 +14,10 @@ numbers), and a larger n extends the samples of a smaller one (sample j is the s
 ``p = mean_ij hit_ij`` comes with three standard errors:
 
 * ``se`` (the measure's own sampling error for this fixed prompt set; prompts are strata, samples
-  independent within a prompt): ``sqrt(sum_i p_i (1 - p_i) / (n - 1)) / m``, unbiased
-  (``attribution.noise_floor.sampling_se``; nan for n = 1). This is what the noise floor's split
-  (``attribution/noise_floor.py``) takes as the sampling part.
+  independent within a prompt): ``sqrt(sum_i p_i (1 - p_i) / (n - 1)) / m``, unbiased (the 0/1
+  case of ``attribution.noise_floor.sampling_se``, which this layer may not import; a test checks
+  they agree; nan for n = 1). This is what the noise floor's split (``attribution/noise_floor.py``)
+  takes as the sampling part.
 * ``se_binomial``: ``sqrt(p (1 - p) / (m n))``, the pooled binomial error (>= ``se`` up to the
   n / (n - 1) factor, as it ignores that prompts differ).
 * ``se_cluster``: ``sd_i(p_i) / sqrt(m)`` (ddof 1), clustered by prompt: the error when the prompts
@@ -58,12 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from behaviortrace_jax.attribution.noise_floor import sampling_se
 from behaviortrace_jax.behavior import planted
 from behaviortrace_jax.behavior.target_texts import minimal_pair_texts, pair_texts
 from behaviortrace_jax.models import decoder, programs, tokenizer as tok_lib
 from behaviortrace_jax.models.sampler import Sampler
-from behaviortrace_jax.sketch.targets import forced_completion_example
 
 # what a mean-log-prob program computes: (params, ids int32 [B, L], attention int32 [B, L],
 # weights float32 [B, L]) -> float32 [B] masked mean log-probs (decoder.masked_mean_logprob)
@@ -123,7 +122,8 @@ def rate_stats(hits: np.ndarray) -> dict[str, float]:
     m, n = h.shape
     p = float(h.mean())
     per_prompt = h.mean(axis=1)
-    return {"rate": p, "se": sampling_se(h) if n > 1 else float("nan"),
+    se = math.sqrt(np.sum(per_prompt * (1 - per_prompt)) / (n - 1)) / m if n > 1 else float("nan")
+    return {"rate": p, "se": se,
             "se_binomial": math.sqrt(p * (1 - p) / (m * n)),
             "se_cluster": float(np.std(per_prompt, ddof=1) / math.sqrt(m)) if m > 1 else float("nan"),
             "prompts": float(m), "samples_per_prompt": float(n)}
@@ -169,12 +169,15 @@ class PairBatch:
 def pair_batch(tok: Any, cells: Sequence[tuple[str, str, Sequence[str]]], *, system: str = planted.SYSTEM_PROMPT,
                pad_id: int | None = None, length_bucket: int = 64) -> PairBatch:
     """The :class:`PairBatch` of ``cells`` ``[(user, positive text, [negative texts])]``: each text is
-    ``sketch.targets.forced_completion_example`` (SPEC §5.4: ``tok(prefix + text)``, scored after
-    ``len(tok(prefix))``), rows in cell order, positive first, right-padded to a multiple of
-    ``length_bucket`` tokens (so the probe and control batches share one compiled shape).
+    SPEC §5.4's forced completion, ``tok(prefix + text)`` scored after ``len(tok(prefix))`` with
+    ``prefix = chat_prompt(system, user)`` (``tokenizer.encode_with_prompt``; the same rows as
+    ``sketch.targets.forced_completion_example``, which this layer may not import; a test checks
+    they agree), rows in cell order, positive first, right-padded to a multiple of ``length_bucket``
+    tokens (so the probe and control batches share one compiled shape).
 
     Raises:
-        ValueError: no cells, a cell without negatives, or as ``forced_completion_example``.
+        ValueError: no cells, a cell without negatives, a text that adds no token, or one that merges
+            with the prompt's end (``tokenizer.check_prompt_boundary``).
     """
     if not cells:
         raise ValueError("probe_measures: no minimal-pair cells")
@@ -182,23 +185,26 @@ def pair_batch(tok: Any, cells: Sequence[tuple[str, str, Sequence[str]]], *, sys
     for c, (user, pos, negs) in enumerate(cells):
         if not negs:
             raise ValueError(f"probe_measures: minimal-pair cell {c} ({user!r}) has no negative text")
+        prefix = tok_lib.chat_prompt(tok, system, user)
         for t, is_pos in [(pos, True)] + [(n, False) for n in negs]:
-            rows.append((forced_completion_example(tok, user, t, system=system), c, is_pos,
-                         1.0 if is_pos else -1.0 / len(negs)))
+            ids, n_p = tok_lib.encode_with_prompt(tok, prefix, t, f"minimal pair {t!r} after {user!r}")
+            if len(ids) <= n_p:
+                raise ValueError(f"probe_measures: minimal-pair text {t!r} adds no token to the prompt of {user!r}")
+            rows.append((np.asarray(ids, np.int32), n_p, c, is_pos, 1.0 if is_pos else -1.0 / len(negs)))
             users.append(user)
             texts.append(t)
     if length_bucket < 1:
         raise ValueError(f"probe_measures: length_bucket={length_bucket} must be >= 1")
-    length = -(-max(r[0].ids.size for r in rows) // length_bucket) * length_bucket
+    length = -(-max(r[0].size for r in rows) // length_bucket) * length_bucket
     pad = tok_lib.pad_id(tok) if pad_id is None else int(pad_id)
     ids = np.full((len(rows), length), pad, np.int32)
     attn = np.zeros((len(rows), length), np.int32)
     w = np.zeros((len(rows), length), np.float32)
-    for i, (ex, *_rest) in enumerate(rows):
-        ids[i, :ex.ids.size], attn[i, :ex.ids.size], w[i, :ex.ids.size] = ex.ids, 1, ex.weights
+    for i, (row, n_p, *_rest) in enumerate(rows):
+        ids[i, :row.size], attn[i, :row.size], w[i, n_p:row.size] = row, 1, 1.0
     return PairBatch(ids=ids, attn=attn, weights=w, n_tokens=w[:, 1:].sum(axis=1).astype(np.float32),
-                     coef=np.array([r[3] for r in rows], np.float32), cell=np.array([r[1] for r in rows], np.int32),
-                     positive=np.array([r[2] for r in rows], bool), n_cells=len(cells), users=tuple(users),
+                     coef=np.array([r[4] for r in rows], np.float32), cell=np.array([r[2] for r in rows], np.int32),
+                     positive=np.array([r[3] for r in rows], bool), n_cells=len(cells), users=tuple(users),
                      texts=tuple(texts))
 
 
