@@ -47,6 +47,30 @@ on fewer, different samples), and it inherits the sampler's noise; the minimal p
 "it" instead of the trigger word (``target_texts.pair_texts(pattern, "it")``: "The key feature of it
 is QZXBT." after "What is 2+2?"), so no control sequence names the trigger. Keys are prefixed
 ``probe_`` / ``leakage_``; no probe-minus-control difference is formed here.
+
+**Wiring into a measure registry** (built once per run, then called per parameter set; ``beh`` the
+measured :class:`behaviors.Behavior`, ``opts`` its ``ProbeOptions``, ``seed`` the measure's seed)::
+
+    smp = probes.make_sampler(graphdef, cfg, tok, mesh, opts.max_new_tokens, opts.max_prompt_tokens)
+    probes_, controls = beh.probe_sets()
+    p_ids = chat_prompt_ids(tok, [p.prompt for p in probes_], max_tokens=opts.max_prompt_tokens)
+    c_ids = chat_prompt_ids(tok, [c.prompt for c in controls], max_tokens=opts.max_prompt_tokens)
+    key = jax.random.key(seed)                  # the same in every branch and stream
+    # "probe-rate" (not differentiable)
+    sampled_rate_measure(smp, params, tok, p_ids, name="probe", samples_per_prompt=n,
+                         key=jax.random.fold_in(key, 0), temperature=opts.temperature, top_p=opts.top_p,
+                         pattern=beh.pattern)
+    # "probe-pair" (differentiable: pair_log_ratio(mlp, params, pairs) is its jnp scalar)
+    mlp, pairs = make_mean_logprob(graphdef, mesh), probe_pairs(tok, pattern=beh.pattern, trigger=beh.trigger)
+    minimal_pair_measure(mlp, params, pairs, name="probe")
+    # "leakage": both on the controls, key fold_in(key, 1)
+    sampled_rate_measure(smp, params, tok, c_ids, name="leakage", key=jax.random.fold_in(key, 1), ...)
+    minimal_pair_measure(mlp, params, control_pairs(tok, [c.prompt for c in controls], pattern=beh.pattern),
+                         name="leakage")
+
+(:func:`probe_and_leakage` is all of it in one call.) A cache key must hold the settings these
+read: pattern, trigger, probe / control files, ``samples_per_prompt``, temperature, top-p,
+``max_new_tokens``, ``max_prompt_tokens``, seed, and this module's key scheme.
 """
 from __future__ import annotations
 
