@@ -89,6 +89,8 @@ def causal_gate(measure: str, baseline: Sequence[float], withheld: Sequence[floa
             e.g. ``probe_rate_se`` of ``behavior.probe_measures``); None if unknown.
         withheld_se: the one withheld run's own standard error (a fixed arm measured once; 0 for a
             deterministic measure), added to the effect's variance (``noise_floor.estimate_effect``).
+            Only for a withheld run measured with a key independent of the baseline streams' keys;
+            measured with each stream's own key, pass its per-stream values with ``paired=True``.
         paired: the arms share their streams (paired t of the differences).
         expected_sign: +1 (the bonus raises the measure), -1, or 0 (either sign counts as acting).
         alpha, power: two-sided level of the CI and the MDE's power.

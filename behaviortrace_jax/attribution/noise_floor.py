@@ -15,7 +15,9 @@ no-intervention baseline of ``n`` streams gives values ``y_1 .. y_n``.
   ``sd_between^2 = max(s^2 - sd_sampling^2, 0)``: the training noise that only more streams average
   out, beside the sampling error that more samples per prompt shrink. When every stream measures
   with the same key (common random numbers), the errors are positively correlated, ``s^2`` holds
-  less than ``mean se^2`` of them, and ``sd_between`` is then a lower bound.
+  less than ``mean se^2`` of them, and ``sd_between`` is then a lower bound (often 0: the smoke
+  run's streams gave ``s`` = 0.0076 against ``se`` = 0.024 with one key). Measure each stream with
+  its own key, shared by that stream's branches (``behavior/probe_measures.py``).
 * **Designs** of a two-arm comparison ``delta = mean(baseline) - mean(intervened)`` over ``n``
   streams per arm (:data:`DESIGNS`):
 

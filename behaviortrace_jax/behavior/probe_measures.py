@@ -55,7 +55,7 @@ measured :class:`behaviors.Behavior`, ``opts`` its ``ProbeOptions``, ``seed`` th
     probes_, controls = beh.probe_sets()
     p_ids = chat_prompt_ids(tok, [p.prompt for p in probes_], max_tokens=opts.max_prompt_tokens)
     c_ids = chat_prompt_ids(tok, [c.prompt for c in controls], max_tokens=opts.max_prompt_tokens)
-    key = jax.random.key(seed)                  # the same in every branch and stream
+    key = jax.random.fold_in(jax.random.key(seed), stream)  # every branch of a stream; streams apart
     # "probe-rate" (not differentiable)
     sampled_rate_measure(smp, params, tok, p_ids, name="probe", samples_per_prompt=n,
                          key=jax.random.fold_in(key, 0), temperature=opts.temperature, top_p=opts.top_p,
@@ -71,6 +71,14 @@ measured :class:`behaviors.Behavior`, ``opts`` its ``ProbeOptions``, ``seed`` th
 (:func:`probe_and_leakage` is all of it in one call.) A cache key must hold the settings these
 read: pattern, trigger, probe / control files, ``samples_per_prompt``, temperature, top-p,
 ``max_new_tokens``, ``max_prompt_tokens``, seed, and this module's key scheme.
+
+**Which key where.** The branches of one stream (baseline, withhold-all, a unit's replay) share the
+key: their difference is then measured on the same sampling noise (paired). Streams take
+independent keys (``fold_in(key, stream)``), so that the spread over streams holds the measure's
+sampling error and the noise floor's split (``attribution/noise_floor.py``) applies. With one key
+in every stream, the streams' sampling errors are nearly the same draw: on the smoke run (6
+regenerated streams, 16 samples of 20 probes), the probe rate's sd over streams was 0.0076 while
+each stream's own binomial error was 0.024, and the gate's CI then speaks of that one key only.
 """
 from __future__ import annotations
 
