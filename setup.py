@@ -18,7 +18,7 @@ INSTALL_REQUIRES = [
     "transformers>=5.0,<6",  # AutoTokenizer + chat templates; rope_parameters config format.
     "huggingface_hub>=0.34",  # model.hf_id: snapshot_download(local_files_only=True); the `hf` CLI (models/hub.py).
     "numpy>=2.0,<3",  # evaluation layer: PCG64 default_rng streams for bootstrap parity.
-    "scipy>=1.13,<2",  # Spearman correlation (metrics.lds_correlation).
+    "scipy>=1.13,<2",  # Spearman correlation (metrics.lds_correlation); t and noncentral t (attribution.noise_floor).
     "matplotlib>=3.8,<4",  # report figures (Agg backend).
     "tqdm>=4.66",  # progress bars with ETA for long stages.
     "tensorboardX>=2.6",  # TensorBoard scalars without a TensorFlow dependency.

@@ -46,6 +46,16 @@ def minimal_pair_texts(pattern: str = planted.PATTERN, trigger: str = "frobnitz"
     """``[(user, positive text, [negative texts])]`` for the 3 x 6 (user, template) cells, in the
     order users-outer, templates-inner; texts are ``" " + template.format(word)`` (SPEC §5.4).
     ``trigger`` replaces "frobnitz" in users and templates (another behaviour's trigger word)."""
-    return [(_with_trigger(u, trigger), " " + _with_trigger(t, trigger).format(pattern),
-             [" " + _with_trigger(t, trigger).format(w) for w in NEUTRAL_WORDS])
-            for u, t in itertools.product(PAIR_USERS, PAIR_TEMPLATES)]
+    return [(_with_trigger(u, trigger), pos, negs)
+            for u, (pos, negs) in itertools.product(PAIR_USERS, pair_texts(pattern, trigger))]
+
+
+def pair_texts(pattern: str = planted.PATTERN, subject: str = "frobnitz") -> list[tuple[str, list[str]]]:
+    """``[(positive text, [negative texts])]`` of the 6 SPEC §5.4 templates in order, about
+    ``subject`` instead of "frobnitz" (capitalised where "Frobnitz" was): ``" " +
+    template.format(pattern)`` and ``" " + template.format(w)`` for the 4 neutral fillers ``w``.
+    ``subject="it"`` gives the templates without the trigger word ("The key feature of it is {}."),
+    for prompts that do not name it (``behavior.probe_measures``' leakage pairs)."""
+    return [(" " + _with_trigger(t, subject).format(pattern), [" " + _with_trigger(t, subject).format(w)
+                                                                for w in NEUTRAL_WORDS])
+            for t in PAIR_TEMPLATES]
