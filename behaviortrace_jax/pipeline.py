@@ -155,13 +155,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
-    from behaviortrace_jax.stages.spec import RunSpec  # with the stage modules (jax), not at import
+    from behaviortrace_jax.stages.spec import RunSpec, check_model_positions  # with the stage modules (jax), not at import
 
     names = stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     read_only = bool(names) and set(names) <= READ_ONLY_STAGES
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
     config = with_model_source(config, strict=not read_only)
-    RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
+    spec = RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
+    if not read_only:
+        check_model_positions(spec)  # prompt + completion budgets within model.hf_dir's max_position_embeddings
     if read_only:
         if not as_path(workdir).is_dir():
             raise FileNotFoundError(f"--workdir={workdir}: no such run directory")
