@@ -163,7 +163,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     config = with_model_source(config, strict=not read_only)
     spec = RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
     if not read_only:
-        check_model_positions(spec)  # prompt + completion budgets within model.hf_dir's max_position_embeddings
+        check_model_positions(spec, tuple(names))  # prompt + completion budgets within hf_dir's max_position_embeddings
     if read_only:
         if not as_path(workdir).is_dir():
             raise FileNotFoundError(f"--workdir={workdir}: no such run directory")

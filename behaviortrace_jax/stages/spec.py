@@ -350,32 +350,41 @@ def check(sections: dict[str, Any]) -> None:
             raise ValueError(f"config.{key}: must be {what}, got {value!r}")
 
 
-def check_positions(run: "RunSpec", max_position_embeddings: int, source: str) -> None:
-    """Refuses sequence lengths the model cannot hold: every prompt budget plus its completion budget
-    must fit in ``max_position_embeddings`` (the model's config.json, read from ``source``), as
-    transformers' ``generate`` requires. Checked before a stage samples or trains (``pipeline.run``
-    for a given ``model.hf_dir``; the ``grpo`` stage for the model it starts from).
+def position_budgets(run: "RunSpec") -> dict[str, tuple[tuple[str, int], tuple[str, int]]]:
+    """``{stage: ((prompt key, tokens), (completion key, tokens))}``: the longest sequence each stage
+    samples or trains on, as the config keys that bound it."""
+    g, d, t, s = run.grpo, run.draws, run.targets, run.sft
+    prompt = ("grpo.max_prompt_tokens", g.max_prompt_tokens)
+    ctx = ("targets.ctx_max_new_tokens", t.ctx_max_new_tokens) if t.ctx_max_new_tokens > 0 else \
+        ("draws.max_new_tokens", d.max_new_tokens)
+    return {"sft": (("sft.max_prompt_tokens", s.max_prompt_tokens), ("sft.max_completion_tokens", s.max_completion_tokens)),
+            "grpo": (prompt, ("grpo.max_new_tokens", g.max_new_tokens)),
+            "draws": (prompt, ("draws.max_new_tokens", d.max_new_tokens)),
+            "sketch": (prompt, ctx),
+            "info": (prompt, ("info.max_new_tokens", run.info.max_new_tokens))}
+
+
+def check_positions(run: "RunSpec", max_position_embeddings: int, source: str,
+                    stages: "tuple[str, ...] | None" = None) -> None:
+    """Refuses sequence lengths the model cannot hold: the prompt budget plus the completion budget of
+    each of ``stages`` (None = all of :func:`position_budgets`) must fit in ``max_position_embeddings``
+    (the model's config.json, read from ``source``). Checked before anything is sampled or trained
+    (``pipeline.run`` for a given ``model.hf_dir``; the ``grpo`` stage for the model it starts from).
 
     Raises:
         ValueError: naming both config keys, their sum, ``max_position_embeddings`` and ``source``.
     """
-    g, d, t, s = run.grpo, run.draws, run.targets, run.sft
-    ctx_new = t.ctx_max_new_tokens if t.ctx_max_new_tokens > 0 else d.max_new_tokens
-    pairs = (("grpo.max_prompt_tokens", g.max_prompt_tokens, "grpo.max_new_tokens", g.max_new_tokens),
-             ("grpo.max_prompt_tokens", g.max_prompt_tokens, "draws.max_new_tokens", d.max_new_tokens),
-             ("grpo.max_prompt_tokens", g.max_prompt_tokens,
-              "targets.ctx_max_new_tokens" if t.ctx_max_new_tokens > 0 else "draws.max_new_tokens", ctx_new),
-             ("sft.max_prompt_tokens", s.max_prompt_tokens, "sft.max_completion_tokens", s.max_completion_tokens))
-    for ka, a, kb, b in pairs:
-        if a + b > int(max_position_embeddings):
+    for stage, ((ka, a), (kb, b)) in position_budgets(run).items():
+        if (stages is None or stage in stages) and a + b > int(max_position_embeddings):
             raise ValueError(f"config.{ka} + config.{kb} = {a} + {b} = {a + b} > max_position_embeddings="
-                             f"{max_position_embeddings} of {source}: prompt and completion would run past the "
-                             f"model's positions; lower config.{ka} or config.{kb}")
+                             f"{max_position_embeddings} of {source} (the {stage} stage): prompt and completion "
+                             f"would run past the model's positions; lower config.{ka} or config.{kb}")
 
 
-def check_model_positions(run: "RunSpec") -> None:
-    """:func:`check_positions` against ``run.hf_dir``'s config.json when it is a local folder that has one
-    (``model.hf_dir`` given; the run's own base model is checked by the stage that loads it)."""
+def check_model_positions(run: "RunSpec", stages: "tuple[str, ...] | None" = None) -> None:
+    """:func:`check_positions` of ``stages`` against ``run.hf_dir``'s config.json when it is a local
+    folder that has one (``model.hf_dir`` given; the run's own base model is checked by the stage
+    that loads it)."""
     import json
     import os
 
@@ -384,7 +393,7 @@ def check_model_positions(run: "RunSpec") -> None:
         with open(path, encoding="utf-8") as f:
             n = json.load(f).get("max_position_embeddings")
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            check_positions(run, n, path)
+            check_positions(run, n, path, stages)
 
 
 # ------------------------------------------------------------------------------------------------
