@@ -90,7 +90,8 @@ class _SafetensorsFile:
     The header is checked against the file when it is opened (the safetensors format: an 8-byte
     little-endian header length, a JSON header, then the data): the header fits in the file, it is a
     JSON object whose entries have a ``dtype``, a ``shape`` of non-negative integers and
-    ``data_offsets`` ``[begin, end]`` with ``end - begin`` = the shape's bytes, inside the data.
+    ``data_offsets`` ``[begin, end]`` with ``end - begin`` = the shape's bytes, and the tensors tile
+    the data after the header exactly (no gap, overlap or trailing byte; the safetensors library's rule).
 
     Raises:
         ValueError: naming the file (and the tensor) for an empty or truncated file, a header that is
@@ -121,6 +122,17 @@ class _SafetensorsFile:
         data = size - self.start
         for key, info in header.items():
             _check_entry(path, key, info, data)
+        # As the safetensors library validates: the tensors tile the data, in offset order, with no gap or overlap.
+        end = 0
+        for key, info in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+            begin = info["data_offsets"][0]
+            if begin != end:
+                raise ValueError(f"{path}: tensor {key!r} begins at data byte {begin}, but the tensor before it ends at "
+                                 f"{end}: the header's data_offsets overlap or leave a gap (a corrupt header)")
+            end = info["data_offsets"][1]
+        if end != data:
+            raise ValueError(f"{path}: the header's tensors end at data byte {end}, but the file holds {data} data bytes "
+                             f"({'a truncated file' if end > data else 'trailing bytes'}; download or save it again)")
         self._mm: np.memmap | None = None
 
     def keys(self) -> list[str]:
