@@ -287,10 +287,6 @@ def read_section(cls: type, view: ConfigReads, section: str) -> Any:
                   for f in dataclasses.fields(cls)})
 
 
-def _finite(v: Any) -> bool:
-    return math.isfinite(v)
-
-
 def _positive(v: Any) -> bool:
     return math.isfinite(v) and v > 0
 
@@ -303,9 +299,9 @@ def _probability(v: Any) -> bool:
     return math.isfinite(v) and 0.0 < v <= 1.0
 
 
-# (key, predicate, what it must be): checked on the typed value; a failure names the key. Every value the
-# optimiser (optax AdamW; torch.optim.AdamW refuses the same), a loss or the sampler cannot take: NaN and
-# infinity fail every numeric predicate.
+# (key, predicate, what it must be): checked on the typed value; a failure names the key. Every value a loss,
+# the sampler or a schedule cannot take: NaN and infinity fail every numeric predicate. The optimiser's keys
+# (optim.lr, eps, weight_decay, grad_clip, b1, b2) are checked by OptimOptions itself, read first (read_section).
 CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
     (k, _positive, "> 0") for k in (
         "grpo.steps", "grpo.prompts_per_step", "grpo.max_prompt_tokens", "grpo.max_new_tokens",
@@ -313,8 +309,6 @@ CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
         "sft.batch_size", "sft.max_prompt_tokens", "targets.block_size", "targets.length_bucket",
         "draws.group_size", "draws.max_new_tokens", "draws.n_repeats", "evaluation.nboot",
         "targets.ctx_group_size", "base.batch_size", "base.seq_len", "base.lr", "base.length_buckets",
-        # the optimiser: a learning rate and Adam's epsilon (the update divides by sqrt(v) + eps)
-        "optim.lr", "optim.eps",
         # the sampler: softmax(logits / temperature) of G distinct samples per prompt (0 = greedy, G equal rollouts)
         "grpo.temperature", "draws.temperature", "targets.ctx_temperature",
         # the grpo_clip loss: ratio clipped to [1 - clip_eps, 1 + clip_eps] (0: no gradient)
@@ -328,8 +322,6 @@ CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
     ("grpo.repetition_penalty", lambda v: v == -1 or _positive(v), "> 0 or -1 (generation_config.json)"),
     ("grpo.adv_std_floor", _non_negative, ">= 0"),
     ("grpo.kl_beta", _non_negative, ">= 0"),
-    ("optim.weight_decay", _non_negative, ">= 0"),
-    ("optim.grad_clip", _finite, "finite (<= 0 turns clipping off)"),
     ("sft.lr", lambda v: v == -1 or _positive(v), "> 0 or -1 (optim.lr)"),
     ("sft.steps", lambda v: v >= 0, ">= 0"),
     ("base.steps", lambda v: v >= 0, ">= 0"),
