@@ -107,8 +107,8 @@ def with_model_source(config: ml_collections.ConfigDict, *, strict: bool = True)
     """``config`` with ``model.hf_id`` resolved: a copy whose ``model.hf_dir`` is the id's snapshot
     folder (``hub.resolve_hf_id``) and ``model.hf_id`` empty; ``config`` itself when ``hf_id`` is empty.
 
-    ``strict=False`` (read-only stages such as ``status``): a model missing from the cache is logged
-    and the config returned unresolved instead of raising.
+    ``strict=False`` (read-only stages such as ``status``): a model missing from the cache (or a cached
+    snapshot it cannot be loaded from) is logged and the config returned unresolved instead of raising.
 
     Raises:
         ValueError: both ``model.hf_id`` and ``model.hf_dir`` are set (naming both values).
@@ -122,7 +122,7 @@ def with_model_source(config: ml_collections.ConfigDict, *, strict: bool = True)
                          "set; set one (hf_id: a model in the Hugging Face cache, hf_dir: a checkpoint folder)")
     try:
         path = hub.resolve_hf_id(hf_id, allow_download=bool(config.model.allow_download))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError: a corrupt cached snapshot (hub._check_snapshot)
         if strict:
             raise
         logging.warning("%s", e)

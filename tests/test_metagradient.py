@@ -236,24 +236,27 @@ def test_remat_metagradient_vjp_equals_the_plain_one(policy, scan):
 
     The quantity is well conditioned: the Adam state is a run's mid-run state (second moments >= 5e-5),
     not a fresh one. From a fresh state (v = 0) the update's derivatives go through 1 / sqrt(v) with v
-    near 0: cotangents of order 1e12, where one element of 2,048 was off by 2.5e-4 relative on an AVX2
-    CPU (issue 49), and the norm-relative error is 6e-5..2.2e-4 on this one.
+    near 0 and the cotangents are of order 1e12: one element of 2,048 was off by 2.5e-4 relative on an
+    AVX2 CPU (issue 49), the norm-relative error is 1e-7..2.2e-4 here, and 3.3e-3 between ISAs.
 
     Why the bound holds on any x86-64 CPU: both programs evaluate one float32 expression graph (IEEE 754
-    binary32, round to nearest; XLA:CPU does not enable fast-math, and emits its own exp / log / rsqrt
+    binary32, round to nearest; XLA:CPU enables no fast-math, and emits its own exp / log / rsqrt
     polynomials, the same at every vector width). What the CPU's vector ISA (SSE4.2 / AVX2 / AVX-512:
     4 / 8 / 16 lanes) and the remat (the layer's forward recomputed inside the backward, fused
     differently) can change is the order float32 sums are accumulated in and which multiply-adds are
     fused. A sum of n terms in any order is within gamma_(n-1) * sum|x_i| of the exact sum
-    (gamma_n = n u / (1 - n u), u = 2^-24; Higham, Accuracy and Stability, eq. 4.4) and a fused
-    multiply-add changes one rounding (<= u); so each program is within c * u * kappa of the exact vjp
-    (kappa: the vjp's condition number in its intermediates; c: the rounding errors one result
-    accumulates), and the two within twice that. Measured (2-core AMD EPYC family 26 model 2, jax
-    0.10.2): 5.6e-8..3.3e-7 (c * kappa ~ 1..6 in units of u) over the six cases; with the CPU's ISA capped
-    by XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 / AVX2 / AVX512 and plain and remat paired across ISAs (another
-    CPU's reduction order), at most 5.2e-7 (nothing_saveable, scan). REMAT_NORM_RTOL (~340 u) leaves
-    c * kappa 40x the worst seen. A remat that changed the result moves the cotangents by far more: one
-    rollout's weight off by 1% gives 9e-4 (45x the bound), and this test checks that it would fail on it.
+    (gamma_n = n u / (1 - n u), u = 2^-24 ~ 6e-8; Higham, Accuracy and Stability of Numerical
+    Algorithms, eq. 4.4) and a fused multiply-add changes one rounding (<= u); so each program is within
+    c * u * kappa of the exact vjp (kappa: the vjp's condition number in its intermediates; c: the
+    rounding errors one result accumulates) and the two within twice that. That is an order-of-magnitude
+    argument, not a proof for every n: it says the error scales with kappa, which the mid-run state keeps
+    small, and not with the ISA. Measured (2-core AMD EPYC family 26 model 2, AVX-512, jax 0.10.2): worst
+    leaf 5.6e-8..3.3e-7 over the six cases (2 c * kappa ~ 1..6 in units of u); with XLA's ISA capped
+    (XLA_FLAGS=--xla_cpu_max_isa=SSE4_2 / AVX2 / AVX512, i.e. another CPU's reduction order) and plain
+    and remat paired across ISAs, at most 2.4e-7 (nothing_saveable, scan). REMAT_NORM_RTOL = 2e-5
+    (~340 u) is 60x the worst measured. A remat that changed the result moves the cotangents far more:
+    one rollout's weight off by 1% gives 9.0e-4 (45x the bound), and the test checks that it would fail
+    on that.
     """
     from test_grpo import _batch
 
