@@ -557,6 +557,23 @@ def test_prompt_and_completion_past_the_positions_are_refused(prompt, new, stage
         check_positions(run, positions, "cfg.json", (stage,))
 
 
+def test_pipeline_refuses_budgets_past_the_model_positions_before_writing(tmp_path):
+    """``pipeline.run`` with a ``model.hf_dir`` whose config.json holds fewer positions than a named
+    stage's prompt + completion budget: refused naming the keys and the file; no workdir written."""
+    from behaviortrace_jax import pipeline
+
+    TRIED["prompt length"] += 1
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 64}))
+    c = tiny.get_config("smoke")
+    c.model.hf_dir, c.stages, c.grpo.max_prompt_tokens, c.grpo.max_new_tokens = str(model), "grpo", 60, 8
+    with pytest.raises(ValueError, match=rf"config\.grpo\.max_prompt_tokens \+ config\.grpo\.max_new_tokens = 60 \+ 8 "
+                                         rf"= 68 > max_position_embeddings=64 of {re.escape(str(model))}/config\.json"):
+        pipeline.run(c, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.fixture(scope="module")
 def rollout_parts():
     """A tiny tokenizer, the smoke config's rollout options and a tiny model's graph (nothing is sampled)."""
