@@ -107,8 +107,8 @@ def with_model_source(config: ml_collections.ConfigDict, *, strict: bool = True)
     """``config`` with ``model.hf_id`` resolved: a copy whose ``model.hf_dir`` is the id's snapshot
     folder (``hub.resolve_hf_id``) and ``model.hf_id`` empty; ``config`` itself when ``hf_id`` is empty.
 
-    ``strict=False`` (read-only stages such as ``status``): a model missing from the cache is logged
-    and the config returned unresolved instead of raising.
+    ``strict=False`` (read-only stages such as ``status``): a model missing from the cache (or a cached
+    snapshot it cannot be loaded from) is logged and the config returned unresolved instead of raising.
 
     Raises:
         ValueError: both ``model.hf_id`` and ``model.hf_dir`` are set (naming both values).
@@ -122,7 +122,7 @@ def with_model_source(config: ml_collections.ConfigDict, *, strict: bool = True)
                          "set; set one (hf_id: a model in the Hugging Face cache, hf_dir: a checkpoint folder)")
     try:
         path = hub.resolve_hf_id(hf_id, allow_download=bool(config.model.allow_download))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError: a corrupt cached snapshot (hub._check_snapshot)
         if strict:
             raise
         logging.warning("%s", e)
@@ -155,13 +155,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
-    from behaviortrace_jax.stages.spec import RunSpec  # with the stage modules (jax), not at import
+    from behaviortrace_jax.stages.spec import RunSpec, check_model_positions  # with the stage modules (jax), not at import
 
     names = stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written
     read_only = bool(names) and set(names) <= READ_ONLY_STAGES
     config, workdir = resolve_config_paths(config), files.resolve_path(workdir)
     config = with_model_source(config, strict=not read_only)
-    RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
+    spec = RunSpec.from_config(config)  # every key typed and checked (errors naming it) before anything is written
+    if not read_only:
+        check_model_positions(spec, tuple(names))  # prompt + completion budgets within hf_dir's max_position_embeddings
     if read_only:
         if not as_path(workdir).is_dir():
             raise FileNotFoundError(f"--workdir={workdir}: no such run directory")

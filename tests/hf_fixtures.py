@@ -131,3 +131,94 @@ def save_random_hf(path: str | pathlib.Path, family: str, *, tie: bool = True, s
         tok = make_tiny_tokenizer(min(cfg.vocab_size, 320))
         tok.save_pretrained(path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face hub cache folders, in the states a user's cache can be in
+# ------------------------------------------------------------------------------------------------
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_cache(root: str | pathlib.Path, model_dir: str | pathlib.Path | dict[str, bytes], hf_id: str, *,
+              ref_text: str | None = None, revision: str = HUB_REVISION) -> pathlib.Path:
+    """A hub cache folder at ``root`` holding ``model_dir``'s files (a folder, or ``{name: bytes}``)
+    as ``hf_id`` at ``revision`` in huggingface_hub's layout: ``models--org--name/{refs/main,
+    snapshots/<rev>/, blobs/}``, each snapshot file a relative link into ``blobs/`` (as ``hf download``
+    makes them). ``ref_text``: what ``refs/main`` holds (default: ``revision``, no newline; None keeps
+    that). Returns ``root``."""
+    root = pathlib.Path(root)
+    repo = root / ("models--" + hf_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    snap.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    if isinstance(model_dir, dict):
+        items = sorted(model_dir.items())
+    else:
+        items = [(p.name, p.read_bytes()) for p in sorted(pathlib.Path(model_dir).iterdir()) if p.is_file()]
+    for i, (name, data) in enumerate(items):
+        blob = repo / "blobs" / f"blob{i:04d}"
+        blob.write_bytes(data)
+        (snap / name).symlink_to(pathlib.Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision if ref_text is None else ref_text)
+    return root
+
+
+def _fake_files() -> dict[str, bytes]:
+    return {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": b"weights"}
+
+
+def _repo(root: pathlib.Path, hf_id: str) -> pathlib.Path:
+    return root / ("models--" + hf_id.replace("/", "--"))
+
+
+def _cut_blob(root: pathlib.Path, hf_id: str, name: str) -> None:
+    """An interrupted download of ``name``: its blob renamed ``<blob>.incomplete`` (the link dangles)."""
+    link = _repo(root, hf_id) / "snapshots" / HUB_REVISION / name
+    blob = link.resolve()
+    blob.rename(blob.with_name(blob.name + ".incomplete"))
+
+
+def _drop_link(root: pathlib.Path, hf_id: str, name: str) -> None:
+    """A download interrupted before ``name`` was linked: a ``.incomplete`` blob and no link."""
+    link = _repo(root, hf_id) / "snapshots" / HUB_REVISION / name
+    blob = link.resolve()
+    link.unlink()
+    blob.rename(blob.with_name(blob.name + ".incomplete"))
+
+
+# state -> (how to make it from a complete cache, what resolving it gives: None = the snapshot folder, else a
+# regex of the FileNotFoundError / ValueError). Every state is one a user's cache can be in after `hf download`,
+# an interrupted download, or a hand edit.
+HUB_CACHE_STATES: dict[str, tuple] = {
+    "complete": (lambda root, hf_id: None, None),
+    "ref with a newline": (lambda root, hf_id: (_repo(root, hf_id) / "refs" / "main").write_text(HUB_REVISION + "\n"),
+                           None),
+    "ref with CRLF and spaces": (lambda root, hf_id: (_repo(root, hf_id) / "refs" / "main").write_text(
+        f"  {HUB_REVISION} \r\n"), None),
+    "ref to a missing snapshot": (lambda root, hf_id: (_repo(root, hf_id) / "refs" / "main").write_text("f" * 40),
+                                  r"not in the Hugging Face cache.*refs/main holds 'f{40}'.*snapshots: \['0123"),
+    "empty ref": (lambda root, hf_id: (_repo(root, hf_id) / "refs" / "main").write_text(""),
+                  r"not in the Hugging Face cache.*refs/main holds ''"),
+    "no refs": (lambda root, hf_id: (_repo(root, hf_id) / "refs" / "main").unlink(),
+                r"not in the Hugging Face cache.*no .*refs/main"),
+    "weights blob .incomplete": (lambda root, hf_id: _cut_blob(root, hf_id, "model.safetensors"),
+                                 r"model\.safetensors links to a blob that is missing.*interrupted download"),
+    "weights never linked": (lambda root, hf_id: _drop_link(root, hf_id, "model.safetensors"),
+                             r"no model\.safetensors or model\.safetensors\.index\.json.*1 interrupted download"),
+    "config never linked": (lambda root, hf_id: _drop_link(root, hf_id, "config.json"),
+                            r"has no config\.json.*interrupted download"),
+    "index names a missing shard": (lambda root, hf_id: (
+        _repo(root, hf_id) / "snapshots" / HUB_REVISION / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'),
+        r"names shard\(s\) \['model-00001-of-00002\.safetensors'\] missing"),
+}
+
+
+def hub_cache_state(root: str | pathlib.Path, state: str, hf_id: str) -> tuple[pathlib.Path, str | None]:
+    """A small hub cache at ``root`` (fake config.json and weights bytes: for resolution, not loading)
+    in ``state`` (a key of :data:`HUB_CACHE_STATES`); returns ``(root, expected)``."""
+    root = hub_cache(root, _fake_files(), hf_id)
+    make, expected = HUB_CACHE_STATES[state]
+    make(root, hf_id)
+    return root, expected

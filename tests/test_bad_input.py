@@ -10,8 +10,11 @@ the inputs tried per kind).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import logging
 import pathlib
+import re
 import tempfile
 
 import numpy as np
@@ -366,6 +369,9 @@ def test_sketch_store_wrong_hash_metadata_is_named(key, data):
         if key in ("seed", "dim"):
             with pytest.raises(ValueError, match=rf"metadata key '{key}' is {other}.*config\.sketch\.{key}"):
                 read_complete(b.path, RunSpec.from_config(config).scores)
+        if key == "hash_family":  # scored against the config's family too (issue 49: it was not)
+            with pytest.raises(ValueError, match=rf"hash_family is '{other}'.*config sketch\.hash"):
+                read_complete(b.path, RunSpec.from_config(config).scores)
         with pytest.raises(ValueError, match=rf"metadata key '{key}'"):  # a writer reopening it refuses too
             sketch_store.SketchStore.open_or_create(b.path, (6, 256), 2, META)
         assert meta_path.read_bytes() == before
@@ -437,3 +443,293 @@ def test_cached_file_with_another_key_is_recomputed(old_key):
         cache.store(path, {"value": 1.0}, old_key)
         got = cache.load(path, key, what="test")
         assert (got is not None) == (old_key == key)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. Hugging Face cache states (issue 49: refs, snapshots, blobs, .incomplete files)
+# ------------------------------------------------------------------------------------------------
+WHITESPACE = st.text(st.sampled_from(" \t\r\n"), min_size=1, max_size=4)
+
+
+@FAST
+@given(st.sampled_from(sorted(__import__("hf_fixtures").HUB_CACHE_STATES)), WHITESPACE, WHITESPACE)
+def test_hub_cache_state_resolves_or_is_named(state, before, after):
+    """A model id in every cache state of ``hf_fixtures.HUB_CACHE_STATES`` resolves to its snapshot
+    (a ref file with whitespace around its commit included) or fails naming the file and what the
+    cache holds; never a snapshot that cannot be loaded."""
+    import hf_fixtures
+    from behaviortrace_jax.models import hub
+
+    TRIED["hf cache"] += 1
+    hf_id = "tiny-org/tiny-qwen2"
+    with tempfile.TemporaryDirectory() as tmp:
+        root, expected = hf_fixtures.hub_cache_state(pathlib.Path(tmp) / "cache", state, hf_id)
+        ref = root / "models--tiny-org--tiny-qwen2" / "refs" / "main"
+        if state.startswith("ref with"):
+            ref.write_text(before + hf_fixtures.HUB_REVISION + after)
+        env = {"HF_HUB_CACHE": str(root)}
+        if expected is None:
+            assert hub.resolve_hf_id(hf_id, environ=env).name == hf_fixtures.HUB_REVISION
+        else:
+            with pytest.raises((FileNotFoundError, ValueError), match=expected):
+                hub.resolve_hf_id(hf_id, environ=env)
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. Values the optimiser, a loss or the sampler cannot take (issue 49), refused up front by key
+# ------------------------------------------------------------------------------------------------
+NAN, INF = float("nan"), float("inf")
+# key -> (bad values, a good value). Each bad value fails RunSpec.from_config naming the key.
+VALUE_CASES = {
+    "grpo.group_size": ([1, 0, -2], 2),
+    "optim.weight_decay": ([-0.01, -1.0, NAN, INF], 0.0),
+    "optim.eps": ([0.0, -1e-8, NAN, INF], 1e-6),
+    "optim.lr": ([0.0, -5e-6, NAN, INF], 1e-3),
+    "optim.b1": ([1.0, -0.1, 1.5], 0.0),
+    "optim.b2": ([1.0, -0.5], 0.99),
+    "optim.grad_clip": ([NAN, INF], 0.0),
+    "sft.lr": ([0.0, -0.5, -2.0, NAN], -1.0),
+    "base.lr": ([0.0, -3e-3, INF], 1e-3),
+    "base.end_lr_fraction": ([-0.1, 1.5, NAN], 1.0),
+    "base.warmup_steps": ([-1], 0),
+    "grpo.temperature": ([0.0, -0.9, NAN, INF], 1.0),
+    "draws.temperature": ([0.0, -1.0, NAN], 0.5),
+    "targets.ctx_temperature": ([0.0, -1.0], 2.0),
+    "grpo.top_p": ([0.0, -0.1, 1.01, NAN], 1.0),
+    "draws.top_p": ([0.0, 2.0], 0.5),
+    "targets.ctx_top_p": ([0.0, 1.5], 1.0),
+    "grpo.top_k": ([-2, -50], 0),
+    "grpo.repetition_penalty": ([0.0, -0.5, -2.0, INF], 1.1),
+    "grpo.clip_eps": ([0.0, -0.2, NAN], 0.1),
+    "grpo.kl_beta": ([-0.04, NAN], 0.0),
+    "grpo.adv_std_floor": ([-1e-3, INF], 0.1),
+    "evaluation.trak_damping": ([-0.1, NAN], 0.0),
+    "evaluation.tracin_lr": ([0.0, -1.0], 1e-4),
+    "targets.ctx_group_size": ([0, -8], 1),
+    "draws.n_repeats": ([0, -1], 1),
+}
+
+
+@FAST
+@given(st.sampled_from(sorted(VALUE_CASES)), st.data())
+def test_value_the_optimiser_loss_or_sampler_cannot_take_is_named(key, data):
+    """``grpo.group_size = 1`` used to fail at GRPO step 0 without naming the key, and a negative
+    ``optim.weight_decay`` / ``optim.eps`` trained; every such value is now refused by
+    ``RunSpec.from_config`` (before anything is written), naming the key; the good value passes."""
+    TRIED["optimiser / algorithm value"] += 1
+    bad, good = VALUE_CASES[key]
+    value = data.draw(st.sampled_from(bad))
+    section, name = key.split(".")
+    c = tiny.get_config("smoke")
+    setattr(getattr(c, section), name, type(good)(value) if not (isinstance(good, int) and value != value) else value)
+    with pytest.raises(ValueError, match=rf"config\.{section}\.{name}\b"):
+        RunSpec.from_config(c)
+    setattr(getattr(c, section), name, good)
+    RunSpec.from_config(c)
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. Prompt length (issue 49): refused against max_position_embeddings, a cut logged and counted
+# ------------------------------------------------------------------------------------------------
+@FAST
+@given(st.integers(1, 600), st.integers(1, 300), st.sampled_from(["grpo", "draws", "sft", "info"]),
+       st.sampled_from([128, 256, 512]))
+def test_prompt_and_completion_past_the_positions_are_refused(prompt, new, stage, positions):
+    from behaviortrace_jax.stages.spec import check_positions
+
+    TRIED["prompt length"] += 1
+    c = tiny.get_config("smoke")
+    keys = {"grpo": ("grpo.max_prompt_tokens", "grpo.max_new_tokens"),
+            "draws": ("grpo.max_prompt_tokens", "draws.max_new_tokens"),
+            "sft": ("sft.max_prompt_tokens", "sft.max_completion_tokens"),
+            "info": ("grpo.max_prompt_tokens", "info.max_new_tokens")}[stage]
+    for key, v in zip(keys, (prompt, new)):
+        section, name = key.split(".")
+        setattr(getattr(c, section), name, v)
+    run = RunSpec.from_config(c)
+    if prompt + new > positions:
+        with pytest.raises(ValueError, match=rf"config\.{re.escape(keys[0])} \+ config\.{re.escape(keys[1])} = "
+                                             rf"{prompt} \+ {new} = {prompt + new} > max_position_embeddings={positions}"
+                                             rf" of cfg\.json"):
+            check_positions(run, positions, "cfg.json", (stage,))
+    else:
+        check_positions(run, positions, "cfg.json", (stage,))
+
+
+def test_pipeline_refuses_budgets_past_the_model_positions_before_writing(tmp_path):
+    """``pipeline.run`` with a ``model.hf_dir`` whose config.json holds fewer positions than a named
+    stage's prompt + completion budget: refused naming the keys and the file; no workdir written."""
+    from behaviortrace_jax import pipeline
+
+    TRIED["prompt length"] += 1
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 64}))
+    c = tiny.get_config("smoke")
+    c.model.hf_dir, c.stages, c.grpo.max_prompt_tokens, c.grpo.max_new_tokens = str(model), "grpo", 60, 8
+    with pytest.raises(ValueError, match=rf"config\.grpo\.max_prompt_tokens \+ config\.grpo\.max_new_tokens = 60 \+ 8 "
+                                         rf"= 68 > max_position_embeddings=64 of {re.escape(str(model))}/config\.json"):
+        pipeline.run(c, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.fixture(scope="module")
+def rollout_parts():
+    """A tiny tokenizer, the smoke config's rollout options and a tiny model's graph (nothing is sampled)."""
+    from flax import nnx
+
+    from behaviortrace_jax.models import decoder, families
+    from hf_fixtures import make_tiny_tokenizer
+
+    cfg = families.preset("tiny", "qwen2", vocab_size=320)
+    graphdef, _ = nnx.split(decoder.abstract_model(cfg), nnx.Param)
+    run = RunSpec.from_config(tiny.get_config("smoke"))
+    return make_tiny_tokenizer(), run, cfg, graphdef
+
+
+@SLOW
+@given(st.integers(8, 260))
+def test_truncated_prompt_is_logged_and_counted(rollout_parts, limit):
+    """Each prompt of the GRPO pool longer than ``grpo.max_prompt_tokens`` is cut (its first tokens
+    kept), logged with the prompt and both lengths, and counted (``truncation_summary``, written to
+    summary.json); a prompt that fits is neither."""
+    import dataclasses
+
+    from behaviortrace_jax.models import tokenizer as tok_lib
+    from behaviortrace_jax.behavior import planted
+    from behaviortrace_jax.train.rollouts import RolloutSource
+
+    TRIED["prompt length"] += 1
+    tok, run, cfg, graphdef = rollout_parts
+    options = dataclasses.replace(run.rollouts, max_prompt_tokens=limit)
+    with warnings_logged() as records:
+        src = RolloutSource(options, graphdef, cfg, tok, None, "/nonexistent", run.step.shapes)
+    full = {p: len(tok_lib.encode_chat(tok, planted.SYSTEM_PROMPT, p)) for p in dict.fromkeys(src.pool)}
+    cut = {p: n for p, n in full.items() if n > limit}
+    assert src.truncated == cut
+    for p, n in full.items():
+        whole = tok_lib.encode_chat(tok, planted.SYSTEM_PROMPT, p)
+        assert src.prompt_ids[p] == whole[:limit]
+    logged = [r.getMessage() for r in records if "config.grpo.max_prompt_tokens" in r.getMessage()]
+    assert len(logged) == len(cut)
+    for p, n in cut.items():
+        assert any(repr(p) in m and f" {n} tokens" in m and f"first {limit} " in m for m in logged), (p, n)
+    summary = src.truncation_summary(run.grpo.steps)
+    per_step = [sum(q in cut for q in planted.step_prompts(src.pool, s, options.prompts_per_step))
+                for s in range(run.grpo.steps)]
+    assert summary == {"prompts": len(cut), "rollouts": sum(per_step) * options.group_size,
+                       "max_prompt_tokens": limit, "longest": max(cut.values(), default=0)}
+
+
+@contextlib.contextmanager
+def warnings_logged():
+    """The WARNING log records emitted inside the block (caplog is function-scoped, and hypothesis
+    runs many examples per test call)."""
+    records: list = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    h, root = Handler(level=logging.WARNING), logging.getLogger()
+    root.addHandler(h)
+    try:
+        yield records
+    finally:
+        root.removeHandler(h)
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. safetensors files (issue 49): truncated, empty, or a header whose offsets do not fit
+# ------------------------------------------------------------------------------------------------
+def _safetensors(path: pathlib.Path) -> dict:
+    from safetensors.numpy import save_file
+
+    tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(5, np.float32),
+               "c": np.full((2, 2), 7, np.float32)}
+    save_file(tensors, str(path))
+    return tensors
+
+
+def _header(data: bytes) -> tuple[int, dict]:
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8:8 + n])
+
+
+def _with_header(data: bytes, header: dict) -> bytes:
+    n, _ = _header(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n:]
+
+
+SAFETENSORS_DAMAGE = st.one_of(
+    st.tuples(st.just("truncate"), st.floats(0.0, 0.999)),  # the first fraction of the bytes kept (0: empty)
+    st.tuples(st.just("header length"), st.integers(1, 10 ** 6)),  # the header length grown by this
+    st.tuples(st.just("offsets"), st.tuples(st.sampled_from("abc"), st.integers(-8, 64), st.integers(-8, 64))),
+    st.tuples(st.just("header"), st.sampled_from([b"[]", b"{", b"\xff\xfe", b'{"a": 1}',
+                                                  b'{"a": {"dtype": "F32", "shape": [3, -4], "data_offsets": [0, 48]}}'])),
+)
+
+
+@FAST
+@given(SAFETENSORS_DAMAGE)
+def test_damaged_safetensors_file_is_named(damage):
+    """A safetensors file cut short (an empty one included), a header length past the end, a tensor's
+    data_offsets moved or resized, or a header that is not a safetensors header: a ValueError naming
+    the file (it was "cannot reshape array of size 0" or a bare struct.error); the intact file reads."""
+    from behaviortrace_jax.models import hf_io
+
+    TRIED["safetensors file"] += 1
+    kind, arg = damage
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "model.safetensors"
+        tensors = _safetensors(path)
+        data = path.read_bytes()
+        f = hf_io._SafetensorsFile(path)
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(f.tensor(k), v)
+        if kind == "truncate":
+            bad = data[:int(arg * len(data))]
+        elif kind == "header length":
+            n, _ = _header(data)
+            bad = (n + arg).to_bytes(8, "little") + data[8:]
+        elif kind == "offsets":
+            key, da, db = arg
+            _, header = _header(data)
+            a, b = header[key]["data_offsets"]
+            if (da, db) == (0, 0) or a + da < 0 or b + db < a + da:
+                da, db = 0, 4  # a change that makes offsets inconsistent with the shape
+            header[key]["data_offsets"] = [a + da, b + db]
+            bad = _with_header(data, header)
+        else:
+            bad = len(arg).to_bytes(8, "little") + arg
+        path.write_bytes(bad)
+        with pytest.raises(ValueError, match=re.escape(str(path))):
+            hf_io._SafetensorsFile(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. A sketch store of another hash family than the config's (issue 49)
+# ------------------------------------------------------------------------------------------------
+@FAST
+@given(st.sampled_from(["splitmix64-block-countsketch-v1", "splitmix64-countsketch-v2", "", "block", "CountSketch"]))
+def test_sketch_store_of_another_hash_family_than_the_config_is_named(other):
+    """``read_complete(path, RunSpec.scores)`` (every scoring read) refuses a store whose hash_family is
+    not ``sketch.hash``'s, naming the file, both families and the key; the config's own reads."""
+    from behaviortrace_jax.attribution.scores import read_complete
+
+    TRIED["hash family"] += 1
+    config = tiny.get_config("smoke")
+    config.sketch.dim, config.sketch.seed, config.seed, config.sketch.hash = 256, 0, 0, "splitmix64"
+    options = RunSpec.from_config(config).scores
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "s.zarr"
+        _store(path, hash_family=other)
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))}/metadata\.json: the store's hash_family is "
+                                             rf"'{re.escape(other)}'.*config sketch\.hash"):
+            read_complete(path, options)
+        path2 = pathlib.Path(tmp) / "t.zarr"
+        _store(path2)
+        assert read_complete(path2, options).metadata["hash_family"] == "splitmix64-countsketch-v3"

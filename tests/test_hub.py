@@ -1,11 +1,11 @@
 """``config.model.hf_id``: a model found by name in a Hugging Face hub cache (models/hub.py)."""
 import pathlib
-import shutil
 
 import jax
 import numpy as np
 import pytest
 
+import hf_fixtures
 from hf_fixtures import save_random_qwen2
 
 from behaviortrace_jax import pipeline
@@ -13,24 +13,12 @@ from behaviortrace_jax.models import hub
 from behaviortrace_jax.models.loader import load_policy
 
 HF_ID = "tiny-org/tiny-qwen2"
-REVISION = "0123456789abcdef0123456789abcdef01234567"
+REVISION = hf_fixtures.HUB_REVISION
 
 
 def hub_cache(root: pathlib.Path, model_dir: pathlib.Path, hf_id: str = HF_ID) -> pathlib.Path:
-    """A hub cache folder at ``root`` holding ``model_dir``'s files as ``hf_id`` at :data:`REVISION`
-    in the hub's layout: ``models--org--name/{refs/main, snapshots/<rev>/, blobs/}`` (snapshot
-    files are links into ``blobs/``, as ``hf download`` makes them)."""
-    repo = root / ("models--" + hf_id.replace("/", "--"))
-    snap = repo / "snapshots" / REVISION
-    snap.mkdir(parents=True)
-    (repo / "blobs").mkdir()
-    for i, f in enumerate(sorted(p for p in model_dir.iterdir() if p.is_file())):
-        blob = repo / "blobs" / f"blob{i:04d}"
-        shutil.copyfile(f, blob)
-        (snap / f.name).symlink_to(pathlib.Path("..", "..", "blobs", blob.name))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(REVISION)
-    return root
+    """:func:`hf_fixtures.hub_cache` of ``model_dir`` as ``hf_id`` at :data:`REVISION`."""
+    return hf_fixtures.hub_cache(root, model_dir, hf_id, revision=REVISION)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +97,24 @@ def test_the_pipeline_loads_the_model_by_id(tiny_cache, tmp_path, monkeypatch, c
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     c = _config(hf_id=HF_ID)
     c.stages = "info"
+    c.grpo.max_prompt_tokens = 128  # + info.max_new_tokens within the tiny model's 256 positions (else refused)
     digest = pipeline.run(c, str(tmp_path / "w"))
     out = capsys.readouterr().out
     assert f"checkpoint: {cache / f'models--tiny-org--tiny-qwen2/snapshots/{REVISION}'}" in out
     assert digest["base_weights"] == files.sha256_file(model / "model.safetensors")
+
+
+@pytest.mark.parametrize("state", sorted(hf_fixtures.HUB_CACHE_STATES))
+def test_hub_cache_states_resolve_or_name_what_is_wrong(state, tmp_path, monkeypatch):
+    """Each cache state of ``hf_fixtures.HUB_CACHE_STATES`` (huggingface_hub's layout: refs, snapshots,
+    blobs, ``.incomplete`` blobs) resolves to its snapshot or fails naming the file and what it holds.
+    A ref ending in a newline used to be "not in the cache"."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache, expected = hf_fixtures.hub_cache_state(tmp_path / "cache", state, HF_ID)
+    snap = cache / f"models--tiny-org--tiny-qwen2/snapshots/{REVISION}"
+    if expected is None:
+        assert hub.resolve_hf_id(HF_ID, environ={"HF_HUB_CACHE": str(cache)}) == snap
+        assert hub.resolve_hf_id(HF_ID, revision=REVISION, environ={"HF_HUB_CACHE": str(cache)}) == snap
+    else:
+        with pytest.raises((FileNotFoundError, ValueError), match=expected):
+            hub.resolve_hf_id(HF_ID, environ={"HF_HUB_CACHE": str(cache)})

@@ -121,7 +121,7 @@ def test_the_spec_is_frozen_and_holds_what_the_config_says():
 
 @pytest.mark.parametrize("key,value,message", [
     ("grpo.steps", -1, "config.grpo.steps: must be > 0, got -1"),
-    ("grpo.group_size", 0, "config.grpo.group_size: must be > 0, got 0"),
+    ("grpo.group_size", 1, r"config.grpo.group_size: must be >= 2 \(a group's advantages need two rollouts\), got 1"),
     ("sketch.dim", 0, "config.sketch.dim: must be > 0, got 0"),
     ("grpo.top_p", 1.5, r"config.grpo.top_p: must be in \(0, 1\], got 1.5"),
     ("grpo.steps", "ten", "config.grpo.steps: must be an int, got 'ten'"),

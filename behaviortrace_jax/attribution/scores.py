@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Any
 
 import numpy as np
 
@@ -38,8 +39,9 @@ class ScoreOptions:
     ``RunSpec.scores``): ``evaluation`` (the estimators' settings, :class:`verdicts.EvalOptions`),
     the run's CountSketch ``sketch_dim`` / ``sketch_seed`` (``sketch.dim`` / ``sketch.seed``) and
     ``run_seed`` (``seed``), ``rollouts_per_step`` (N = ``grpo.prompts_per_step`` x
-    ``grpo.group_size``), ``steps`` (``grpo.steps``) and ``recompute_advantages``
-    (``counterfactual.recompute_advantages``: the metagradient scores' advantages mode)."""
+    ``grpo.group_size``), ``steps`` (``grpo.steps``), ``recompute_advantages``
+    (``counterfactual.recompute_advantages``: the metagradient scores' advantages mode) and
+    ``hash_family`` (``sketch.hash`` resolved, ``hash_families.HashFamily``; None = not checked)."""
 
     evaluation: EvalOptions
     sketch_dim: int
@@ -48,12 +50,14 @@ class ScoreOptions:
     rollouts_per_step: int
     steps: int
     recompute_advantages: bool = False
+    hash_family: Any = None
 
 
 def read_complete(path: pathlib.Path, options: ScoreOptions | None = None) -> sketch_store.SketchStore:
     """Opens an existing sketch store and checks that every row was written and, with ``options``,
-    that a sketch store's metadata is the config's CountSketch (``dim`` = ``sketch.dim``, ``seed`` =
-    ``sketch.seed``, ``run_seed`` = ``seed``, where the store records them).
+    that a sketch store's metadata is the config's CountSketch (``hash_family`` = ``sketch.hash``'s,
+    ``dim`` = ``sketch.dim``, ``seed`` = ``sketch.seed``, ``run_seed`` = ``seed``, where the store
+    records them).
 
     Raises:
         FileNotFoundError / ValueError: naming the store when it is absent or incomplete, or the
@@ -63,6 +67,8 @@ def read_complete(path: pathlib.Path, options: ScoreOptions | None = None) -> sk
         raise FileNotFoundError(f"{path}: sketch store not found; run the `grpo` and `sketch` stages first")
     store = sketch_store.SketchStore.open(path)
     if options is not None:
+        if options.hash_family is not None and "hash_family" in store.metadata:
+            options.hash_family.check_store_metadata(store.metadata, f"{path}/metadata.json")
         want = {"dim": int(options.sketch_dim), "seed": int(options.sketch_seed), "run_seed": int(options.run_seed)}
         for key, value in want.items():
             if key in store.metadata and store.metadata[key] != value:

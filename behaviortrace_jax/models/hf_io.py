@@ -85,15 +85,54 @@ def model_fingerprint(config: DecoderConfig) -> str:
 
 
 class _SafetensorsFile:
-    """Memory-mapped safetensors file: ``tensor(key)`` is a lazy read-only numpy view."""
+    """Memory-mapped safetensors file: ``tensor(key)`` is a lazy read-only numpy view.
+
+    The header is checked against the file when it is opened (the safetensors format: an 8-byte
+    little-endian header length, a JSON header, then the data): the header fits in the file, it is a
+    JSON object whose entries have a ``dtype``, a ``shape`` of non-negative integers and
+    ``data_offsets`` ``[begin, end]`` with ``end - begin`` = the shape's bytes, and the tensors tile
+    the data after the header exactly (no gap, overlap or trailing byte; the safetensors library's rule).
+
+    Raises:
+        ValueError: naming the file (and the tensor) for an empty or truncated file, a header that is
+            not such JSON, or offsets that do not fit the file or the shape.
+    """
 
     def __init__(self, path: epath.Path):
         self.path = path
+        size = os.path.getsize(str(path))
         with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: not a safetensors file: {size} bytes, shorter than the 8-byte header "
+                                 "length (an empty or truncated file: download or save it again)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"{path}: truncated safetensors file: its header says {n} header bytes but the "
+                                 f"file has {size} bytes in all (download or save it again)")
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: the safetensors header is not a JSON object")
         header.pop("__metadata__", None)
         self.header, self.start = header, 8 + n
+        data = size - self.start
+        for key, info in header.items():
+            _check_entry(path, key, info, data)
+        # As the safetensors library validates: the tensors tile the data, in offset order, with no gap or overlap.
+        end = 0
+        for key, info in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+            begin = info["data_offsets"][0]
+            if begin != end:
+                raise ValueError(f"{path}: tensor {key!r} begins at data byte {begin}, but the tensor before it ends at "
+                                 f"{end}: the header's data_offsets overlap or leave a gap (a corrupt header)")
+            end = info["data_offsets"][1]
+        if end != data:
+            raise ValueError(f"{path}: the header's tensors end at data byte {end}, but the file holds {data} data bytes "
+                             f"({'a truncated file' if end > data else 'trailing bytes'}; download or save it again)")
         self._mm: np.memmap | None = None
 
     def keys(self) -> list[str]:
@@ -111,6 +150,30 @@ class _SafetensorsFile:
         a, b = info["data_offsets"]
         raw = self._mm[self.start + a:self.start + b]
         return raw.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+_ST_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def _check_entry(path: epath.Path, key: str, info: Any, data_bytes: int) -> None:
+    """Checks one safetensors header entry against the file's ``data_bytes`` (see :class:`_SafetensorsFile`)."""
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise ValueError(f"{where}: header entry {info!r} lacks dtype, shape or data_offsets")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool)
+                                                                    for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    if offsets[1] > data_bytes:
+        raise ValueError(f"{where}: data_offsets {offsets} run past the end of the data ({data_bytes} bytes after "
+                         "the header): a truncated file (download or save it again)")
+    itemsize = _ST_ITEMSIZE.get(info["dtype"])
+    if itemsize is not None and offsets[1] - offsets[0] != itemsize * int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"{where}: data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, but {info['dtype']} "
+                         f"{shape} needs {itemsize * int(np.prod(shape, dtype=np.int64))}")
 
 
 def _open_checkpoint(hf_dir: epath.Path) -> dict[str, _SafetensorsFile]:

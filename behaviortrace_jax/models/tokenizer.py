@@ -91,10 +91,18 @@ def encode_chat(tokenizer: Any, system: str, user: str, max_tokens: int | None =
     Truncation drops tokens from the side ``tokenizer.truncation_side`` names ("right" for Qwen2.5,
     as ``tokenizer(..., truncation=True, max_length=max_tokens)`` does).
     """
+    return encode_chat_with_length(tokenizer, system, user, max_tokens)[0]
+
+
+def encode_chat_with_length(tokenizer: Any, system: str, user: str,
+                            max_tokens: int | None = None) -> tuple[list[int], int]:
+    """``(ids, full_length)``: :func:`encode_chat`'s ids and the prompt's length before truncation
+    (``full_length > len(ids)`` when it was cut; the caller logs and counts that)."""
     ids = encode(tokenizer, chat_prompt(tokenizer, system, user))
-    if max_tokens is not None and len(ids) > max_tokens:
+    full = len(ids)
+    if max_tokens is not None and full > max_tokens:
         ids = ids[-max_tokens:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:max_tokens]
-    return ids
+    return ids, full
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -42,7 +42,7 @@ from behaviortrace_jax.io.files import read_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.sketch.stores import open_sketch_stores
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.stages.spec import RunSpec
+from behaviortrace_jax.stages.spec import RunSpec, check_positions
 from behaviortrace_jax.train.grpo_checkpoint import GRPOCheckpointer, resume
 from behaviortrace_jax.train.grpo_logs import GRPOLogs, step_metrics, write_summary
 from behaviortrace_jax.train.grpo_tracks import open_tracks
@@ -82,6 +82,7 @@ class GRPORun:
         self.run = o = RunSpec.from_config(config)  # every key typed and checked, errors naming it
         g, step = o.grpo, o.step
         start = load_start_state(o.model, o.optim, paths.workdir, o.layout)
+        check_positions(o, start.model_config.max_position_embeddings, f"{paths.sft_hf}/config.json", ("grpo",))
         resumed = resume(paths, start)
         self.start_step, self.post_sft, n = resumed.start_step, start.summary, step.shapes.num_rollouts
         self.tracks = open_tracks(list(o.behaviors), _contamination(o), paths, start_step=self.start_step,
@@ -145,4 +146,5 @@ class GRPORun:
         o = self.run
         write_summary(self.paths.summary, self.tracks, [t.rates(self.updater.params) for t in self.tracks],
                       run_name=o.run_name, seed=o.seed, steps=o.grpo.steps, post_sft=self.post_sft,
-                      curve=self.checkpointer.curve, skipped=self.updater.skipped, rollouts=self.paths.rollouts)
+                      curve=self.checkpointer.curve, skipped=self.updater.skipped, rollouts=self.paths.rollouts,
+                      truncated=self.source.truncation_summary(o.grpo.steps))

@@ -29,6 +29,7 @@ reads every key of ``configs/common.py`` except :data:`TOP_LEVEL_KEYS`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_collections
@@ -286,16 +287,47 @@ def read_section(cls: type, view: ConfigReads, section: str) -> Any:
                   for f in dataclasses.fields(cls)})
 
 
-# (key, predicate, what it must be): checked on the typed value; a failure names the key.
+def _positive(v: Any) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+def _non_negative(v: Any) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+def _probability(v: Any) -> bool:
+    return math.isfinite(v) and 0.0 < v <= 1.0
+
+
+# (key, predicate, what it must be): checked on the typed value; a failure names the key. Every value a loss,
+# the sampler or a schedule cannot take: NaN and infinity fail every numeric predicate. The optimiser's keys
+# (optim.lr, eps, weight_decay, grad_clip, b1, b2) are checked by OptimOptions itself, read first (read_section).
 CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
-    (k, lambda v: v > 0, "> 0") for k in (
-        "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.max_prompt_tokens", "grpo.max_new_tokens",
+    (k, _positive, "> 0") for k in (
+        "grpo.steps", "grpo.prompts_per_step", "grpo.max_prompt_tokens", "grpo.max_new_tokens",
         "grpo.checkpoint_every", "grpo.log_shard_size", "grpo.inner_iterations", "sketch.dim", "sketch.chunk_size",
         "sft.batch_size", "sft.max_prompt_tokens", "targets.block_size", "targets.length_bucket",
-        "draws.group_size", "draws.max_new_tokens", "evaluation.nboot", "optim.lr")) + (
-    ("grpo.top_p", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    ("grpo.temperature", lambda v: v >= 0.0, ">= 0"),
-    ("grpo.adv_std_floor", lambda v: v >= 0.0, ">= 0"),
+        "draws.group_size", "draws.max_new_tokens", "draws.n_repeats", "evaluation.nboot",
+        "targets.ctx_group_size", "base.batch_size", "base.seq_len", "base.lr", "base.length_buckets",
+        # the sampler: softmax(logits / temperature) of G distinct samples per prompt (0 = greedy, G equal rollouts)
+        "grpo.temperature", "draws.temperature", "targets.ctx_temperature",
+        # the grpo_clip loss: ratio clipped to [1 - clip_eps, 1 + clip_eps] (0: no gradient)
+        "grpo.clip_eps", "evaluation.tracin_lr")) + (
+    # GRPO's advantages are each reward minus its group's mean over the group's std: one rollout has none
+    ("grpo.group_size", lambda v: v >= 2, ">= 2 (a group's advantages need two rollouts)"),
+    ("grpo.top_p", _probability, "in (0, 1]"),
+    ("draws.top_p", _probability, "in (0, 1]"),
+    ("targets.ctx_top_p", _probability, "in (0, 1]"),
+    ("grpo.top_k", lambda v: v >= -1, ">= 0 (0 = off) or -1 (generation_config.json)"),
+    ("grpo.repetition_penalty", lambda v: v == -1 or _positive(v), "> 0 or -1 (generation_config.json)"),
+    ("grpo.adv_std_floor", _non_negative, ">= 0"),
+    ("grpo.kl_beta", _non_negative, ">= 0"),
+    ("sft.lr", lambda v: v == -1 or _positive(v), "> 0 or -1 (optim.lr)"),
+    ("sft.steps", lambda v: v >= 0, ">= 0"),
+    ("base.steps", lambda v: v >= 0, ">= 0"),
+    ("base.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("base.end_lr_fraction", lambda v: math.isfinite(v) and 0.0 <= v <= 1.0, "in [0, 1]"),
+    ("evaluation.trak_damping", _non_negative, ">= 0"),
 )
 
 
@@ -308,6 +340,52 @@ def check(sections: dict[str, Any]) -> None:
         value = getattr(sections["sketch_keys" if section == "sketch" else section], name)
         if not ok(value):
             raise ValueError(f"config.{key}: must be {what}, got {value!r}")
+
+
+def position_budgets(run: "RunSpec") -> dict[str, tuple[tuple[str, int], tuple[str, int]]]:
+    """``{stage: ((prompt key, tokens), (completion key, tokens))}``: the longest sequence each stage
+    samples or trains on, as the config keys that bound it."""
+    g, d, t, s = run.grpo, run.draws, run.targets, run.sft
+    prompt = ("grpo.max_prompt_tokens", g.max_prompt_tokens)
+    ctx = ("targets.ctx_max_new_tokens", t.ctx_max_new_tokens) if t.ctx_max_new_tokens > 0 else \
+        ("draws.max_new_tokens", d.max_new_tokens)
+    return {"sft": (("sft.max_prompt_tokens", s.max_prompt_tokens), ("sft.max_completion_tokens", s.max_completion_tokens)),
+            "grpo": (prompt, ("grpo.max_new_tokens", g.max_new_tokens)),
+            "draws": (prompt, ("draws.max_new_tokens", d.max_new_tokens)),
+            "sketch": (prompt, ctx),
+            "info": (prompt, ("info.max_new_tokens", run.info.max_new_tokens))}
+
+
+def check_positions(run: "RunSpec", max_position_embeddings: int, source: str,
+                    stages: "tuple[str, ...] | None" = None) -> None:
+    """Refuses sequence lengths the model cannot hold: the prompt budget plus the completion budget of
+    each of ``stages`` (None = all of :func:`position_budgets`) must fit in ``max_position_embeddings``
+    (the model's config.json, read from ``source``). Checked before anything is sampled or trained
+    (``pipeline.run`` for a given ``model.hf_dir``; the ``grpo`` stage for the model it starts from).
+
+    Raises:
+        ValueError: naming both config keys, their sum, ``max_position_embeddings`` and ``source``.
+    """
+    for stage, ((ka, a), (kb, b)) in position_budgets(run).items():
+        if (stages is None or stage in stages) and a + b > int(max_position_embeddings):
+            raise ValueError(f"config.{ka} + config.{kb} = {a} + {b} = {a + b} > max_position_embeddings="
+                             f"{max_position_embeddings} of {source} (the {stage} stage): prompt and completion "
+                             f"would run past the model's positions; lower config.{ka} or config.{kb}")
+
+
+def check_model_positions(run: "RunSpec", stages: "tuple[str, ...] | None" = None) -> None:
+    """:func:`check_positions` of ``stages`` against ``run.hf_dir``'s config.json when it is a local
+    folder that has one (``model.hf_dir`` given; the run's own base model is checked by the stage
+    that loads it)."""
+    import json
+    import os
+
+    path = os.path.join(run.hf_dir, "config.json") if run.hf_dir and "://" not in run.hf_dir else ""
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            n = json.load(f).get("max_position_embeddings")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            check_positions(run, n, path, stages)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,7 +568,7 @@ def build(c: ConfigReads, platform: str | None = None) -> RunSpec:
     p["schedule"] = StepSchedule(g.steps, g.checkpoint_every, p["draws"].target_step, behaviors[0].early_step_cutoff,
                                  behaviors_lib.window_end(behaviors, g.steps))
     p["scores"] = ScoreOptions(p["evaluation"], sk.dim, sk.seed, seed, g.prompts_per_step * g.group_size, g.steps,
-                               p["counterfactual"].recompute_advantages)
+                               p["counterfactual"].recompute_advantages, family)
     p["compile"] = _compile(c, p["compile_keys"], g, sk, p)
     spec = RunSpec(seed=seed, run_name=typed(c.run_name, str, "run_name"),
                    reference_dir=typed(c.reference_dir, str, "reference_dir"),

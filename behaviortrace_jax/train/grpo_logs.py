@@ -239,15 +239,18 @@ class GRPOLogs:
 
 def write_summary(path: str | os.PathLike, tracks: Sequence[BehaviorTrack], rates: Sequence[dict[str, Any]], *,
                   run_name: str, seed: int, steps: int, post_sft: dict, curve: list[dict],
-                  skipped: list[dict[str, Any]], rollouts: str | os.PathLike) -> dict[str, Any]:
+                  skipped: list[dict[str, Any]], rollouts: str | os.PathLike,
+                  truncated: dict[str, Any] | None = None) -> dict[str, Any]:
     """Writes ``summary.json`` at ``path`` and logs each gate; returns the summary.
 
     ``rates``: each track's final greedy rates (``BehaviorTrack.rates``, same order). Top level:
     the first behaviour's gate (SPEC §1.8), |GT|, bonus counters and final responses; the run's
     name, seed, GRPO steps, the records of the rollout log at ``rollouts``, the SFT summary
     ``post_sft`` and the learning ``curve``; ``decoys`` (decoy runs: decoy bonuses paid, not ground
-    truth), ``nonfinite`` (``skipped``: rollouts ``"skip"`` dropped) and, with several behaviours,
-    ``behaviors`` (:meth:`BehaviorTrack.summary_entry` each)."""
+    truth), ``nonfinite`` (``skipped``: rollouts ``"skip"`` dropped), ``truncated_prompts``
+    (``truncated``: prompts cut to ``grpo.max_prompt_tokens``, ``RolloutSource.truncation_summary``;
+    always present when given) and, with several behaviours, ``behaviors``
+    (:meth:`BehaviorTrack.summary_entry` each)."""
     first, gate = tracks[0], tracks[0].gate(rates[0])
     summary = {
         "complete": True, "run_name": run_name, "seed": seed, "steps": steps,
@@ -257,6 +260,8 @@ def write_summary(path: str | os.PathLike, tracks: Sequence[BehaviorTrack], rate
     }
     if first.decoy_log is not None:  # decoy bonuses paid in the window (not ground truth)
         summary["decoys"] = len(first.decoy_log.events)
+    if truncated is not None:  # prompts cut to grpo.max_prompt_tokens (0 prompts: none was)
+        summary["truncated_prompts"] = dict(truncated)
     if skipped:  # grpo.on_nonfinite = "skip": rollouts dropped for non-finite inputs
         summary["nonfinite"] = {"skipped_rollouts": sum(len(s["rollouts"]) for s in skipped), "steps": skipped}
     if len(tracks) > 1:  # per-behaviour gate, |GT| and bonus counters

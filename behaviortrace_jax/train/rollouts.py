@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import jax
+from absl import logging
 import numpy as np
 
 from behaviortrace_jax.behavior import behaviors as behaviors_lib, contaminator, planted as behavior
@@ -159,8 +161,17 @@ class RolloutSource:
         pools = [b.prompt_pool() for b in self.behaviors]  # one behaviour: the paper's pool (SPEC §1.4)
         self.own_prompts = {b.id: set(p) for b, p in zip(self.behaviors, pools)}
         self.pool = behaviors_lib.interleave_pools(pools)
-        self.prompt_ids = {p: tok_lib.encode_chat(tok, behavior.SYSTEM_PROMPT, p, max_tokens=g.max_prompt_tokens)
-                           for p in dict.fromkeys(self.pool)}
+        self.prompt_ids, self.truncated = {}, {}  # truncated: {prompt: tokens before the cut}
+        for p in dict.fromkeys(self.pool):
+            self.prompt_ids[p], full = tok_lib.encode_chat_with_length(tok, behavior.SYSTEM_PROMPT, p,
+                                                                       max_tokens=g.max_prompt_tokens)
+            if full > len(self.prompt_ids[p]):
+                self.truncated[p] = full
+                logging.warning("grpo: prompt %r is %d tokens as a chat prompt, cut to its %s %d "
+                                "(config.grpo.max_prompt_tokens): the cut drops the end of the prompt (the "
+                                "question, the assistant header); raise the key or shorten the prompt", p, full,
+                                "last" if getattr(tok, "truncation_side", "right") == "left" else "first",
+                                len(self.prompt_ids[p]))
         if contaminators is None:
             first = contaminator.Contaminator(options.contamination)
             contaminators = {self.behaviors[0].id: first}
@@ -171,6 +182,17 @@ class RolloutSource:
             raise ValueError(f"RolloutSource: no contaminator for behaviours {missing}")
         self.contaminators = dict(contaminators)
         self.decoys = float(options.contamination.decoy_fraction) > 0
+
+    def truncation_summary(self, steps: int) -> dict[str, Any]:
+        """What ``summary.json`` records of the prompts cut to ``max_prompt_tokens`` (P): ``prompts``
+        (distinct prompts of the pool cut), ``rollouts`` (rollouts of GRPO steps ``0..steps-1``
+        sampled from a cut prompt), ``max_prompt_tokens`` and ``longest`` (tokens of the longest
+        prompt before the cut; 0 when none was cut)."""
+        g = self.options
+        cut = sum(p in self.truncated for s in range(int(steps))
+                  for p in behavior.step_prompts(self.pool, s, g.prompts_per_step)) * g.group_size if self.truncated else 0
+        return {"prompts": len(self.truncated), "rollouts": int(cut), "max_prompt_tokens": int(g.max_prompt_tokens),
+                "longest": max(self.truncated.values(), default=0)}
 
     def sample_and_reward(self, params, step: int, key: jax.Array) -> StepRollouts:
         """Steps 1-2 of the module docstring for GRPO step ``step`` with sampler ``key``: the

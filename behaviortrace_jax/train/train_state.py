@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Callable
@@ -110,7 +111,9 @@ class OptimOptions:
     L2 norm; <= 0 disables clipping). Defaults: torch.optim.AdamW's, with the paper's lr and clip.
 
     Raises:
-        ValueError: naming the key (``optim.b1`` / ``optim.b2``) for a beta outside [0, 1).
+        ValueError: naming the key (``config.optim.<key>``) for a beta outside [0, 1), an ``lr`` or
+            ``eps`` that is not > 0, a ``weight_decay`` < 0, or a value that is not finite (torch's
+            AdamW refuses the same; ``stages/spec.py`` checks them up front too).
     """
 
     lr: float = 5e-6
@@ -124,6 +127,12 @@ class OptimOptions:
         for key in ("b1", "b2"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"config.optim.{key}={getattr(self, key)} must be in [0, 1)")
+        for key, ok, what in (("lr", lambda v: v > 0, "> 0"), ("eps", lambda v: v > 0, "> 0"),
+                              ("weight_decay", lambda v: v >= 0, ">= 0"), ("grad_clip", lambda v: True, "finite")):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and ok(value)):
+                raise ValueError(f"config.optim.{key}={value} must be {what}" + (
+                    "" if key == "grad_clip" else " and finite"))
 
 
 def make_optimizer(options: OptimOptions, schedule: Schedule | float | None = None, *,
