@@ -31,11 +31,12 @@ from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
-from behaviortrace_jax.io import files
+from behaviortrace_jax.io import cache, files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.models.loader import load_policy
+from behaviortrace_jax.stages import fingerprint as fingerprints
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import lm_trainer, train_state
@@ -179,9 +180,13 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     if is_complete(base_dir):
         done = read_json(base_dir / COMPLETE_MARKER)
         if done.get("digest") != fp["digest"]:
-            raise ValueError(f"{base_dir} holds a base model built from another config (fingerprint "
-                             f"{done.get('digest', '?')[:12]} vs {fp['digest'][:12]}); use another workdir "
-                             f"or delete {base_dir}")
+            diff = [d for d in cache.differences(cache.flatten(done.get("values") or {}), cache.flatten(fp["values"]))
+                    if not fingerprints.excluded(d[0])]
+            if diff or not isinstance(done.get("values"), dict):
+                raise ValueError(f"{base_dir} holds a base model built from another config (fingerprint "
+                                 f"{done.get('digest', '?')[:12]} vs {fp['digest'][:12]}: "
+                                 + "; ".join(f"{k}: {a!r} (recorded) -> {b!r} (now)" for k, a, b in diff)
+                                 + f"); use another workdir or delete {base_dir}")
         logging.info("base: reusing the complete base model in %s", base_dir)
         return read_json(base_dir / SUMMARY_FILE)
     b = config.base
