@@ -116,18 +116,22 @@ class _GcsLockFile:
         from google.api_core import exceptions
 
         try:
-            return self.blob.download_as_text()
-        except exceptions.NotFound:
+            self.blob.reload()
+            self.generation = self.blob.generation
+            return self.blob.download_as_text(if_generation_match=self.generation)
+        except (exceptions.NotFound, exceptions.PreconditionFailed):
             return None
 
     def remove(self, expected: str | None) -> None:
+        """Deletes the object if it still holds ``expected`` (None: whatever it holds), at the
+        generation read (a lock taken by another run in between is left alone)."""
         from google.api_core import exceptions
 
-        if expected is not None and self.read() != expected:
+        text = self.read()
+        if text is None or (expected is not None and text != expected):
             return
         with contextlib.suppress(exceptions.NotFound, exceptions.PreconditionFailed):
-            self.blob.reload()
-            self.blob.delete(if_generation_match=self.blob.generation)
+            self.blob.delete(if_generation_match=self.generation)
 
 
 def _lock_file(workdir: str) -> _LocalLockFile | _GcsLockFile:

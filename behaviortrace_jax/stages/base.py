@@ -16,8 +16,6 @@ weights as final: a run killed during the behaviour evaluation resumes there ins
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from typing import Any
@@ -49,19 +47,9 @@ _PRESETS = ("tiny",)  # config class methods (every family has them) a base mode
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config values that determine the base model (``config.base``, optimizer betas/eps/decay/
-    clip, model dtypes; the test switch ``BEHAVIORTRACE_PERTURB_BASE_WEIGHT`` only when set) and
-    their sha256 ``digest``."""
-    o = config.optim
-    values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
-              "compute_dtype": config.model.compute_dtype,
-              "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
-    if values["base"]["family"] == "qwen2":  # the default family: not a value (the digest of a qwen2 base)
-        del values["base"]["family"]
-    if perturb := train_state.perturbation_setting():  # a determinism test's perturbed base is another model
-        values["perturb_base_weight"] = perturb
-    blob = json.dumps(values, sort_keys=True)
-    return {"digest": hashlib.sha256(blob.encode()).hexdigest(), "values": values}
+    """The config values that determine the base model and their sha256 ``digest``
+    (``stages/fingerprint.base_fingerprint``, the ``base`` stage's entry of the stage fingerprints)."""
+    return fingerprints.base_fingerprint(config)
 
 
 def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from typing import Any, Iterator
 
@@ -52,6 +53,9 @@ EXCLUDED = {
     "model.hf_dir": "a path: the folder's contents enter as input_digest instead",
     "reference_dir": "a path read only by the reproduce stage",
     "base.log_every": "logging",
+    "grpo.on_nonfinite": ("what a non-finite value does: under 'stop' no state with one is ever saved, so a run "
+                          "stopped there resumes under 'skip' from the same outputs; each skip is in the rollout log "
+                          "and summary.json"),
     "mesh.": "the device layout (workers): a run resumes on another mesh (tests/test_checkpoint_topology.py)",
     "model.scan_layers": "execution: the same parameters, checkpoints and sketch coordinates",
     "sketch.kernel": "execution: which kernel computes the same sketch",
@@ -70,7 +74,7 @@ EXCLUDED = {
 STAGE_SECTIONS = {
     "sft": ("seed", "sft.", "optim.", "behavior.", "behaviors.", "base.seed", "base.n_heldout", "grpo.temperature",
             "grpo.top_p", "model."),
-    "grpo": ("run_name", "grpo.", "contamination.", "sketch.dim", "sketch.seed", "sketch.hash", "sketch.in_run_rollouts",
+    "grpo": ("run_name", "grpo.", "optim.", "contamination.", "sketch.dim", "sketch.seed", "sketch.hash", "sketch.in_run_rollouts",
              "model."),
     "sketch": ("sketch.rollout_checkpoints", "sketch.rollout_scope", "draws.target_step", "targets."),
     "draws": ("draws.", "targets."),
@@ -122,6 +126,25 @@ def input_digest(path: str | os.PathLike) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def base_fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The ``base`` stage's fingerprint, as ``base/.complete`` holds it: the config values that
+    determine the base model (``config.base``, optimizer betas/eps/decay/clip, model dtypes; the
+    test switch ``BEHAVIORTRACE_PERTURB_BASE_WEIGHT`` only when set) as ``values``, and their sha256
+    ``digest``."""
+    from behaviortrace_jax.train import train_state  # jax: only where a base model is fingerprinted
+
+    o = config.optim
+    values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
+              "compute_dtype": config.model.compute_dtype,
+              "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
+    if values["base"]["family"] == "qwen2":  # the default family: not a value (the digest of a qwen2 base)
+        del values["base"]["family"]
+    if perturb := train_state.perturbation_setting():  # a determinism test's perturbed base is another model
+        values["perturb_base_weight"] = perturb
+    blob = json.dumps(values, sort_keys=True)
+    return {"digest": hashlib.sha256(blob.encode()).hexdigest(), "values": values}
+
+
 def _values(config: ml_collections.ConfigDict, sections: tuple[str, ...]) -> dict[str, Any]:
     """The config's values under ``sections`` (not :func:`excluded`), path keys as their digests."""
     flat = cache.flatten(config.to_dict())
@@ -136,14 +159,12 @@ def _values(config: ml_collections.ConfigDict, sections: tuple[str, ...]) -> dic
 def stage_key(config: ml_collections.ConfigDict, stage: str) -> dict[str, Any]:
     """The fingerprint of ``stage`` (module docstring): a flat ``{dotted key: JSON value}`` map.
 
-    ``base``: its own fingerprint's values (``stages/base.fingerprint``) under ``base.``-style names;
+    ``base``: the values of :func:`base_fingerprint` under dotted names (``base.steps``, ``optim.eps``);
     ``sft``: the base's (or, with ``model.hf_dir``, ``model.hf_dir`` = :func:`input_digest` of the
     start checkpoint) plus its sections; each later stage: its upstream stages' plus its sections.
     """
     if stage == "base":
-        from behaviortrace_jax.stages import base
-
-        return {k: v for k, v in cache.flatten(base.fingerprint(config)["values"]).items() if not excluded(k)}
+        return {k: v for k, v in cache.flatten(base_fingerprint(config)["values"]).items() if not excluded(k)}
     key: dict[str, Any] = {}
     if stage == "sft" and str(config.model.hf_dir):
         key["model.hf_dir"] = input_digest(config.model.hf_dir)
@@ -152,6 +173,8 @@ def stage_key(config: ml_collections.ConfigDict, stage: str) -> dict[str, Any]:
             if not (up == "base" and str(config.model.hf_dir)):
                 key.update(stage_key(config, up))
     key.update(_values(config, STAGE_SECTIONS[stage]))
+    if stage == "sft" and float(config.sft.lr) != -1:
+        del key["optim.lr"]  # the RL learning rate; SFT's own is sft.lr (SPEC §1.7: optim.lr only when sft.lr = -1)
     return cache.check_key(key, f"the fingerprint of stage {stage}")
 
 
@@ -273,23 +296,27 @@ def invalidate(workdir: str | os.PathLike, stage: str) -> None:
 
 @contextlib.contextmanager
 def recording(config: ml_collections.ConfigDict, workdir: str | os.PathLike, stage: str) -> Iterator[None]:
-    """Records ``stage``'s fingerprint (if it has a record file and none is recorded yet) before the
-    body runs it; if the body raises having written nothing else in the stage's folder, the record
-    is removed again (a failed start leaves no fingerprint behind)."""
+    """Records ``stage``'s fingerprint before the body runs the stage (unless one is recorded), and
+    again after it if the stage removed it (``sft`` starts a partial warm-up afresh, folder and
+    all); if the body raises having written nothing else in the stage's folder, the record is
+    removed again (a failed start leaves no fingerprint behind)."""
     path = record_path(workdir, stage)
-    if path is None or stage == "base" or path.exists():
+    if path is None or stage == "base":
         yield
         return
-    before = {p.name for p in path.parent.iterdir()} if path.parent.is_dir() else set()
-    if before:
-        logging.warning("%s holds outputs but no record of the config they were made with (older code); recording "
-                        "the config now as theirs", path.parent)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cache.store(path, {"stage": stage}, stage_key(config, stage))
-    try:
+    if path.exists():
         yield
-    except BaseException:
-        after = {p.name for p in path.parent.iterdir()} - {path.name}
-        if after <= before:
-            files.remove_file(path)
-        raise
+    else:
+        before = {p.name for p in path.parent.iterdir()} if path.parent.is_dir() else set()
+        key = stage_key(config, stage)
+        logging.info("stage %s: recording its fingerprint (%d config values) in %s", stage, len(key), path)
+        cache.store(path, {"stage": stage}, key)
+        try:
+            yield
+        except BaseException:
+            after = ({p.name for p in path.parent.iterdir()} if path.parent.is_dir() else set()) - {path.name}
+            if after <= before:
+                files.remove_file(path)
+            raise
+    if not path.exists():
+        cache.store(path, {"stage": stage}, stage_key(config, stage))
