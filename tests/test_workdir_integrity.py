@@ -242,11 +242,12 @@ def test_two_runs_one_refused_the_other_completes_with_the_lone_runs_table(finis
     assert not (finished / workdir_lock.LOCK_NAME).exists()
 
 
-def test_status_takes_no_lock(finished):
-    """``status`` reads a workdir another run holds (and leaves the lock alone)."""
+def test_status_takes_no_lock(finished, capsys):
+    """``status`` reads a workdir another run holds (and leaves the lock alone), naming the writer."""
     text = workdir_lock.acquire(finished)
     try:
         pipeline.run(smoke_config("status"), str(finished))
+        assert f"written by: pid {os.getpid()} on host {socket.gethostname()}" in capsys.readouterr().out
         assert json.loads((finished / workdir_lock.LOCK_NAME).read_text())["pid"] == os.getpid()
     finally:
         workdir_lock.release(finished, text)

@@ -29,9 +29,9 @@ from typing import Any, Iterator
 from absl import logging
 
 from behaviortrace_jax.io import files
-from behaviortrace_jax.io.layout import as_path, is_url
+from behaviortrace_jax.io.layout import RunLayout, is_url
 
-LOCK_NAME = ".lock"
+LOCK_NAME = RunLayout(".").lock.name  # ".lock"
 
 
 def holder_info(workdir: str | os.PathLike) -> dict[str, Any]:
@@ -135,7 +135,7 @@ class _GcsLockFile:
 
 
 def _lock_file(workdir: str) -> _LocalLockFile | _GcsLockFile:
-    path = str(as_path(workdir) / LOCK_NAME)
+    path = str(RunLayout(workdir).lock)
     return _GcsLockFile(path) if is_url(path) else _LocalLockFile(path)
 
 

@@ -53,6 +53,8 @@ EXCLUDED = {
     "model.hf_dir": "a path: the folder's contents enter as input_digest instead",
     "reference_dir": "a path read only by the reproduce stage",
     "base.log_every": "logging",
+    "draws.ckpt_seed": "names which draw a run makes: each draw's files carry (ckpt, gen) and their own settings",
+    "draws.gen_seed": "names which draw a run makes: each draw's files carry (ckpt, gen) and their own settings",
     "grpo.on_nonfinite": ("what a non-finite value does: under 'stop' no state with one is ever saved, so a run "
                           "stopped there resumes under 'skip' from the same outputs; each skip is in the rollout log "
                           "and summary.json"),
