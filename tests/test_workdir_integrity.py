@@ -152,6 +152,23 @@ def test_every_excluded_key_is_a_config_key():
         assert any(k == name or (name.endswith(".") and k.startswith(name)) for k in keys) or name == "behaviors.", name
 
 
+def test_every_config_key_shapes_a_stage_or_is_left_out_with_a_reason():
+    """A key of configs/common.py is in some stage's fingerprint or in :data:`fingerprint.EXCLUDED`:
+    a key added later must be placed (else a change to it would pass every check silently)."""
+    from behaviortrace_jax import config_schema
+    from configs import common
+
+    c = common.get_config()
+    with c.unlocked():  # base.family is keyed when it is not qwen2 (a qwen2 base keeps its digest); a behaviour
+        c.base.family = "llama"
+        c.behaviors.b2 = {"pattern": "ZZ"}
+    keyed = {k for stage in ("base", "sft", "grpo", "sketch", "draws") for k in fingerprint.stage_key(c, stage)}
+    loose = [k for k in config_schema.key_paths(c) if k not in keyed and not fingerprint.excluded(k)
+             and k != "behaviors"]  # the free-form subtree (config_schema.FREE_FORM): its entries are keyed
+    assert loose == [] and "behaviors.b2.pattern" in keyed
+    assert all(reason for reason in fingerprint.EXCLUDED.values())
+
+
 def test_recompute_removes_the_changed_stage_and_every_stage_after_it(finished, caplog):
     """``on_changed_config=recompute``: the changed stage's outputs and every later stage's are
     removed (so the run recomputes them), with a log line naming the key; earlier stages stay."""

@@ -76,8 +76,8 @@ EXCLUDED = {
 STAGE_SECTIONS = {
     "sft": ("seed", "sft.", "optim.", "behavior.", "behaviors.", "base.seed", "base.n_heldout", "grpo.temperature",
             "grpo.top_p", "model."),
-    "grpo": ("run_name", "grpo.", "optim.", "contamination.", "sketch.dim", "sketch.seed", "sketch.hash", "sketch.in_run_rollouts",
-             "model."),
+    "grpo": ("run_name", "grpo.", "optim.", "contamination.", "sketch.dim", "sketch.seed", "sketch.hash",
+             "sketch.in_run_rollouts", "model."),
     "sketch": ("sketch.rollout_checkpoints", "sketch.rollout_scope", "draws.target_step", "targets."),
     "draws": ("draws.", "targets."),
 }
