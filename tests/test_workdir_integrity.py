@@ -93,15 +93,17 @@ def test_a_changed_key_is_refused_before_anything_is_written(finished, key, valu
 
 
 def test_several_changed_keys_are_all_named(finished):
-    """SFT lr, RL lr and bonus reward changed together: each is named, under each stage it shapes."""
+    """SFT lr, RL lr and bonus reward changed together: each is named once, under the first stage it
+    shapes; the later stages refer to it."""
     with pytest.raises(ValueError) as e:
         pipeline.run(smoke_config(**{"sft.lr": 3e-4, "optim.lr": 5e-5, "contamination.bonus_reward": 4.0}),
                      str(finished))
-    lines = str(e.value).splitlines()
-    grpo = next(ln for ln in lines if ln.strip().startswith("stage grpo"))
-    assert all(k in grpo for k in ("sft.lr", "optim.lr", "contamination.bonus_reward")), grpo
-    sft = next(ln for ln in lines if ln.strip().startswith("stage sft"))
-    assert "contamination.bonus_reward" not in sft  # the bonus does not shape the SFT warm-up
+    line = {ln.split()[1]: ln for ln in str(e.value).splitlines() if ln.startswith("  stage ")}
+    assert list(line) == ["sft", "grpo", "sketch", "draws"]
+    assert "sft.lr: 0.0002 (recorded) -> 0.0003 (now)" in line["sft"] and "bonus" not in line["sft"]
+    assert "optim.lr: 0.0001 (recorded) -> 5e-05 (now)" in line["grpo"] and "contamination.bonus_reward" in line["grpo"]
+    assert line["grpo"].endswith("and the keys of sft above")
+    assert line["draws"].endswith("): and the keys of grpo, sft above")
 
 
 def test_a_stage_killed_mid_run_is_checked_on_resume(finished):

@@ -258,8 +258,13 @@ def check_workdir(config: ml_collections.ConfigDict, workdir: str | os.PathLike,
     if not changed:
         return []
 
+    named: dict[str, str] = {}  # key -> the first (upstream-most) stage whose line names it
+
     def lines(stage: str) -> str:
-        return "; ".join(f"{k}: {old!r} (recorded) -> {new!r} (now)" for k, old, new in changed[stage])
+        own = [(k, old, new) for k, old, new in changed[stage] if named.setdefault(k, stage) == stage]
+        later = sorted({named[k] for k, _, _ in changed[stage]} - {stage})
+        text = "; ".join(f"{k}: {old!r} (recorded) -> {new!r} (now)" for k, old, new in own)
+        return "; ".join(x for x in (text, f"and the keys of {', '.join(later)} above" if later else "") if x)
 
     where = {s: record_path(workdir, s) for s in changed}
     cannot = [s for s in changed if mode == "refuse" or s not in names]
