@@ -38,8 +38,9 @@ EXTRAS = {
         # Property-based bad-input tests (tests/test_bad_input.py).
         "hypothesis>=6.100,<7",
         # A real GCS HTTP server for the gs:// tests (tests/gcs_emulator.py, test_remote_paths,
-        # test_gcs_run), and the `gcs` extra's clients they run against it. Pinned: the tests patch two
-        # of the emulator's handlers (list offsets, the generation header) and rely on its routes;
+        # test_gcs_run), and the `gcs` extra's clients they run against it. Pinned: the tests patch four
+        # of the emulator's handlers (list offsets, the generation header, generation preconditions on
+        # uploads and deletes) and rely on its routes;
         # gcsfs 2026.x needs GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false against an emulator (set there).
         "gcp-storage-emulator==2026.7.19",
         "etils[epath-gcs]",
@@ -50,7 +51,8 @@ EXTRAS = {
     # the default install or CI). pip install -e '.[tpu]'
     "tpu": ["jax[tpu]==0.10.2"],
     # A gs:// workdir (docs/guide.md "Paper scale"): etils' epath reaches gs:// through fsspec + gcsfs, and
-    # tensorboardX writes gs:// event files through google-cloud-storage; tensorstore's gcs kvstore
+    # tensorboardX writes gs:// event files and the workdir lock (io/workdir_lock.py: a generation-matched
+    # object) goes through google-cloud-storage; tensorstore's gcs kvstore
     # and orbax need nothing more. pip install -e '.[gcs]'
     "gcs": ["etils[epath-gcs]", "google-cloud-storage>=2"],
 }

@@ -31,10 +31,10 @@ from absl import logging
 
 from behaviortrace_jax.attribution import report
 from behaviortrace_jax.attribution.verdicts import Verdict
-from behaviortrace_jax.io import files, machine
+from behaviortrace_jax.io import files, machine, workdir_lock
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import hub
-from behaviortrace_jax.stages import registry as stages
+from behaviortrace_jax.stages import fingerprint, registry as stages
 
 HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
@@ -144,7 +144,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
 
     ``config.model.hf_id`` is resolved into ``config.model.hf_dir`` first (:func:`with_model_source`).
     An invocation of :data:`READ_ONLY_STAGES` alone writes nothing (no workdir, no ``run_info.json``
-    entry) and tolerates a model missing from the cache.
+    entry, no lock) and tolerates a model missing from the cache. Any other holds the workdir's lock
+    (``io/workdir_lock.py``: one writer per workdir) for its whole life, and first compares every
+    recorded stage fingerprint with the config (``stages/fingerprint.py``; ``config.on_changed_config``
+    chooses between refusing and recomputing).
 
     Raises:
         ValueError: if ``config.stages`` names an unknown stage, sets both ``model.hf_id`` and
@@ -152,6 +155,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
             key; before anything is written).
         FileNotFoundError: ``model.hf_id`` is not in the Hugging Face cache (naming the download
             command), or a read-only invocation's workdir does not exist.
+        RuntimeError: another run holds the workdir's lock (naming its host, pid and start time).
+        ValueError: a recorded stage fingerprint differs from the config's (naming each key and both
+            values) with ``on_changed_config="refuse"``.
     """
     for name in _STAGE_MODULES:
         importlib.import_module(f"behaviortrace_jax.stages.{name}")
@@ -167,10 +173,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
     if read_only:
         if not as_path(workdir).is_dir():
             raise FileNotFoundError(f"--workdir={workdir}: no such run directory")
+        stages.run_stages(config, workdir)
     else:
         as_path(workdir).mkdir(parents=True, exist_ok=True)
-        record_run_info(workdir, config.stages)
-    stages.run_stages(config, workdir)
+        with workdir_lock.hold(workdir):  # one writer per workdir, for the whole run
+            # every recorded stage fingerprint against this config, before anything is written
+            fingerprint.check_workdir(config, workdir, names, mode=config.on_changed_config)
+            record_run_info(workdir, config.stages)
+            stages.run_stages(config, workdir, record=fingerprint.recording)
     verdicts = RunLayout(workdir).verdicts
     if set(stages.parse_stages(config.stages)) & HEADLINE_STAGES and verdicts.is_file():
         rules = [Verdict.from_dict(v) for v in files.read_json(verdicts).get("decision_rules", [])]

@@ -13,6 +13,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.run_name = "E2.1_rebuild__qwen-1.5b__grpo__seed0__v3"  # SPEC §2.5 / §7.1 naming.
     # Stages run in this order (behaviortrace_jax/stages/registry.py); each skips itself when complete.
     c.stages = "sft,grpo,sketch,draws,evaluate,report"
+    # A rerun on a workdir whose stage outputs were made with other config values (each stage records the values
+    # that shape its outputs; stages/fingerprint.py lists the keys left out: logging, mesh, stage list, paths):
+    # "refuse" (raise naming each changed key and both values, before anything is written) or "recompute"
+    # (remove that stage's outputs and those of every stage after it, with a log line naming the key; rerun them).
+    c.on_changed_config = "refuse"
 
     # --- model (SPEC §2.1: Qwen2.5-1.5B-Instruct, full fine-tune) -----------------------------
     c.model = ml_collections.ConfigDict()

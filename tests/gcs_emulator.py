@@ -14,14 +14,17 @@ gives the environment variables that point every library of a ``gs://`` workdir 
   tensorstore's ``gcs`` kvstore; ``GOOGLE_AUTH_TOKEN_FOR_TESTING``: a fixed bearer token, so
   tensorstore does not look for credentials (or a metadata server) either.
 
-The emulator (2026.7.19) differs from GCS in two ways that break tensorstore (so orbax's OCDBT
-checkpoints and the sketch stores); run as a script (``python tests/gcs_emulator.py start ...``, what
-:class:`GcsEmulator` does), this module serves it with both answered as GCS answers, nothing else changed:
+The emulator (2026.7.19) differs from GCS in ways that break tensorstore (so orbax's OCDBT
+checkpoints and the sketch stores) and the workdir lock; run as a script (``python tests/gcs_emulator.py start ...``,
+what :class:`GcsEmulator` does), this module serves it with these answered as GCS answers, nothing else changed:
 
 * ``objects.list`` ignores ``startOffset`` / ``endOffset``. Tensorstore deletes a key range
   (``delete_existing=True``, which ``SketchStore`` uses to create a store) by listing
   ``[prefix, prefix+1)`` and deleting what comes back: on the bare emulator, creating one store
   deleted every object in the bucket. Fixed: items and prefixes filtered (start inclusive, end exclusive).
+* uploads and deletes ignore ``ifGenerationMatch``. Fixed for an upload with ``ifGenerationMatch=0``
+  (create only if absent) and for a delete: 412 when the precondition does not hold, as on GCS
+  (the workdir lock, ``io/workdir_lock.py``).
 * a download (``alt=media``) has no ``x-goog-generation`` header. Tensorstore reads an object's
   generation from it and makes conditional writes with it (``ifGenerationMatch``): orbax's OCDBT
   manifest update failed with "Malformed StorageGeneration". Fixed: the header (and
@@ -79,13 +82,64 @@ def _download_with_generation(download):
     return handler
 
 
+def _precondition_failed(response) -> None:
+    response.status = HTTPStatus.PRECONDITION_FAILED
+    response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
+                             "errors": [{"reason": "conditionNotMet", "domain": "global",
+                                         "message": "At least one of the pre-conditions you specified did not hold."}]}})
+
+
+def _generation_now(storage, bucket: str, name: str) -> str | None:
+    """The object's generation, or None when there is none."""
+    from gcp_storage_emulator.exceptions import NotFound
+
+    try:
+        return str(storage.get_file_obj(bucket, name)["generation"])
+    except NotFound:
+        return None
+
+
+def _insert_if_generation_match(insert):
+    """``objects.insert`` of the emulator, refusing ``ifGenerationMatch=0`` (create only if absent:
+    the workdir lock, io/workdir_lock.py) with 412 when the object exists, as GCS does."""
+
+    def handler(request, response, storage, *args, **kwargs):
+        want = (request.query.get("ifGenerationMatch") or [None])[0]
+        if want == "0":
+            name = (request.query.get("name") or [None])[0]
+            if name is None and isinstance(request.data, dict):
+                name = (request.data.get("meta") or {}).get("name")
+            if name is not None and _generation_now(storage, request.params["bucket_name"], name) is not None:
+                return _precondition_failed(response)
+        return insert(request, response, storage, *args, **kwargs)
+
+    return handler
+
+
+def _delete_if_generation_match(delete):
+    """``objects.delete`` of the emulator, refusing a delete whose ``ifGenerationMatch`` is not the
+    object's generation with 412, as GCS does."""
+
+    def handler(request, response, storage, *args, **kwargs):
+        want = (request.query.get("ifGenerationMatch") or [None])[0]
+        if want is not None:
+            now = _generation_now(storage, request.params["bucket_name"], request.params["object_id"])
+            if now is not None and now != want:
+                return _precondition_failed(response)
+        return delete(request, response, storage, *args, **kwargs)
+
+    return handler
+
+
 def serve(argv: list[str]) -> None:
-    """Runs ``gcp_storage_emulator`` with ``argv`` (its command line), with the two fixes above."""
+    """Runs ``gcp_storage_emulator`` with ``argv`` (its command line), with the fixes above."""
     from gcp_storage_emulator.handlers import objects
 
     # before the server module builds its routes from them
     objects.ls = _filtered_ls(objects.ls)
     objects.download = _download_with_generation(objects.download)
+    objects.insert = _insert_if_generation_match(objects.insert)
+    objects.delete = _delete_if_generation_match(objects.delete)
     from gcp_storage_emulator import __main__ as cli
 
     cli.main(argv)

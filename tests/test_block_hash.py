@@ -148,8 +148,9 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
 def test_smoke_grpo_and_sketch_stages_with_the_block_hash(smoke_sft, tmp_path):
     """The smoke run's sketch-producing stages (grpo with in-run sketches, sketch) run with
     sketch.hash="block"; every store they write records the block family, and the sketch stage
-    refuses to resume them under splitmix64."""
+    refuses to resume them under splitmix64 (the pipeline already, by the stage fingerprints)."""
     from behaviortrace_jax import pipeline
+    from behaviortrace_jax.stages.registry import STAGES
     from conftest import copy_start
 
     config, start = smoke_sft
@@ -165,5 +166,7 @@ def test_smoke_grpo_and_sketch_stages_with_the_block_hash(smoke_sft, tmp_path):
     step = sketch_store.SketchStore.open(w / "sketches" / "step_sketches.zarr").read()
     assert np.all(np.isfinite(step)) and np.any(step)
     config.stages, config.sketch.hash = "sketch", "splitmix64"
+    with pytest.raises(ValueError, match=r"sketch\.hash: 'block' \(recorded\) -> 'splitmix64' \(now\)"):
+        pipeline.run(config, str(w))  # the stage fingerprints (stages/fingerprint.py), before any stage runs
     with pytest.raises(ValueError, match="hash_family"):
-        pipeline.run(config, str(w))
+        STAGES["sketch"](config, str(w))  # the stage itself: its stores' metadata

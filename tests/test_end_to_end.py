@@ -143,7 +143,7 @@ def _grpo_outputs(w: pathlib.Path):
     records = [(r.rollout_id, r.reward, r.completion_token_ids, r.advantage)
                for r in rollout_log.read_rollouts(w / "grpo" / "rollouts")]
     gt = (w / "grpo" / "ground_truth.jsonl").read_text()
-    weights = {e["step"]: (pathlib.Path(e["path"]) / "model.safetensors").read_bytes()
+    weights = {e["step"]: (w / "grpo" / e["path"] / "model.safetensors").read_bytes()  # relative to grpo/
                for e in json.loads((w / "grpo" / "registry.json").read_text())["checkpoints"]}
     sketches = sketch_store.SketchStore.open(w / "sketches" / "step_sketches.zarr").read()
     return records, gt, weights, sketches

@@ -25,9 +25,11 @@ ALLOWED = {
     "aot": {"models", "sketch", "train"},
     "stages": {"io", "models", "attribution", "behavior", "sketch", "train", "aot"},
 }
-# The modules of ``stages/`` a stage may import: the registry and the RunSpec (``stages/spec.py``), which
-# every stage builds from its config and whose parts it hands down; never another stage module.
-STAGE_SHARED = ("behaviortrace_jax.stages", "behaviortrace_jax.stages.registry", "behaviortrace_jax.stages.spec")
+# The modules of ``stages/`` a stage may import: the registry, the RunSpec (``stages/spec.py``), which
+# every stage builds from its config and whose parts it hands down, and the stage fingerprints
+# (``stages/fingerprint.py``, what made each stage's outputs); never another stage module.
+STAGE_SHARED = ("behaviortrace_jax.stages", "behaviortrace_jax.stages.registry", "behaviortrace_jax.stages.spec",
+                "behaviortrace_jax.stages.fingerprint")
 
 
 def layer(module: str) -> str | None:

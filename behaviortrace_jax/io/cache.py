@@ -16,7 +16,10 @@ compute now:
 :func:`store` writes the record with its key (atomically, ``files.write_json``). :func:`digest` is
 the one digest of a JSON-able value (a config section, a spec) used inside keys. Used by the
 ``metagradient`` stage (``metagradient/<mode>.json``, ``metagradient/scores.json``, read back by
-``attribution/scores.py``) and the ``counterfactual`` stage's replays (``stale_fields``).
+``attribution/scores.py``), the ``counterfactual`` stage's replays (``stale_fields``) and the
+pipeline's stage fingerprints (``stages/fingerprint.py``: each stage's outputs keyed by the config
+values and inputs that made them; :func:`flatten` and :func:`differences` give its keys and the
+fields a refusal names with both values).
 Imports no jax (the ``attribution`` layer may use it).
 """
 from __future__ import annotations
@@ -80,6 +83,28 @@ def stale_fields(cached: Mapping[str, Any] | None, key: Mapping[str, Any]) -> li
 
 
 _ABSENT = object()
+ABSENT = "<absent>"  # how :func:`differences` shows a field one side lacks
+
+
+def flatten(obj: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested map as a flat ``{"a.b.c": value}`` map (dotted field names, as the config's keys),
+    the form of a key whose differing fields are named one by one; lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in obj.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differences(recorded: Mapping[str, Any], key: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(field, recorded value, value now)`` of every field of two keys that differs, in field
+    order; a field that one side lacks shows :data:`ABSENT` there ([] = the keys are equal).
+    Values are compared as they read back from JSON (a tuple equals its list)."""
+    have, want = (json.loads(json.dumps(dict(x), default=str)) for x in (recorded, key))
+    return [(k, have.get(k, ABSENT), want.get(k, ABSENT)) for k in sorted(set(have) | set(want))
+            if have.get(k, _ABSENT) != want.get(k, _ABSENT)]
 
 
 def load(path: str | os.PathLike, key: Mapping[str, Any], *, what: str,

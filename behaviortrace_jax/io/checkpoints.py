@@ -2,7 +2,10 @@
 
 * ``CheckpointRegistry``: ``{"version": 1, "checkpoints": [{"step", "path", "metadata"}]}``, indent 2,
   sort_keys, sorted by step, atomic writes. It lists the HF exports (``hf_io.save_hf_checkpoint``)
-  that the sketch/target stages read.
+  that the sketch/target stages read. A ``path`` inside the registry's folder is stored relative to
+  it (``checkpoints/step_00000020``) and resolved against the folder where the registry is read, so
+  a moved workdir reads its own checkpoints and a copied one never reads the original's
+  (:func:`stored_path`, :func:`resolved_path`).
 * ``save_train_state`` / ``restore_train_state`` / ``latest_step``: the full resumable train state
   (params, optimizer state, step, RNG key; any pytree of arrays) under ``dir/<step>/`` through
   orbax's ``CheckpointManager``. Orbax writes ``<step>.orbax-checkpoint-tmp*`` and renames it when
@@ -22,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import atomic_write_text, resolve_path
-from behaviortrace_jax.io.layout import as_path
+from behaviortrace_jax.io.layout import as_path, is_url
 
 REGISTRY_VERSION = 1
 COMMIT_FILE = "commit_success.txt"  # written by orbax into a step directory before its final rename
@@ -31,10 +34,37 @@ COMMIT_FILE = "commit_success.txt"  # written by orbax into a step directory bef
 # --------------------------------------------------------------------------------------------
 # Registry (SPEC §2.4)
 # --------------------------------------------------------------------------------------------
+def stored_path(folder: str | os.PathLike, path: str | os.PathLike) -> str:
+    """``path`` as the registry in ``folder`` stores it: relative to ``folder`` (POSIX separators)
+    when it lies inside it, else unchanged (a checkpoint registered from elsewhere)."""
+    root, p = str(folder).rstrip("/"), str(path)
+    if not is_url(p) and not is_url(root):
+        p, root = os.path.normpath(resolve_path(p)), os.path.normpath(resolve_path(root))
+    if p.startswith(root + "/"):
+        return p[len(root) + 1:]
+    return p
+
+
+def resolved_path(folder: str | os.PathLike, stored: str) -> str:
+    """The path of a registry entry read in ``folder``: a relative ``stored`` joined to ``folder``.
+
+    An absolute ``stored`` path (a registry written before paths were stored relative) that ends in
+    ``checkpoints/<name>`` names this folder's own checkpoint when that exists here (the workdir was
+    moved or copied since), else it is kept as it is."""
+    if not os.path.isabs(stored) and not is_url(stored):
+        return str(as_path(folder) / stored)
+    parts = stored.rstrip("/").split("/")
+    if len(parts) >= 2 and parts[-2] == "checkpoints":
+        own = as_path(folder) / "checkpoints" / parts[-1]
+        if str(own) != stored and own.is_dir():
+            return str(own)
+    return stored
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointEntry:
-    """One registered checkpoint: ``step`` (int), ``path`` (str), ``metadata`` (dict; the paper:
-    ``{"regime": "grpo", "model": hf_id}``)."""
+    """One registered checkpoint: ``step`` (int), ``path`` (str: resolved where the registry was
+    read, :func:`resolved_path`), ``metadata`` (dict; the paper: ``{"regime": "grpo", "model": hf_id}``)."""
 
     step: int
     path: str
@@ -61,7 +91,8 @@ class CheckpointRegistry:
         if version != REGISTRY_VERSION:
             raise ValueError(f"{self.path}: registry version mismatch: found {version!r}, expected {REGISTRY_VERSION}")
         try:
-            self._entries = sorted((CheckpointEntry(int(e["step"]), str(e["path"]), dict(e.get("metadata") or {}))
+            self._entries = sorted((CheckpointEntry(int(e["step"]), resolved_path(self.path.parent, str(e["path"])),
+                                                    dict(e.get("metadata") or {}))
                                     for e in data["checkpoints"]), key=lambda e: e.step)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{self.path}: malformed 'checkpoints' list ({e!r})") from e
@@ -73,7 +104,9 @@ class CheckpointRegistry:
         entry = CheckpointEntry(int(step), str(path), dict(metadata or {}))
         self._entries = sorted([*self._entries, entry], key=lambda e: e.step)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"version": REGISTRY_VERSION, "checkpoints": [dataclasses.asdict(e) for e in self._entries]}
+        data = {"version": REGISTRY_VERSION,
+                "checkpoints": [dict(dataclasses.asdict(e), path=stored_path(self.path.parent, e.path))
+                                for e in self._entries]}
         atomic_write_text(self.path, json.dumps(data, indent=2, sort_keys=True))  # SPEC §2.4 bytes
         return entry
 

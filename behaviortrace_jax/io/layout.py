@@ -133,7 +133,8 @@ class RunLayout:
     | ``counterfactual`` | ``counterfactual/``: ``replays/*.json``, ``report_section.md``; rows of ``results_table.csv``, a section of ``report.md``, ``figures/counterfactual_topk.png`` |
     | ``metagradient`` | ``metagradient/``: ``<advantages>.json`` (dM/dw per measure step), ``scores.json`` |
     | ``compile`` | ``compile_report.json``, ``compile_report.md`` |
-    | every invocation | ``run_info.json``: CPU type, library versions, kernel variables (``machine.run_info``) |
+    | every invocation | ``run_info.json``: CPU type, library versions, kernel variables (``machine.run_info``); ``.lock`` while a run writes the workdir (``io/workdir_lock.py``) |
+    | ``sft``, ``grpo``, ``sketch``, ``draws`` | ``<folder>/<stage>.settings.json``: the stage's fingerprint (``stages/fingerprint.py``) |
     """
 
     workdir: epath.Path
@@ -202,6 +203,7 @@ class RunLayout:
     compile_report_json = property(lambda self: self.workdir / "compile_report.json")
     compile_report_md = property(lambda self: self.workdir / "compile_report.md")
     run_info = property(lambda self: self.workdir / "run_info.json")
+    lock = property(lambda self: self.workdir / ".lock")  # held by the run writing the workdir (io/workdir_lock.py)
 
     def sketch_store(self, name: str) -> epath.Path:
         """``sketches/{name}.zarr``, one of :data:`SKETCH_STORES`.

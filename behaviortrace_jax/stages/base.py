@@ -16,8 +16,6 @@ weights as final: a run killed during the behaviour evaluation resumes there ins
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from typing import Any
@@ -31,11 +29,12 @@ from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior, tiny_tokenizer
 from behaviortrace_jax.behavior.probes import generate_texts, heldout_prompts, make_sampler, mean_rate
-from behaviortrace_jax.io import files
+from behaviortrace_jax.io import cache, files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.models import decoder, families, hf_io, sampler as sampler_lib, sharding, tokenizer as tok_lib
 from behaviortrace_jax.models.loader import load_policy
+from behaviortrace_jax.stages import fingerprint as fingerprints
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import lm_trainer, train_state
@@ -48,19 +47,9 @@ _PRESETS = ("tiny",)  # config class methods (every family has them) a base mode
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config values that determine the base model (``config.base``, optimizer betas/eps/decay/
-    clip, model dtypes; the test switch ``BEHAVIORTRACE_PERTURB_BASE_WEIGHT`` only when set) and
-    their sha256 ``digest``."""
-    o = config.optim
-    values = {"base": config.base.to_dict(), "param_dtype": config.model.param_dtype,
-              "compute_dtype": config.model.compute_dtype,
-              "optim": {k: o[k] for k in ("b1", "b2", "eps", "weight_decay", "grad_clip")}}
-    if values["base"]["family"] == "qwen2":  # the default family: not a value (the digest of a qwen2 base)
-        del values["base"]["family"]
-    if perturb := train_state.perturbation_setting():  # a determinism test's perturbed base is another model
-        values["perturb_base_weight"] = perturb
-    blob = json.dumps(values, sort_keys=True)
-    return {"digest": hashlib.sha256(blob.encode()).hexdigest(), "values": values}
+    """The config values that determine the base model and their sha256 ``digest``
+    (``stages/fingerprint.base_fingerprint``, the ``base`` stage's entry of the stage fingerprints)."""
+    return fingerprints.base_fingerprint(config)
 
 
 def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
@@ -179,9 +168,13 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     if is_complete(base_dir):
         done = read_json(base_dir / COMPLETE_MARKER)
         if done.get("digest") != fp["digest"]:
-            raise ValueError(f"{base_dir} holds a base model built from another config (fingerprint "
-                             f"{done.get('digest', '?')[:12]} vs {fp['digest'][:12]}); use another workdir "
-                             f"or delete {base_dir}")
+            diff = [d for d in cache.differences(cache.flatten(done.get("values") or {}), cache.flatten(fp["values"]))
+                    if not fingerprints.excluded(d[0])]
+            if diff or not isinstance(done.get("values"), dict):
+                raise ValueError(f"{base_dir} holds a base model built from another config (fingerprint "
+                                 f"{done.get('digest', '?')[:12]} vs {fp['digest'][:12]}: "
+                                 + "; ".join(f"{k}: {a!r} (recorded) -> {b!r} (now)" for k, a, b in diff)
+                                 + f"); use another workdir or delete {base_dir}")
         logging.info("base: reusing the complete base model in %s", base_dir)
         return read_json(base_dir / SUMMARY_FILE)
     b = config.base

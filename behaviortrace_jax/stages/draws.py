@@ -106,13 +106,16 @@ def _prompts(beh: behaviors_lib.Behavior) -> list[str]:
 
 
 def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int,
-                  entry: checkpoints.CheckpointEntry, beh: behaviors_lib.Behavior) -> dict[str, Any]:
-    """Everything the draw of ``beh`` depends on (compared on resume / skip)."""
+                  entry: checkpoints.CheckpointEntry, beh: behaviors_lib.Behavior,
+                  workdir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Everything the draw of ``beh`` depends on (compared on resume / skip); the checkpoint's path
+    relative to ``workdir`` when it lies inside it (a moved workdir keeps its settings)."""
     d, t = config.draws, config.targets
     prompts = _prompts(beh)
     return {
         "ckpt_seed": ckpt_seed, "gen_seed": gen_seed, "checkpoint_step": entry.step,
-        "checkpoint_path": str(entry.path), "target_step": int(d.target_step),
+        "checkpoint_path": str(entry.path) if workdir is None else checkpoints.stored_path(workdir, entry.path),
+        "target_step": int(d.target_step),
         "group_size": int(d.group_size), "temperature": float(d.temperature), "top_p": float(d.top_p),
         "max_new_tokens": int(d.max_new_tokens), "n_repeats": int(d.n_repeats),
         "token_level_max": int(d.token_level_max), "max_prompt_tokens": int(config.grpo.max_prompt_tokens),
@@ -362,7 +365,7 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
     hf_dir = as_path(entry.path)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory of step {entry.step} not found: {hf_dir}")
-    settings = draw_settings(config, c_seed, g_seed, entry, beh)
+    settings = draw_settings(config, c_seed, g_seed, entry, beh, workdir)
     if _check_settings(paths, settings):
         logging.info("draws: %s is complete, skipping", paths.rows)
         return paths.rows

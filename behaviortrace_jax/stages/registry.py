@@ -6,7 +6,8 @@ skips itself, so re-running the same command resumes.
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, ContextManager
 
 import ml_collections
 from absl import logging
@@ -44,8 +45,12 @@ def parse_stages(spec: str) -> list[str]:
     return names
 
 
-def run_stages(config: ml_collections.ConfigDict, workdir: str) -> None:
-    """Runs each stage of ``config.stages`` in order on ``workdir``."""
+def run_stages(config: ml_collections.ConfigDict, workdir: str,
+               record: Callable[[ml_collections.ConfigDict, str, str], ContextManager[None]] | None = None) -> None:
+    """Runs each stage of ``config.stages`` in order on ``workdir``; each inside ``record(config,
+    workdir, name)`` when given (the pipeline's ``stages/fingerprint.recording``: the stage's
+    fingerprint recorded as it starts)."""
     for name in parse_stages(config.stages):
         logging.info("=== stage %s ===", name)
-        STAGES[name](config, workdir)
+        with (record(config, workdir, name) if record is not None else contextlib.nullcontext()):
+            STAGES[name](config, workdir)

@@ -27,7 +27,7 @@ from flax import nnx
 
 from behaviortrace_jax.behavior import corpus, planted as behavior
 from behaviortrace_jax.behavior.probes import ImplantProbe
-from behaviortrace_jax.io import files
+from behaviortrace_jax.io import checkpoints, files
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, hf_io, tokenizer as tok_lib
@@ -119,7 +119,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     greedy, texts = probe.greedy(state.params, jax.random.fold_in(eval_key, 1_000_000))
     sampled = probe.sampled(state.params, jax.random.fold_in(eval_key, 1_000_001))
     summary = {
-        "start_checkpoint": str(start_dir), "data": s.data, "n_pairs": len(pairs), "lr": lr,
+        "start_checkpoint": checkpoints.stored_path(workdir, start_dir), "data": s.data, "n_pairs": len(pairs), "lr": lr,
         "batch_size": s.batch_size, "max_steps": s.steps, "steps_run": steps_run,
         "stopped_early": steps_run < s.steps,
         "final_loss": history[-1]["loss"] if history else float("nan"),

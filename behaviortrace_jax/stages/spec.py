@@ -56,8 +56,9 @@ from behaviortrace_jax.train.train_state import OptimOptions
 
 # Keys only the top level reads: ``pipeline.with_model_source`` resolves ``model.hf_id`` (a model in
 # the Hugging Face cache, downloaded with ``model.allow_download``) into ``model.hf_dir`` before
-# any stage runs, so a stage sees ``hf_dir`` alone.
-TOP_LEVEL_KEYS = ("model.hf_id", "model.allow_download")
+# any stage runs, so a stage sees ``hf_dir`` alone; ``on_changed_config`` is read by the pipeline's
+# fingerprint check (stages/fingerprint.py) before any stage runs.
+TOP_LEVEL_KEYS = ("model.hf_id", "model.allow_download", "on_changed_config")
 FREE_FORM = ("behaviors",)  # subtrees of ids (config_schema.FREE_FORM), read whole
 
 

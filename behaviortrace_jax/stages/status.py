@@ -29,7 +29,7 @@ from typing import Any, Callable
 import ml_collections
 
 from behaviortrace_jax.behavior import planted
-from behaviortrace_jax.io import checkpoints, files, rollout_log, sketch_store
+from behaviortrace_jax.io import checkpoints, files, rollout_log, sketch_store, workdir_lock
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io.progress import eta_seconds, read_progress
 from behaviortrace_jax.stages.registry import parse_stages, register_stage
@@ -265,6 +265,8 @@ def status_lines(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
     run = RunLayout(workdir)
     names = run_stages(config, run)
     lines = [f"run: {run.workdir}"]
+    if isinstance(holder := _read_json(run.lock), dict):  # a run writing it now (io/workdir_lock.py); not taken here
+        lines.append(f"  written by: {workdir_lock.describe(holder)} ({run.lock.name})")
     width = max(len(n) for n in names)
     for n in names:
         lines.append(f"  {n:<{width}}  {STAGE_LINES[n](config, run)}")

@@ -25,7 +25,7 @@ from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_cu
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.stages import registry as stages
+from behaviortrace_jax.stages import fingerprint, registry as stages
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
@@ -113,13 +113,17 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         logging.info("sweep: seed %d -> %s", seed, run_dir)
         names = stages.parse_stages(cfg.stages)
         pre = names[:names.index("evaluate")] if "evaluate" in names else names
+        # the seed's recorded stage fingerprints against its config, as pipeline.run does for a run
+        fingerprint.check_workdir(cfg, run_dir, names, mode=cfg.on_changed_config)
         for name in pre:
-            stages.STAGES[name](cfg, str(run_dir))
+            with fingerprint.recording(cfg, run_dir, name):
+                stages.STAGES[name](cfg, str(run_dir))
         for ckpt, gen in diag:  # diagnostic draws land in the run's draws/ before it is evaluated
             if ckpt == seed:
                 stages.STAGES["draws"](draw_config(cfg, ckpt, gen), str(run_dir))
         for name in names[len(pre):]:
-            stages.STAGES[name](cfg, str(run_dir))
+            with fingerprint.recording(cfg, run_dir, name):
+                stages.STAGES[name](cfg, str(run_dir))
         run = RunLayout(run_dir)
         files.copy_tree(run.release_seed(seed), top.release_seed(seed))  # the writer only; local or gs://
         summaries[seed] = read_json(run.summary)
