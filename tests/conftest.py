@@ -16,6 +16,17 @@ three on a 2-core VM; ``-n 0`` runs it in one process; ``-p no:xdist`` fails, as
 * The finished smoke run (:func:`smoke_finished`) and the README command's run (:func:`readme_run`):
   the first worker that needs one runs it under a file lock; the other reuses its folder.
 * The GCS emulator (:func:`gcs_bucket`) is per worker: each starts its own on a free port.
+
+A run of one test file (``python -m pytest tests/test_x.py``, any ``::test`` or ``-k`` in it) runs
+in one process unless the command line names ``-n`` itself (:func:`pytest_cmdline_main`): its
+tests would all go to one xdist worker anyway (``--dist loadfile``).
+
+Every test gets exactly one tier marker (:func:`pytest_collection_modifyitems`, from the tables
+:data:`E2E_FIXTURES`, :data:`MODULE_TIERS` and :data:`TEST_TIERS`): ``unit`` (the default: no
+model beyond a toy compiled, no pipeline run; ``python -m pytest -m unit -n 0`` is the inner loop),
+``e2e`` (the shared smoke runs, a pipeline run or a ``main.py`` subprocess) and ``compile`` (the
+``compile`` stage's ahead-of-time programs, libtpu, TPU topologies). ``slow`` is independent of
+the tier.
 """
 import json
 import os
@@ -71,6 +82,99 @@ def pytest_xdist_auto_num_workers(config):
     from xdist import plugin
 
     return plugin.pytest_xdist_auto_num_workers(config) + 1
+
+
+def _names_workers(args) -> bool:
+    """Whether command-line tokens set xdist's worker count (``-n 2``, ``-n0``, ``--numprocesses``)."""
+    return any(t.startswith("--numprocesses") or (t.startswith("-n") and not t.startswith("--")) for t in args)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """One process for a run of one test file: ``-n 0`` unless the command line or
+    ``PYTEST_ADDOPTS`` names a worker count (``pytest.ini``'s ``-n auto`` is for the suite; with
+    ``--dist loadfile`` one file's tests all go to one worker, after that worker's start-up).
+    Runs before xdist's own ``pytest_cmdline_main`` turns ``-n`` into workers."""
+    from _pytest.config import Config
+
+    if config.args_source != Config.ArgsSource.ARGS or not hasattr(config.option, "numprocesses"):
+        return
+    if _names_workers(config.invocation_params.args) or _names_workers(os.environ.get("PYTEST_ADDOPTS", "").split()):
+        return
+    paths = {pathlib.Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args}
+    if len(paths) == 1 and next(iter(paths)).is_file():
+        config.option.numprocesses = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Test tiers: each test's one tier marker, from what it uses (the tables below)
+# ------------------------------------------------------------------------------------------------
+TIERS = ("unit", "e2e", "compile")
+# Session fixtures that run the pipeline (or serve one): a test that uses one is end to end.
+E2E_FIXTURES = frozenset({"smoke_finished", "smoke_sft", "smoke_grpo_run", "smoke_programs", "readme_run"})
+# Test modules whose every test is of one tier (a module absent here: unit, unless TEST_TIERS or a
+# fixture says otherwise).
+MODULE_TIERS = {
+    "test_compile_stage": "compile",          # the compile stage, AOT for cpu:N and tpu:* targets
+    "test_config_source": "e2e",              # pipeline.run with other pattern and probe files
+    "test_distributed": "e2e",                # two processes of a GRPO step (worker subprocesses)
+    "test_end_to_end": "e2e",                 # the smoke run, its reruns and crashes
+    "test_families_end_to_end": "e2e",        # pipeline.run per model family
+    "test_gcs_run": "e2e",                    # the README command on a gs:// workdir
+    "test_readme_command": "e2e",             # the README command as a subprocess
+    "test_scan_layers_run": "e2e",            # pipeline.run with scanned layers
+    "test_two_behaviors": "e2e",              # pipeline.run of the two-behaviour smoke config
+}
+# Single tests (``module::function``, parameters left off) whose tier is not their module's; they
+# win over the fixtures and MODULE_TIERS.
+TEST_TIERS = {
+    "test_config_schema::test_main_refuses_a_config_file_with_an_unknown_key": "e2e",  # main.py subprocess
+    "test_configs::test_unknown_config_key_is_refused": "e2e",                          # main.py subprocess
+    "test_configs::test_unknown_stage_is_refused": "e2e",                               # main.py subprocess
+    "test_hub::test_the_pipeline_loads_the_model_by_id": "e2e",                         # pipeline.run
+    "test_layout::test_sketch_and_draws_stages_run_the_programs_compile_reports": "compile",
+    "test_multiprocess::test_two_processes_equal_one_process_two_devices": "e2e",       # main.py subprocesses
+    "test_multiprocess::test_killed_process_then_rerun_resumes": "e2e",                 # main.py subprocesses
+    "test_no_silent_fallback::test_compile_metagradient_step_is_the_run_forward": "compile",
+    "test_pallas_sketch::test_kernel_compiles_for_tpu_v5e": "compile",                  # libtpu, v5e:2x4
+    "test_spec::test_main_refuses_a_bad_value_naming_its_key_before_writing": "e2e",    # main.py subprocess
+    "test_two_behaviors::test_paper_two_behaviors_config_compiles_at_tiny_shapes": "compile",
+    "test_watch::test_status_needs_an_existing_run": "e2e",                             # pipeline.run (status)
+}
+
+
+def tier_of(item) -> str:
+    """The tier the tables give a collected test: TEST_TIERS, then E2E_FIXTURES, then MODULE_TIERS,
+    else ``unit``."""
+    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+    name = getattr(item, "originalname", None) or item.name.split("[")[0]
+    if f"{module}::{name}" in TEST_TIERS:
+        return TEST_TIERS[f"{module}::{name}"]
+    if E2E_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        return "e2e"
+    return MODULE_TIERS.get(module, "unit")
+
+
+COLLECTED_TIERS: dict[str, tuple[str, ...]] = {}  # node id -> its tier markers, before -m deselects
+COLLECTED_ITEMS: list = []  # every collected test, before -m and -k deselect
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(config, items):
+    """Adds each test's tier marker (:func:`tier_of`) unless it carries one itself, and records
+    every test and its tier markers (:data:`COLLECTED_ITEMS`, :data:`COLLECTED_TIERS`; test_tiers.py checks there is one each).
+    A ``slow`` test runs only where ``-m`` names ``slow`` (``pytest.ini``'s ``not slow``, ``-m slow``),
+    so ``-m unit`` and ``-m e2e`` leave the slow ones out too."""
+    for item in items:
+        if not any(m.name in TIERS for m in item.iter_markers()):
+            item.add_marker(getattr(pytest.mark, tier_of(item)))
+        COLLECTED_TIERS[item.nodeid] = tuple(m.name for m in item.iter_markers() if m.name in TIERS)
+    COLLECTED_ITEMS[:] = items
+    if "slow" not in (config.option.markexpr or ""):  # -m unit, -m e2e: still without the slow tests
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 def pytest_configure(config):
