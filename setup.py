@@ -49,7 +49,7 @@ EXTRAS = {
     # The `compile` stage's TPU targets (tpu:v5e:2x4, ...) and TPU VMs: libtpu (~700 MB, so not in
     # the default install or CI). pip install -e '.[tpu]'
     "tpu": ["jax[tpu]==0.10.2"],
-    # A gs:// workdir (docs/guide.md "Paper scale"): etils' epath reaches gs:// through fsspec + gcsfs, and
+    # A gs:// workdir (docs/guides/paper-scale.md): etils' epath reaches gs:// through fsspec + gcsfs, and
     # tensorboardX writes gs:// event files through google-cloud-storage; tensorstore's gcs kvstore
     # and orbax need nothing more. pip install -e '.[gcs]'
     "gcs": ["etils[epath-gcs]", "google-cloud-storage>=2"],

@@ -226,7 +226,7 @@ def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed
     Returns float32[C, dim]; row c equals ``sketch_tree([g[c] for g in grads], ...)``. The hash is
     computed once per call (per :func:`hash_segments` run, as :func:`sketch_tree`) and the examples
     are scattered one after another (``lax.map``), which measured faster on CPU than a batched
-    scatter (docs/benchmarks.md). A scatter-free ``hash_family``: the whole batch at once per
+    scatter (docs/records/benchmarks.md). A scatter-free ``hash_family``: the whole batch at once per
     parameter (its ``block_sketch``, no scatter).
     """
     dim = check_dim(dim)

@@ -18,7 +18,7 @@ The families (docs/architecture.md, "Add a hash family", says how to add one):
 
 ``sketch.hash = "auto"`` (the default) and ``sketch.kernel = "auto"`` are chosen per backend by
 :func:`choose_sketch` (:data:`AUTO_RULES`): CPU keeps splitmix64 on the XLA path (the paper's hash;
-the block family's roll is slower than its scatter there, docs/benchmarks.md); TPU takes the block
+the block family's roll is slower than its scatter there, docs/records/benchmarks.md); TPU takes the block
 family with the Pallas kernel (``pallas_sketch.py``); GPU the block family on the XLA path (the
 kernel is Mosaic-TPU only). The chosen family is what every store records (``hash_family``), so
 sketches of a CPU run and a TPU run are never compared.
