@@ -57,7 +57,7 @@ EXTRAS = {
 
 setup(
     name="behaviortrace_jax",
-    version="0.1.0",
+    version="0.9.0",  # CHANGELOG.md
     description="BehaviorTrace in JAX: does gradient-based data attribution find the GRPO rollouts "
     "that taught a behaviour?",
     license="Apache-2.0",
