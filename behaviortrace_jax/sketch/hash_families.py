@@ -93,7 +93,7 @@ class HashFamily:
 
     @property
     def takes_tables(self) -> bool:
-        """Whether precomputed hash tables (``tables.layout_tables``) can stand in for the hash: only
+        """Whether precomputed hash tables (``hash_tables.layout_tables``) can stand in for the hash: only
         for a family summed with a scatter (a scatter-free one has no per-coordinate table to read)."""
         return not self.scatter_free
 

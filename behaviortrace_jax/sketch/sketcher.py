@@ -55,7 +55,7 @@ from behaviortrace_jax.sketch.countsketch import sketch_batch, sketch_batch_stac
 from behaviortrace_jax.sketch.hash_families import DEFAULT_HASH_FAMILY, HashFamily
 from behaviortrace_jax.sketch.param_layout import ParamLayout, StackedLayout
 from behaviortrace_jax.sketch.splitmix64 import check_dim
-from behaviortrace_jax.sketch.tables import check_tables, layout_tables
+from behaviortrace_jax.sketch.hash_tables import check_tables, layout_tables
 from behaviortrace_jax.sketch import fused as fused_lib
 from behaviortrace_jax.sketch.fused import DecoderLoss
 
