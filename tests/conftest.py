@@ -22,7 +22,7 @@ in one process unless the command line names ``-n`` itself (:func:`pytest_cmdlin
 tests would all go to one xdist worker anyway (``--dist loadfile``).
 
 Every test gets exactly one tier marker (:func:`pytest_collection_modifyitems`, from the tables
-:data:`E2E_FIXTURES`, :data:`MODULE_TIERS` and :data:`TEST_TIERS`): ``unit`` (the default: no
+:data:`E2E_FIXTURES`, :data:`MODULE_TIERS`, :data:`TEST_TIERS` and :data:`HEAVY_UNIT_TESTS`): ``unit`` (the default: no
 model beyond a toy compiled, no pipeline run; ``python -m pytest -m unit -n 0`` is the inner loop),
 ``e2e`` (the shared smoke runs, a pipeline run or a ``main.py`` subprocess) and ``compile`` (the
 ``compile`` stage's ahead-of-time programs, libtpu, TPU topologies). ``slow`` is independent of
@@ -143,13 +143,90 @@ TEST_TIERS = {
 }
 
 
+# Tests that would be ``unit`` by what they use but cost the most CPU time: ``e2e``, so that
+# ``python -m pytest -m unit -n 0`` stays within about 2 minutes on 2 cores. CPU seconds (user + sys of
+# the test process, all parameters of the test summed) measured per test on the 2-core AMD EPYC VM
+# (2026-12-07, jax 0.10.2, ``-m unit`` under pytest-xdist, the machine shared with other jobs); the
+# heaviest, in order, until the rest of the tier summed to at most 90 CPU seconds.
+HEAVY_UNIT_TESTS = {  # "module::test": CPU seconds
+    "test_fused_sketcher::test_fused_equals_vmap_grad_and_numpy": 49.1,
+    "test_sketcher::test_scan_layers_sketch_and_sum_and_shard_map": 37.0,
+    "test_gpu_step_check::test_gpu_step_check_tiny": 36.7,
+    "test_pallas_sketch::test_fused_sketcher_with_kernel_equals_xla_and_numpy": 34.9,
+    "test_sketcher::test_scan_layers_sketches_equal_unrolled": 32.0,
+    "test_readme::test_the_library_example_runs_as_printed": 30.9,
+    "test_metagradient::test_remat_metagradient_vjp_equals_the_plain_one": 30.4,
+    "test_scan_layers::test_scanned_forward_and_grads_match_unrolled": 29.7,
+    "test_hash_family::test_new_family_through_the_sketcher_equals_plain_numpy_countsketch": 23.7,
+    "test_block_hash::test_block_sketches_of_tiny_decoder_gradients": 23.0,
+    "test_grpo::test_sharded_step_equals_single_device": 21.4,
+    "test_fused_sketcher::test_fused_on_3_devices_equals_one_device": 21.3,
+    "test_grpo::test_update_from_sketcher_equals_two_backward_step": 20.0,
+    "test_pallas_sketch::test_kernel_equals_numpy_and_xla_fused": 18.8,
+    "test_families::test_per_rollout_sketch_matches_pytorch": 18.0,
+    "test_fused_sketcher::test_bfloat16_fused_sketches_track_float32": 17.9,
+    "test_nonfinite::test_untied_metagradient_is_finite_and_matches_central_differences": 17.3,
+    "test_sketcher::test_qwen2_per_rollout_sketch_matches_pytorch": 14.6,
+    "test_grpo::test_rollout_sketches_sum_to_the_prebatch_gradient_sketch": 14.4,
+    "test_fused_sketcher::test_remat_does_not_change_fused_sketches": 14.1,
+    "test_grpo::test_no_clipping_gives_unclipped_step_sketches": 14.0,
+    "test_sft::test_sft_writes_state_export_summary_and_marker": 13.4,
+    "test_checkpoint_topology::test_state_saved_on_four_devices_restores_onto_one": 13.2,
+    "test_families::test_table_order_equals_transformers_named_parameters": 12.8,
+    "test_checkpoint_topology::test_restore_onto_another_mesh": 12.5,
+    "test_families::test_greedy_matches_transformers_generate": 10.7,
+    "test_families::test_logits_match_transformers_left_padded": 10.6,
+    "test_lm_trainer::test_sharded_step_equals_single_device_step": 10.5,
+    "test_base_model::test_base_dir_is_complete_and_summarised": 10.4,
+    "test_families::test_kv_cache_decode_matches_full_forward": 10.3,
+    "test_draws::test_draw_end_to_end_format_recompute_skip_and_settings": 10.1,
+    "test_grpo::test_grpo_clip_rollout_sketches_sum_to_the_prebatch_gradient_sketch": 9.4,
+    "test_grpo::test_step_raises_logprob_of_rewarded_completion": 9.2,
+    "test_checkpoint_topology::test_state_saved_on_four_devices_restores_in_a_process_with_two": 8.4,
+    "test_sharding::test_sharded_forward_backward_equal_single_device": 8.2,
+    "test_fused_sketcher::test_decoder_loss_and_bad_inputs": 7.8,
+    "test_sampler::test_greedy_matches_transformers_generate": 7.6,
+    "test_block_hash::test_block_reference_equals_jax_on_random_vectors": 7.5,
+    "test_targets::test_forced_sketcher_matches_direct_gradient_across_blocks": 7.4,
+    "test_fused_sketcher::test_tied_embedding_norm_is_the_norm_of_the_sum": 6.3,
+    "test_sketcher::test_shard_map_over_data_axis_gives_same_sketches": 6.2,
+    "test_families::test_round_trip_flax_to_transformers": 5.7,
+    "test_sampler::test_sharded_sampler_equals_single_device": 5.6,
+    "test_lm_trainer::test_shared_prefix_gives_the_full_sequence_loss_and_gradient": 5.4,
+    "test_hf_io::test_bf16_checkpoint_loads_and_runs": 5.2,
+    "test_rope::test_rope_matches_transformers": 5.2,
+    "test_qwen2::test_remat_gives_same_grads": 5.0,
+    "test_lm_trainer::test_train_state_round_trip_and_restore_into_another_lr": 4.8,
+    "test_runtime::test_compilation_cache_entries_hit_under_another_folder_and_workdir": 4.6,
+    "test_qwen2::test_kv_cache_decode_matches_full_forward": 4.6,
+    "test_countsketch::test_hash_spread_over_16_seeds": 4.5,
+    "test_lm_trainer::test_steps_lower_the_loss_without_recompiling": 4.5,
+    "test_nonfinite::test_lm_trainer_stops_at_a_non_finite_step_naming_it": 4.5,
+    "test_nonfinite::test_grpo_step_returns_the_finite_flag": 4.2,
+    "test_token_ids::test_completion_loss": 4.1,
+    "test_configs::test_the_32b_config_builds_qwen2p5_32b_abstract_shapes": 4.1,
+    "test_sampler::test_sample_chat_formats_and_truncates": 4.1,
+    "test_qwen2::test_bf16_params_run_and_stay_close_to_fp32": 4.0,
+    "test_sketcher::test_sketch_and_sum_coefficients": 3.7,
+    "test_metagradient::test_toy_metagradient_through_clip_and_adamw_matches_central_differences": 3.7,
+    "test_scan_layers::test_scanned_kv_cache_prefill_and_decode_match_unrolled": 3.6,
+    "test_metagradient::test_differentiable_clip_matches_optax_and_is_finite_at_zero": 3.5,
+    "test_sketcher::test_chunk_size_and_tables_do_not_change_results": 3.5,
+    "test_qwen2::test_init_model_into_a_sharded_layout": 3.4,
+    "test_sketcher::test_peak_memory_bounded_by_chunk_not_batch": 3.4,
+    "test_sketcher::test_matches_loop_of_single_example_gradients": 3.4,
+}
+
+
 def tier_of(item) -> str:
     """The tier the tables give a collected test: TEST_TIERS, then E2E_FIXTURES, then MODULE_TIERS,
-    else ``unit``."""
+    then HEAVY_UNIT_TESTS (``e2e``), else ``unit``."""
     module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
     name = getattr(item, "originalname", None) or item.name.split("[")[0]
     if f"{module}::{name}" in TEST_TIERS:
         return TEST_TIERS[f"{module}::{name}"]
+    if f"{module}::{name}" in HEAVY_UNIT_TESTS:
+        return "e2e"
     if E2E_FIXTURES.intersection(getattr(item, "fixturenames", ())):
         return "e2e"
     return MODULE_TIERS.get(module, "unit")

@@ -37,7 +37,7 @@ def test_the_tier_tables_name_existing_modules_tests_and_fixtures():
     assert set(conftest.MODULE_TIERS) <= modules, set(conftest.MODULE_TIERS) - modules
     for key, tier in {**conftest.MODULE_TIERS, **conftest.TEST_TIERS}.items():
         assert tier in conftest.TIERS, (key, tier)
-    for key in conftest.TEST_TIERS:
+    for key in [*conftest.TEST_TIERS, *conftest.HEAVY_UNIT_TESTS]:
         module, name = key.split("::")
         assert module in modules, key
         assert re.search(rf"^\s*def {name}\(", (TESTS / f"{module}.py").read_text(), re.M), f"no test {key}"
