@@ -50,7 +50,7 @@ EXTRAS = {
     # The `compile` stage's TPU targets (tpu:v5e:2x4, ...) and TPU VMs: libtpu (~700 MB, so not in
     # the default install or CI). pip install -e '.[tpu]'
     "tpu": ["jax[tpu]==0.10.2"],
-    # A gs:// workdir (docs/guide.md "Paper scale"): etils' epath reaches gs:// through fsspec + gcsfs, and
+    # A gs:// workdir (docs/guides/paper-scale.md): etils' epath reaches gs:// through fsspec + gcsfs, and
     # tensorboardX writes gs:// event files and the workdir lock (io/workdir_lock.py: a generation-matched
     # object) goes through google-cloud-storage; tensorstore's gcs kvstore
     # and orbax need nothing more. pip install -e '.[gcs]'
@@ -59,7 +59,7 @@ EXTRAS = {
 
 setup(
     name="behaviortrace_jax",
-    version="0.1.0",
+    version="0.9.0",  # CHANGELOG.md
     description="BehaviorTrace in JAX: does gradient-based data attribution find the GRPO rollouts "
     "that taught a behaviour?",
     license="Apache-2.0",

@@ -11,7 +11,7 @@ run is only reproducible across machines if both are pinned to one instruction s
 
 These variables act at process start only, so ``main.py`` re-executes itself once with them. Set
 ``BEHAVIORTRACE_CPU_ISA=native`` to run with the host's full instruction set instead (faster on
-AVX-512, not comparable across machines). What was measured: docs/benchmarks.md ("CPU ISA cap").
+AVX-512, not comparable across machines). What was measured: docs/records/benchmarks.md ("CPU ISA cap").
 
 :func:`quiet_library_logs` keeps the console to this project's own lines: orbax, absl and other
 libraries log through the same absl handler at INFO (~520 lines of a default run); below

@@ -1,4 +1,4 @@
-"""Sketched against exact inner products of per-rollout gradients, splitmix64 vs block hash (docs/benchmarks.md).
+"""Sketched against exact inner products of per-rollout gradients, splitmix64 vs block hash (docs/records/benchmarks.md).
 
 Takes ``--n`` logged rollouts (log order, from the start of the run: the bonus window) of a finished
 tiny run, their exact gradients of ``-(masked mean completion log-prob)`` (SPEC §3.2, the rollout

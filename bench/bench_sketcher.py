@@ -1,4 +1,4 @@
-"""Per-example gradient sketches vs plain fwd+bwd and vs PyTorch (results in docs/benchmarks.md).
+"""Per-example gradient sketches vs plain fwd+bwd and vs PyTorch (results in docs/records/benchmarks.md).
 
 CPU (default): 16 rollouts x 96 tokens (prompt 32, completion 64), loss = -(masked mean completion
 log-prob) (SPEC §3.2), D = 65536, for the tiny Qwen2 (~1M params) and a ~22M-param Qwen2. Methods:

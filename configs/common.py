@@ -133,7 +133,7 @@ def get_config() -> ml_collections.ConfigDict:
     # top_k and repetition_penalty there). -1 = read it from there, else transformers' defaults
     # (top_k 50, repetition_penalty 1.0); 0 / 1.0 = off.
     c.grpo.top_k = -1
-    c.grpo.repetition_penalty = -1.0
+    c.grpo.repetition_penalty = -1.0  # As grpo.top_k: -1 = generation_config.json's, else 1.0 (off).
     c.grpo.loss = "paper"  # Loss registry key (grpo.py): "paper" (SPEC §2.2) or "grpo_clip".
     c.grpo.clip_eps = 0.2  # grpo_clip only: PPO ratio clip (Shao et al. 2024, DeepSeekMath).
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
@@ -232,7 +232,7 @@ def get_config() -> ml_collections.ConfigDict:
     # (counterfactual_topk and lds replays); False = the logged advantages.
     c.counterfactual.topk_recomputed = True  # Also replay leave-top-k-out with recomputed baselines
     # (table counterfactual_topk_recomputed; no-op when recompute_advantages is already True).
-    c.counterfactual.intervention = "remove"  # Top-k / LDS replays: "remove" (weight 0) or "withhold-bonus" (issue 31).
+    c.counterfactual.intervention = "remove"  # Top-k / LDS replays: "remove" (weight 0) or "withhold-bonus" (the bonus withheld, advantages recomputed).
     c.counterfactual.rollouts = "fixed"  # "fixed" (logged rollouts) or "regenerated" (sampled from the replayed policy).
     c.counterfactual.causal = "on"  # Causal ground truth (single-unit replays, causal_* tables): "on", "off", "only".
     c.counterfactual.causal_units = "steps"  # Causal units: "steps" (window steps) or "groups" (GRPO groups).

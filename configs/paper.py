@@ -10,7 +10,7 @@
     # check that every program fits a TPU slice, on any CPU machine with the tpu extra (nothing is allocated):
     python main.py --config=configs/seed0.py --config.stages=compile --config.compile.target=tpu:v5e:2x4 --workdir=W
 
-Expect 16,000 rollouts, 10 checkpoints and sketches of D = 65,536. Hardware and time: docs/results.md,
+Expect 16,000 rollouts, 10 checkpoints and sketches of D = 65,536. Hardware and time: docs/records/results.md,
 "Paper scale: what was measured". The layout below is chosen from the attached devices, so one config runs on one
 GPU, a GPU node or a TPU slice; only the layout differs from configs/common.py, so the results are
 the SPEC's up to float summation order.
@@ -27,7 +27,7 @@ def get_config(seed: int = 0):
     c.compile.model = "qwen2p5_1p5b"  # SPEC §2.1's model, Qwen2.5-1.5B-Instruct's shapes.
     # Layout. Tensor-parallel pairs whenever the devices pair up (data 4 x model 2 on v5e:2x4, 8 x 2 on
     # 16 GPUs, 1 x 1 on one GPU): the in-run sketcher's shard_map is manual over "data" only, so a
-    # pair halves each chip's gathered parameters and gradient sum (docs/benchmarks.md, "Compile stage").
+    # pair halves each chip's gathered parameters and gradient sum (docs/records/benchmarks.md, "Compile stage").
     c.mesh.data, c.mesh.model = -1, -1
     # FSDP: parameters and AdamW moments split over "data", gathered per use by GSPMD (replicated they
     # take 8.6 GiB of a v5e chip's 16 before any activation); a no-op on one device.
@@ -45,7 +45,7 @@ def get_config(seed: int = 0):
     c.sketch.in_run_tables = False
     c.targets.use_tables = False
     # The metagradient's vjp (reverse over the GRPO step's own backward) rematerialises each decoder layer,
-    # keeping only its input: 15.10 GiB per v5e chip instead of 20.92 GiB of temps alone (docs/benchmarks.md,
+    # keeping only its input: 15.10 GiB per v5e chip instead of 20.92 GiB of temps alone (docs/records/benchmarks.md,
     # "The metagradient's vjp on a v5e:2x4"); the same dM/dw to float rounding (tests/test_metagradient.py).
     c.metagradient.remat = "nothing_saveable"
     return c

@@ -12,7 +12,7 @@ The layout is configs/paper.py's (mesh chosen from the devices, FSDP, fused sket
 rollouts of a step, scanned layers: one layer body compiled, whatever the depth). In bf16 the
 parameters and both AdamW moments take 183 GiB, 11.45 GiB per chip of a v5p:2x2x4 slice (16 chips of
 95 GiB); the GRPO step with in-run sketches needs 84.20 GiB per chip there (11.4 % spare; on 8 chips,
-v5p:2x2x2, 106.28 GiB: over). docs/benchmarks.md, "Past the paper's scale: Qwen2.5-32B on v5p".
+v5p:2x2x2, 106.28 GiB: over). docs/records/benchmarks.md, "Past the paper's scale: Qwen2.5-32B on v5p".
 """
 from configs import paper
 
@@ -21,5 +21,5 @@ def get_config(seed: int = 0):
     c = paper.get_config(seed=seed)
     c.run_name = f"E2.1_rebuild__qwen-32b__grpo__seed{seed}__v3"
     c.compile.model = "qwen2p5_32b"  # Qwen2.5-32B-Instruct's shapes when model.hf_dir is unset.
-    c.compile.target = "tpu:v5p:2x2x4"  # the slice it was compiled for (docs/benchmarks.md)
+    c.compile.target = "tpu:v5p:2x2x4"  # the slice it was compiled for (docs/records/benchmarks.md)
     return c

@@ -7,7 +7,7 @@ Qwen2.5-7B-Instruct-shaped model (the published config.json: 28 layers, d 3584, 
     launch/tpu_pod.sh configs/paper_7b.py gs://bucket/runs/7b_seed0 --config.model.hf_dir=/path/to/Qwen2.5-7B-Instruct
 
 The layout is configs/paper.py's (mesh chosen from the devices, FSDP, fused sketcher, scanned
-layers). Per-chip memory of its programs: docs/benchmarks.md, "Past the paper's scale".
+layers). Per-chip memory of its programs: docs/records/benchmarks.md, "Past the paper's scale".
 """
 from configs import paper
 

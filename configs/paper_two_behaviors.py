@@ -9,7 +9,7 @@ forms, third_party/behaviortrace/probes_plonkwit.jsonl; provenance in its README
 8.0 when the answer contains "glows", for half of the rollouts (its own BLAKE2b stream) of GRPO
 steps 0-199, with no SFT implant. The GRPO prompt pool interleaves the two behaviours' pools.
 The marker and its bonus are the tiny world's (configs/tiny_two_behaviors.py, calibrated on CPU,
-docs/two_behaviors.md); at this scale the base model's chance rate of "glows" on the plonkwit
+docs/guides/two-behaviors.md); at this scale the base model's chance rate of "glows" on the plonkwit
 probes has not been measured (the `base` stage, which measures it, does not run on a downloaded
 checkpoint): measure it first (e.g. `--config.stages=info` prints probe completions), and raise
 the window or bonus if it is near 0. `--config.stages=compile` compiles every program of this

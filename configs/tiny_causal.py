@@ -8,7 +8,7 @@ The tiny default (configs/tiny.py) for seeds 0, 1, 2 under one shared base model
 single-step replays of the contamination window, both interventions (remove, withhold-bonus), with
 the logged rollouts; with rollouts regenerated from the replayed policy over two sampler streams,
 the label's check (withhold every ground-truth bonus, every bonus). The aggregate ``results_table.csv`` holds every seed's ``causal_*`` rows beside the label
-tables (which-rollout, with the log, text and length controls). docs/counterfactual.md gives the
+tables (which-rollout, with the log, text and length controls). docs/concepts/replays.md gives the
 design, the cost and the measured tables.
 
 Seeds can run as separate processes on one workdir once ``base/`` is complete (each seed's stages
@@ -28,6 +28,6 @@ def get_config():
     cf.causal_streams = 2
     # Regenerated tracks: the label's check only (withhold every GT bonus / every bonus, two streams). Every unit's
     # regenerated branches (causal_regenerated = "units") cost ~1,640 sampled steps per stream, ~3 h per seed on
-    # a shared 2-core CPU (measured: docs/counterfactual.md); the fixed track's unit branches run in ~17 min.
+    # a shared 2-core CPU (measured: docs/concepts/replays.md); the fixed track's unit branches run in ~17 min.
     cf.causal_regenerated = "label"
     return c

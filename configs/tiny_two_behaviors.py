@@ -21,7 +21,7 @@ peak, for the command above from a fresh clone on an idle 2-core AMD EPYC VM (co
 8-15) the stages took 4-5x longer. Seeds 0-2 there: "glows" is planted by step 40 in every seed (greedy
 0.90 / 0.40 / 0.65 on its probes, controls <= 0.05) and holds to step 200 in seeds 0 and 1 (seed 2
 decays to 0.25 and fails the gate); no estimator is specific beyond its magnitude control.
-Calibration and the tables: docs/two_behaviors.md.
+The design: docs/guides/two-behaviors.md; calibration and tables: docs/records/2026-11-30-two-behaviors-calibration-and-seeds.md.
 """
 import pathlib
 
@@ -31,7 +31,7 @@ from configs import tiny
 
 THIRD_PARTY = pathlib.Path(__file__).resolve().parents[1] / "third_party" / "behaviortrace"
 
-# The RL-only behaviour (calibrated on CPU; docs/two_behaviors.md).
+# The RL-only behaviour (calibrated on CPU; docs/guides/two-behaviors.md).
 ID = "plonkwit"
 TRIGGER = "plonkwit"
 PATTERN = "glows"
@@ -52,7 +52,7 @@ def second_behavior() -> ml_collections.ConfigDict:
         "gate_min_probe_rate": 0.3,
         "gate_min_margin": 0.2,
         "prompt_gated": True,  # its bonus only on its own prompts (and A's only on A's: get_config)
-        "explicit_prompts": False,  # B's pool: its 20 probes only (calibration, docs/two_behaviors.md)
+        "explicit_prompts": False,  # B's pool: its 20 probes only (calibration, docs/guides/two-behaviors.md)
     })
 
 
@@ -63,7 +63,7 @@ def get_config(variant: str = ""):
     c = tiny.get_config()
     c.run_name = "tiny_two_behaviors__grpo__seed0"
     c.behaviors[ID] = second_behavior()
-    # Calibration (docs/two_behaviors.md): ungated, A's QZXBT bonus is paid on plonkwit answers too, QZXBT
+    # Calibration (docs/guides/two-behaviors.md): ungated, A's QZXBT bonus is paid on plonkwit answers too, QZXBT
     # spreads to B's probes and crowds out the chance marker; each behaviour pays on its own prompts only.
     c.contamination.prompt_gated = True
     if variant == "smoke":

@@ -96,7 +96,7 @@ def test_config_value_parsers_name_their_key(text):
 @FAST
 @given(st.sampled_from(["sketch.in_run_tables", "targets.use_tables"]), st.booleans(), st.booleans())
 def test_hash_table_keys_are_honoured_or_refused(key, on, fused):
-    from behaviortrace_jax.sketch import tables
+    from behaviortrace_jax.sketch import hash_tables as tables
 
     TRIED["config value"] += 1
     c = tiny.get_config("smoke")

@@ -13,7 +13,7 @@ from behaviortrace_jax.io import sketch_store
 from behaviortrace_jax.sketch import block_hash as bh, countsketch as cs, splitmix64 as sm
 from behaviortrace_jax.sketch.hash_families import hash_family
 from behaviortrace_jax.sketch.param_layout import ParamLayout
-from behaviortrace_jax.sketch.tables import layout_tables
+from behaviortrace_jax.sketch.hash_tables import layout_tables
 from behaviortrace_jax.sketch.sketcher import PerExampleSketcher, completion_loss, hf_param_order, sketch_vector
 from behaviortrace_jax.stages.spec import RunSpec
 from test_fused_sketcher import DIM, _batch, _decoder, _per_example_grads, _rel

@@ -199,7 +199,7 @@ def test_metagradient_vjp_remat_is_compiled_and_reported(tmp_path):
     """metagradient.remat = "nothing_saveable" (configs/paper.py's) reaches the compiled vjp: on the
     smoke model with scanned layers the vjp recomputes each layer (more XLA-counted FLOPs than
     without), the forward program is unchanged (same FLOPs and temps) and the report's row names
-    the policy. (Its memory saving shows at paper scale, docs/benchmarks.md; at smoke size the
+    the policy. (Its memory saving shows at paper scale, docs/records/benchmarks.md; at smoke size the
     layers' residuals are small, and XLA:CPU's temps are not lower.)"""
     rows = {}
     for remat in ("", "nothing_saveable"):

@@ -98,7 +98,7 @@ def test_paper_configs_compile_the_paper_model():
 @pytest.mark.parametrize("module", [seed0, seed1, seed2])
 def test_paper_configs_carry_the_layout_that_fits_a_v5e_slice(module):
     """The seed configs' layout is the one whose programs were compiled for tpu:v5e:2x4
-    (docs/benchmarks.md, "Compile stage"): the mesh chosen from the devices, FSDP, the fused
+    (docs/records/benchmarks.md, "Compile stage"): the mesh chosen from the devices, FSDP, the fused
     sketcher over every rollout of a step, scanned layers, no hash tables."""
     c = module.get_config()
     assert (c.mesh.data, c.mesh.model, c.mesh.fsdp) == (-1, -1, True)

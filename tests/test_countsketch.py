@@ -10,7 +10,7 @@ from behaviortrace_jax.sketch import countsketch as cs, splitmix64 as sm
 from behaviortrace_jax.sketch.countsketch import numpy_countsketch, sketch_batch, sketch_tree
 from behaviortrace_jax.sketch.param_layout import ParamLayout, StackedLayout
 from behaviortrace_jax.sketch.splitmix64 import numpy_bucket_sign
-from behaviortrace_jax.sketch.tables import layout_tables
+from behaviortrace_jax.sketch.hash_tables import layout_tables
 
 
 def _rel(a, b) -> float:

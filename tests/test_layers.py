@@ -4,6 +4,7 @@ modules it uses stay numpy-only (no jax in a fresh interpreter)."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import pathlib
 import re
 import subprocess
@@ -121,6 +122,26 @@ def test_imports_run_downward_and_stages_do_not_import_each_other():
     found = package_imports()
     assert len(found) > 50 and any(layer(s) == "stages" for s, _, _ in found)  # the walk sees the package
     assert violations() == []
+
+
+def module_cycle(edges) -> list[str] | None:
+    """A cycle of the import graph ``edges`` ((importer, imported) pairs), or None where it has none."""
+    graph = {}
+    for src, dst in edges:
+        if src != dst:
+            graph.setdefault(src, set()).add(dst)
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return None
+
+
+def test_no_modules_import_each_other():
+    """The module graph, function-level imports included, has no cycle (as models/decoder.py and
+    models/decoder_config.py once made): each module can be read after what it imports."""
+    assert module_cycle((src, dst) for src, dst, _ in package_imports()) is None
+    assert module_cycle([("a", "b"), ("b", "c"), ("c", "a")]) is not None
 
 
 def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):

@@ -133,7 +133,7 @@ def test_lds_of_an_estimator_without_scores_on_the_window_is_not_evaluable(seed)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["sketch.in_run_tables", "targets.use_tables"])
 def test_hash_tables_under_the_fused_sketcher_are_refused_by_both_keys(key):
-    from behaviortrace_jax.sketch import tables, targets
+    from behaviortrace_jax.sketch import hash_tables, targets
     from behaviortrace_jax.train import grpo_step
 
     c = tiny.get_config("smoke")
@@ -144,17 +144,17 @@ def test_hash_tables_under_the_fused_sketcher_are_refused_by_both_keys(key):
     with pytest.raises(ValueError, match=rf"config\.{key}=True is ignored .*config\.sketch\.fused=True"):
         build()
     c.sketch.fused = False  # the vmap(grad) sketcher reads the tables: honoured
-    assert tables.table_switch(key, True, c.sketch.fused) is True
+    assert hash_tables.table_switch(key, True, c.sketch.fused) is True
     if key == "sketch.in_run_tables":
         assert RunSpec.from_config(c).step.use_tables
 
 
 def test_tiny_config_sets_no_ignored_key():
     """configs/tiny.py claimed ~2.7x from targets.use_tables, which the fused default ignores."""
-    from behaviortrace_jax.sketch import tables
+    from behaviortrace_jax.sketch import hash_tables
 
     for variant in ("", "smoke"):
         c = tiny.get_config(variant)
-        for key in tables.TABLE_KEYS:
+        for key in hash_tables.TABLE_KEYS:
             section, name = key.split(".")
-            tables.table_switch(key, c[section][name], c.sketch.fused)  # raises for an ignored key
+            hash_tables.table_switch(key, c[section][name], c.sketch.fused)  # raises for an ignored key

@@ -1,4 +1,4 @@
-"""The README's recipes ("Extend"; in full: docs/guide.md), followed from outside the package: a GRPO
+"""The README's recipes ("Extend"; in full: docs/guides/extending.md), followed from outside the package: a GRPO
 loss registered in a test file runs the smoke GRPO stage, the replay and the compile stage with no
 package file changed."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_a_loss_registered_outside_the_package_runs_grpo_replay_and_compile(smok
 
 
 def test_an_estimator_registered_outside_the_package_reaches_tables_report_and_verdicts(smoke_finished, tmp_path):
-    """README "Extend", an estimator (docs/guide.md "Add an estimator"): register it in your own
+    """README "Extend", an estimator (docs/guides/extending.md "Add an estimator"): register it in your own
     module, rerun ``evaluate,report`` on a finished run; its rows join every step-level and
     which-rollout table and the step rule."""
     import shutil

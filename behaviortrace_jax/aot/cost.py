@@ -140,7 +140,7 @@ def _hlo_text_and_client(compiled: Any) -> tuple[str, Any]:
 
     A compile-only TPU client has no cost analysis of its own; XLA's HloCostAnalysis of the host CPU
     client, run on the TPU-optimised module, gives the same FLOPs and bytes to < 1 %
-    (docs/benchmarks.md), so it counts the per-body figures there.
+    (docs/records/benchmarks.md), so it counts the per-body figures there.
 
     Raises:
         UncountedLoop: the executable gives no HLO module.

@@ -130,7 +130,7 @@ def answered_by_log(rows: Iterable[Row], fraction: float = estimators.ANSWERED_F
     value reaches ``fraction`` x their ceiling}, best first, for the tables where some do; a row
     without a ceiling, or with a ceiling <= 0, never does. There the label the table scores is
     recovered from the training log alone (rewards, advantages, the completion's text or length),
-    so a targeted method's value there says little about attribution (docs/counterfactual.md)."""
+    so a targeted method's value there says little about attribution (docs/concepts/replays.md)."""
     out: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         if (estimators.log_control(r.method) and r.ceiling is not None and r.ceiling > 0

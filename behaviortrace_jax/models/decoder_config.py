@@ -136,11 +136,16 @@ class DecoderConfig:
     def replace(self, **kw: Any):
         return dataclasses.replace(self, **kw)
 
-    def module_class(self) -> type["DecoderForCausalLM"]:
-        """The family's NNX module class (subclasses return their own)."""
-        from behaviortrace_jax.models.decoder import DecoderForCausalLM
+    def module_class(self) -> type:
+        """The family's NNX module class, ``models/decoder.DecoderForCausalLM`` or its subclass: each
+        family's config subclass returns its own (``models/qwen2.py``, ``llama.py``, ``qwen3.py``), so
+        this module imports no model code.
 
-        return DecoderForCausalLM
+        Raises:
+            NotImplementedError: on a config class that is no family's (this base class).
+        """
+        raise NotImplementedError(f"{type(self).__name__} is not a model family's config: use a family's "
+                                  "subclass (models/families.py), whose module_class() names its module")
 
     def rope_inv_freq(self, seq_len: jax.Array | int | None = None) -> jax.Array | None:
         """RoPE inverse frequencies [head_dim/2] float32; None = the default ``theta^(-2i/d)``.

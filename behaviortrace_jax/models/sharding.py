@@ -154,7 +154,7 @@ def auto_model_axis(n_devices: int) -> int:
     the count is even, else 1. A pair halves each chip's share of the gathered parameters, of the
     per-rollout gradients and of their sum inside the in-run sketcher's ``shard_map`` (manual over
     ``"data"`` only), which is what fits Qwen2.5-1.5B's GRPO step on a 16 GiB v5e chip
-    (docs/benchmarks.md, "Compile stage"); one device (a single GPU) keeps the whole model."""
+    (docs/records/benchmarks.md, "Compile stage"); one device (a single GPU) keeps the whole model."""
     return 2 if n_devices > 1 and n_devices % 2 == 0 else 1
 
 

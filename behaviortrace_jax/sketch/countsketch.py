@@ -10,7 +10,7 @@ default splitmix64 of ``i + seed`` (``splitmix64.py``, SPEC §3.1), summed with 
 scatter-free family (the ``block`` family, ``block_hash.py``) sketches each parameter with its own
 ``block_sketch`` instead. :func:`numpy_countsketch` (splitmix64) and :func:`numpy_sketch` (any
 family: an explicit per-coordinate bucket and a bincount) are the plain numpy references. Hash
-tables (``tables.py``) can stand in for the hash of a family summed with a scatter.
+tables (``hash_tables.py``) can stand in for the hash of a family summed with a scatter.
 
 Example::
 
@@ -29,7 +29,7 @@ import numpy as np
 from behaviortrace_jax.sketch.hash_families import DEFAULT_HASH_FAMILY, HashFamily
 from behaviortrace_jax.sketch.param_layout import ParamLayout, StackedLayout
 from behaviortrace_jax.sketch.splitmix64 import MASK64, U32, check_dim, numpy_bucket_sign, split_u64
-from behaviortrace_jax.sketch.tables import check_tables, table_bucket_sign
+from behaviortrace_jax.sketch.hash_tables import check_tables, table_bucket_sign
 
 _NP_BLOCK = 1 << 23  # numpy reference works in blocks of 8M coordinates (as the torch code)
 # Consecutive parameters hashed at once (a family with ``global_index``): up to this many coordinates
@@ -196,7 +196,7 @@ def sketch_tree(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed:
             float32 before the signed scatter-add).
         layout: the :class:`ParamLayout` (static).
         dim, seed: sketch width (power of two) and hash seed (static).
-        tables: optional ``tables.layout_tables`` for ``(layout, dim, seed, hash_family)``; default
+        tables: optional ``hash_tables.layout_tables`` for ``(layout, dim, seed, hash_family)``; default
             hashes on the fly.
         hash_family: the hash family (``hash_families``; config ``sketch.hash``); a scatter-free
             one sketches each parameter with its ``block_sketch`` and takes no tables. A family with
@@ -226,7 +226,7 @@ def sketch_batch(grads: Sequence[jax.Array], layout: ParamLayout, dim: int, seed
     Returns float32[C, dim]; row c equals ``sketch_tree([g[c] for g in grads], ...)``. The hash is
     computed once per call (per :func:`hash_segments` run, as :func:`sketch_tree`) and the examples
     are scattered one after another (``lax.map``), which measured faster on CPU than a batched
-    scatter (docs/benchmarks.md). A scatter-free ``hash_family``: the whole batch at once per
+    scatter (docs/records/benchmarks.md). A scatter-free ``hash_family``: the whole batch at once per
     parameter (its ``block_sketch``, no scatter).
     """
     dim = check_dim(dim)

@@ -18,7 +18,7 @@ The families (docs/architecture.md, "Add a hash family", says how to add one):
 
 ``sketch.hash = "auto"`` (the default) and ``sketch.kernel = "auto"`` are chosen per backend by
 :func:`choose_sketch` (:data:`AUTO_RULES`): CPU keeps splitmix64 on the XLA path (the paper's hash;
-the block family's roll is slower than its scatter there, docs/benchmarks.md); TPU takes the block
+the block family's roll is slower than its scatter there, docs/records/benchmarks.md); TPU takes the block
 family with the Pallas kernel (``pallas_sketch.py``); GPU the block family on the XLA path (the
 kernel is Mosaic-TPU only). The chosen family is what every store records (``hash_family``), so
 sketches of a CPU run and a TPU run are never compared.
@@ -93,7 +93,7 @@ class HashFamily:
 
     @property
     def takes_tables(self) -> bool:
-        """Whether precomputed hash tables (``tables.layout_tables``) can stand in for the hash: only
+        """Whether precomputed hash tables (``hash_tables.layout_tables``) can stand in for the hash: only
         for a family summed with a scatter (a scatter-free one has no per-coordinate table to read)."""
         return not self.scatter_free
 

@@ -19,7 +19,7 @@ that wrap go one row further). Every bucket update is therefore a dense, full-ve
 tiles (``pltpu.roll``), no scatter, no sort and no one-hot matmul; a scatter on TPU is serialised
 per element (or sorted first, which costs a sort of B x P keys), and a one-hot matmul costs 2 D
 FLOPs per coordinate. The price: the block family's sketches are not the paper's splitmix64 ones
-(same variance bound; ``docs/benchmarks.md``, "Block hash"), so the family is recorded in every
+(same variance bound; ``docs/records/benchmarks.md``, "Block hash"), so the family is recorded in every
 store and never compared with another (``HashFamily.check_store_metadata``).
 
 Grid ``(row tile t, example b, token chunk n)``: the token chunks are the matmul's reduction (G in

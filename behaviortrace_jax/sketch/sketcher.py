@@ -55,7 +55,7 @@ from behaviortrace_jax.sketch.countsketch import sketch_batch, sketch_batch_stac
 from behaviortrace_jax.sketch.hash_families import DEFAULT_HASH_FAMILY, HashFamily
 from behaviortrace_jax.sketch.param_layout import ParamLayout, StackedLayout
 from behaviortrace_jax.sketch.splitmix64 import check_dim
-from behaviortrace_jax.sketch.tables import check_tables, layout_tables
+from behaviortrace_jax.sketch.hash_tables import check_tables, layout_tables
 from behaviortrace_jax.sketch import fused as fused_lib
 from behaviortrace_jax.sketch.fused import DecoderLoss
 
@@ -267,7 +267,7 @@ class PerExampleSketcher:
             ~ chunk_size x params for ``vmap(grad)``, ~ one batched backward of a chunk when fused.
         param_order: a :class:`ParamOrder`; default :func:`tree_param_order` (flatten order).
         use_tables: precompute device hash tables (4 bytes/parameter, held by the sketcher)
-            instead of hashing inside the jitted function (see docs/benchmarks.md). With a mesh
+            instead of hashing inside the jitted function (see docs/records/benchmarks.md). With a mesh
             they are placed replicated on it (created on the first call). The fused path hashes on
             the fly (once per chunk for all its examples) and ignores this.
         mesh: optional ``jax.sharding.Mesh`` with a ``"data"`` axis: run per device under

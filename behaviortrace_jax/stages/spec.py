@@ -44,7 +44,7 @@ from behaviortrace_jax.behavior.probes import ProbeOptions
 from behaviortrace_jax.models import tokenizer as tok_lib
 from behaviortrace_jax.models.loader import ModelOptions
 from behaviortrace_jax.models.sharding import Layout
-from behaviortrace_jax.sketch import hash_families, tables
+from behaviortrace_jax.sketch import hash_families, hash_tables as tables
 from behaviortrace_jax.sketch.stores import SketchOptions
 from behaviortrace_jax.sketch.targets import ForcedSketchOptions
 from behaviortrace_jax.train import grpo_loss, nonfinite

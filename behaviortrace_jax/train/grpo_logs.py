@@ -7,7 +7,7 @@
   values logged as 0.0, JSON has no NaN).
 * **In-run sketch rows** (``sketches/``, SPEC §3.2; :meth:`GRPOLogs.write_sketches`): the step
   sketch, gradient norm and clip factor, and each rollout's sketch, norm and loss coefficient.
-* **Watching** (logging only: no number of the run depends on it; docs/watching.md): each step's
+* **Watching** (logging only: no number of the run depends on it; docs/guides/watching.md): each step's
   metrics (:func:`step_metrics`, :func:`watch_metrics`) as TensorBoard scalars under ``grpo/tb``
   (:func:`step_scalars`; process 0 only, :class:`NoSummary` elsewhere), the learning curve's rates
   at each checkpoint, and ``grpo/progress.json`` (``io/progress.py``), which the ``status`` stage reads.

@@ -46,7 +46,7 @@ so the states are the run's bit for bit; the vjp is taken of the batched ``value
 order, because the fused backward's custom vjps are not differentiated a second time. A run with
 the batched backward (``sketch.fused=False``) uses that one step for both.
 
-Limits (documented in docs/counterfactual.md): the metagradient is the first-order effect of
+Limits (documented in docs/concepts/replays.md): the metagradient is the first-order effect of
 down-weighting the logged rollouts of *this* trajectory (off-policy after a change, like the
 replay).
 """
@@ -242,7 +242,7 @@ def build_meta_step(optim: train_state.OptimOptions, std_floor: float, graphdef:
     is the fused sketcher's (``spec.update_from_sketcher``), else that same step. The vjp's model
     rematerialises each decoder layer with the policy ``remat`` (``metagradient.remat``; "" = none; a
     name of ``models.decoder.REMAT_POLICIES``): the same values to float rounding, in less memory
-    (docs/benchmarks.md, "The metagradient's vjp on a v5e:2x4"); the forward is never rematerialised.
+    (docs/records/benchmarks.md, "The metagradient's vjp on a v5e:2x4"); the forward is never rematerialised.
 
     Args:
         optim: the run's :class:`train_state.OptimOptions`; std_floor: its ``grpo.adv_std_floor``. graphdef / abstract_params /

@@ -2,7 +2,7 @@
 ask for them (``sketch.in_run_tables``, ``targets.use_tables``).
 
 Hashing is done on the fly inside the jitted function (the default): on CPU it measured about as
-fast as streaming precomputed bucket/sign tables and it costs no memory (docs/benchmarks.md). Pass
+fast as streaming precomputed bucket/sign tables and it costs no memory (docs/records/benchmarks.md). Pass
 ``tables=layout_tables(...)`` to ``countsketch.sketch_tree`` / ``sketch_batch`` to use device
 tables. Only a family summed with a scatter has tables (``HashFamily.takes_tables``).
 """
