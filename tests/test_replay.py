@@ -243,6 +243,46 @@ def test_all_ones_replay_reproduces_the_run_bit_for_bit(smoke_run):
     assert cut["behavior"][config.grpo.steps]["logp_margin"] != out["behavior"][config.grpo.steps]["logp_margin"]
 
 
+def _same_bits(a, b) -> bool:
+    """Whether two pytrees hold the same leaves bit for bit (dtype, shape and bytes; -0.0 != 0.0)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).shape == np.asarray(y).shape
+        and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+
+
+def test_zero_gradient_shortcut_is_the_full_step_bit_for_bit(smoke_run):
+    """The exact shortcut (issue 46 item 5): over a stretch of zero-advantage steps (every rollout of
+    steps 0..3 weighted 0, so the weighted program's terms vanish, plus whatever logged steps of the
+    run have all-zero advantages) the optimizer on zero gradients gives the full forward + backward
+    step's parameters AND optimizer state bit for bit, on the run's own optimizer (global-norm clip
+    + AdamW continuing the SFT's moments, so the stretch does move the parameters)."""
+    config, w = smoke_run
+    spec = RunSpec.from_config(config)
+    rp = R.Replayer(spec.replay, w, layout=spec.layout, rates=False)
+    assert rp.shortcut and rp.spec.loss == "paper"
+    n, stop = rp.shapes.num_rollouts, 5
+    weights = np.ones(rp.num_rollouts, np.float32)
+    weights[:4 * n] = 0.0
+    fast = rp.run(weights, stop_step=stop, measure_steps=[])
+    rp.shortcut = False
+    try:
+        full = rp.run(weights, stop_step=stop, measure_steps=[])
+    finally:
+        rp.shortcut = True
+    assert fast["zero_gradient_steps"] >= 4 and full["zero_gradient_steps"] == 0
+    assert _same_bits(fast["params"], full["params"]) and _same_bits(fast["opt_state"], full["opt_state"])
+    start = rp.initial_state()
+    assert not _same_bits(fast["params"], start.params)  # the moments and weight decay moved them
+    # the declarations: a KL term to the reference policy does not vanish at A = 0
+    assert grpo_loss.get_loss("paper").zero_gradient_at_zero_advantage(grpo_loss.LossConfig())
+    assert not grpo_loss.get_loss("grpo_clip").zero_gradient_at_zero_advantage(grpo_loss.LossConfig(kl_beta=0.04))
+    assert grpo_loss.get_loss("grpo_clip").zero_gradient_at_zero_advantage(grpo_loss.LossConfig(kl_beta=0.0))
+    from behaviortrace_jax.train import grpo_step
+    assert not grpo_step.zero_gradient_step_applies(rp.spec, np.array([0.0, 1e-30], np.float32))
+    assert grpo_step.zero_gradient_step_applies(rp.spec, np.array([0.0, 2.0], np.float32), np.array([1.0, 0.0]))
+
+
 # ------------------------------------------------------------------------------------------------
 # The stage on the smoke run: its tables, its report section, and a kill -9 resume.
 # ------------------------------------------------------------------------------------------------

@@ -249,12 +249,14 @@ class Replayer:
         rates: also measure the greedy probe / control rates (costs a sampler compile + decode).
         sampled: also measure sampled rates from this many completions per probe / control prompt
             (GRPO temperature and top-p, one fixed key; 0 = off).
+        shortcut: take the exact shortcut of zero-gradient steps (module docstring; False runs every
+            step's forward and backward, for tests and benchmarks). Results are the same either way.
     Raises:
         ValueError: the rollout log does not hold exactly ``steps * N`` records in log order.
     """
 
     def __init__(self, options: ReplayOptions, workdir: str | os.PathLike, *, layout: sharding.Layout,
-                 rates: bool = True, sampled: int = 0):
+                 rates: bool = True, sampled: int = 0, shortcut: bool = True):
         self.options, self.paths = options, RunLayout(workdir)
         self.schedule = options.schedule
         self.start = start = load_start_state(options.model, options.optim, self.paths.workdir, layout)
@@ -292,6 +294,13 @@ class Replayer:
         self.step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer, self.spec, **kw)
         self.weighted_step_fn = grpo_step.make_train_step(start.graphdef, start.abstract_params, start.optimizer,
                                                           self.spec, weighted=True, **kw)
+        # The exact shortcut (issue 46 item 5): a step whose every weight x advantage is 0, under a
+        # loss that declares a zero gradient there (``grpo_loss.Loss.zero_at_zero_advantage``), runs
+        # the optimizer on zero gradients instead of the forward and backward, bit for bit the same.
+        self.shortcut = bool(shortcut) and self.spec.loss_spec.zero_gradient_at_zero_advantage(self.spec.loss_cfg)
+        self.zero_step_fn = grpo_step.make_zero_gradient_step(start.optimizer, self.spec, mesh=start.mesh,
+                                                              param_shardings=start.param_shardings,
+                                                              opt_shardings=start.opt_shardings)
         self.data_sharding = sharding.data_sharding(start.mesh)
         self._source = None  # the regenerated replays' RolloutSource, built on first use
         self.measure = BehaviorMeasure(start.graphdef, start.model_config, tok, options.rollouts.behaviors[0],
@@ -412,7 +421,7 @@ class Replayer:
         ref = jax.tree.map(jnp.copy, self.start.params) if self.spec.loss_spec.needs_reference else None
         measure = (lambda p: self.measure.measure(p)) if rates is None else (lambda p: self.measure.measure(p, rates=rates))
         out: dict[str, Any] = {"behavior": {}, "target_step": self.schedule.target_checkpoint(), "steps": plan.stop,
-                               "regenerated_bonuses": 0}
+                               "regenerated_bonuses": 0, "zero_gradient_steps": 0}
         if plan.first in plan.measure_steps:
             out["behavior"][plan.first] = measure(params)
         t0, t_meas, n = time.perf_counter(), 0.0, self.shapes.num_rollouts
@@ -420,7 +429,11 @@ class Replayer:
         for s in range(plan.first, plan.stop):
             fn, batch, bonuses = self._step_batch(plan, s, params, recompute_advantages)
             out["regenerated_bonuses"] += bonuses
-            params, opt_state, res = fn(params, opt_state, batch, ref)
+            if batch is None:  # the exact shortcut: zero gradient, the optimizer alone
+                params, opt_state, res = fn(params, opt_state)
+                out["zero_gradient_steps"] += 1
+            else:
+                params, opt_state, res = fn(params, opt_state, batch, ref)
             guard.add(s, res[nonfinite.FINITE_KEY], self.rollout_ids[s * n:(s + 1) * n])
             if on_step is not None:
                 on_step(s + 1, params, opt_state)
@@ -506,6 +519,8 @@ class Replayer:
             fn = self.step_fn
         else:
             fn, batch["weights"] = self.weighted_step_fn, kept_count_weights(ws) if recompute else ws
+        if self.shortcut and grpo_step.zero_gradient_step_applies(self.spec, batch["advantages"], batch.get("weights")):
+            return self.zero_step_fn, None, bonuses
         return fn, jax.device_put(batch, self.data_sharding), bonuses
 
 
