@@ -23,6 +23,7 @@ import numpy as np
 from absl import logging
 
 from behaviortrace_jax.attribution import estimators, formats, metrics, release as reproduce, report, specificity, tables
+from behaviortrace_jax.attribution import stage_outputs
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.attribution.scores import (read_complete, read_rollout_sketches, rollout_method_scores,
                                                   rollout_scales, step_method_scores, target_store_scores,
@@ -129,6 +130,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         more, per_behavior = behavior_results(config, paths, texts)
         rows += more
         verdicts.update(per_behavior)
+    rows += stage_outputs.rows_of_other_stages(paths, exclude=("evaluate",))  # their tables stay (issue 49 item 5)
     formats.write_results_csv(paths.results_table, rows)
     write_json(paths.verdicts, verdicts)
     files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
@@ -302,7 +304,7 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                    top_blamed=top,
                    rules=[Verdict.from_dict(v) for v in verdicts["decision_rules"]],
                    checklist=[Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
-                   extra=extra)
+                   extra=list(extra) + stage_outputs.report_sections(w))  # other stages' own sections
     logging.info("report: %s", w.report)
 
 
