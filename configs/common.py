@@ -238,7 +238,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.causal_k = 0.25  # Causal P@k: k = this fraction of the units (>= 1).
     # Registered interventions (train/interventions.py) of the single-unit branches, comma list.
     c.counterfactual.causal_interventions = "remove,withhold-bonus"
-    # Extra registered measures (behavior/measures.py) every replay records, beyond logp_margin/_probe/_control
+    # Extra registered measures (train/measures.py) every replay records, beyond logp_margin/_probe/_control
     # and the rates that `rates` / `sampled` turn on; comma list, "" = none.
     c.counterfactual.measures = ""
     # Measure outputs the tables are made of (comma list); tables of measures other than logp_margin get "[name]".

@@ -75,7 +75,7 @@ class _FakeReplayer:
         self.rollout_ids = [f"{s}-{i}" for s in range(options.schedule.steps) for i in range(n)]
         self.log_digest = ""  # rollout_log.digest of the (absent) log: what the scores reader checks
 
-        class _Margin:  # the differentiated measure's identity (behavior/measures.py)
+        class _Margin:  # the differentiated measure's identity (train/measures.py)
             def identity(self):
                 return {"name": "logp_margin", "version": 1}
 

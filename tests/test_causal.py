@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from behaviortrace_jax.attribution import causal as C, replay_plans as P
-from behaviortrace_jax.train.replay_request import Track
+from behaviortrace_jax.io.replay_request import Track
 
 
 def test_unit_scores_sum_each_units_rollouts_and_ignore_non_finite():

@@ -17,8 +17,9 @@ from behaviortrace_jax import pipeline
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.attribution import counterfactual_tables as T, replay_plans as P
 from behaviortrace_jax.stages import counterfactual as CF
-from behaviortrace_jax.train import grpo_loss, interventions, replay as R, replay_request as RQ, replay_runner
-from behaviortrace_jax.train.replay_request import ReplayRequest, Track
+from behaviortrace_jax.io import replay_request as RQ
+from behaviortrace_jax.train import grpo_loss, interventions, replay as R, replay_runner
+from behaviortrace_jax.io.replay_request import ReplayRequest, Track
 from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 from conftest import copy_start

@@ -28,7 +28,7 @@ import numpy as np
 
 from behaviortrace_jax.attribution import causal as causal_tables, counterfactual_tables as T, formats
 from behaviortrace_jax.attribution import replay_estimators as E
-from behaviortrace_jax.train.replay_request import ReplayRequest, Track
+from behaviortrace_jax.io.replay_request import ReplayRequest, Track
 
 UNITS = ("steps", "groups")
 REGENERATED = ("units", "label")  # counterfactual.causal_regenerated: what the regenerated tracks replay

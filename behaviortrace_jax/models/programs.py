@@ -33,7 +33,7 @@ PROGRAMS: dict[str, str] = {
     "forced_mean_logprob": "sketch.targets.ForcedSketcher.mean_logprob: masked mean log-probs (sketch, draws)",
     "metagradient_step": "train.metagradient.MetaStep.forward: one weighted GRPO step (metagradient)",
     "metagradient_step_vjp": "train.metagradient.MetaStep.backward: its vjp (metagradient)",
-    "replay_measure": "behavior.measures.MeasureEnv.pattern_batch: probe and control log-probs (counterfactual)",
+    "replay_measure": "train.measures.MeasureEnv.pattern_batch: probe and control log-probs (counterfactual)",
     "replay_measure_grad": "train.metagradient.RunMetagradient.measure_grad: value and gradient of the replay "
                            "measure (metagradient)",
 }

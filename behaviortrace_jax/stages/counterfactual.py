@@ -20,7 +20,7 @@ estimator's scores, the ground truth, the window, the measure step), and runs ea
 Δ = behaviour(no intervention) - behaviour(intervened), read at ``counterfactual.measure``
 ("window": the end of the contamination window; "target": the checkpoint nearest
 ``draws.target_step``; "end": the run's end, cheap with the exact shortcut of zero-gradient
-steps). Every replay records every configured measure (``behavior/measures.py``: the log-prob
+steps). Every replay records every configured measure (``train/measures.py``: the log-prob
 margin and its halves, ``counterfactual.rates``' greedy rates, ``counterfactual.sampled``'s sampled
 rates, and ``counterfactual.measures``); the tables are made of ``counterfactual.table_measures``.
 
@@ -49,7 +49,7 @@ from behaviortrace_jax.behavior import contaminator
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import tokenizer as tok_lib
-from behaviortrace_jax.stages.registry import register_stage
+from behaviortrace_jax.stages.registry import STAGES, register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 CAUSAL = ("on", "off", "only")  # counterfactual.causal: the causal ground truth too, not, or alone
@@ -102,7 +102,7 @@ def stage_plans(cf) -> list[str]:
 
 def check_options(cf) -> None:
     """The stage's option values, refused by key before any replay. Raises ValueError."""
-    from behaviortrace_jax.behavior import measures
+    from behaviortrace_jax.train import measures
     from behaviortrace_jax.train import interventions
 
     for key, value, allowed in (("rollouts", cf.rollouts, ("fixed", "regenerated")),
@@ -172,6 +172,4 @@ def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[fo
         more_figures=("figures/counterfactual_topk_recomputed.png",) if fig_rec else (), measures=measures)
     stage_outputs.write_section(w, "counterfactual", section)
     if w.report.exists() and w.verdicts.exists():  # the report stage renders the section, not an edit of report.md
-        from behaviortrace_jax.stages import evaluate
-
-        evaluate.report_stage(config, str(w.workdir))
+        STAGES["report"](config, str(w.workdir))  # through the registry: a stage imports no other stage

@@ -1,7 +1,7 @@
 """The ``metagradient`` stage: ``dM/dw_i`` of every logged rollout, differentiated through the replayed run.
 
 MAGIC-style attribution (Ilyas & Engstrom 2025; ``train/metagradient.py``): M is the behaviour
-measure (``logp_margin``, ``behavior/measures.py``: probe minus control) after m replayed GRPO steps, w_i
+measure (``logp_margin``, ``train/measures.py``: probe minus control) after m replayed GRPO steps, w_i
 rollout i's loss weight, and ``dM/dw_i`` the exact first-order effect of up-weighting rollout i,
 through the loss, the global-norm clip and AdamW of every update from the SFT start state to step
 m. Measure steps: the counterfactual stage's, ``counterfactual.measure`` (the end of the

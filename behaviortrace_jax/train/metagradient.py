@@ -8,7 +8,7 @@ the behaviour measure is continuous, so the same construction applies to online 
 
 * ``w_i``: rollout i's loss weight, log order ``step * N + i`` (1 in the run; the step loss is
   ``sum_i w_i * term_i``, the ``weighted`` program of the replay).
-* ``M``: the registered measure ``logp_margin`` (``behavior/measures.py``, ``differentiable``; teacher-forced mean log-prob of the pattern continuation,
+* ``M``: the registered measure ``logp_margin`` (``train/measures.py``, ``differentiable``; teacher-forced mean log-prob of the pattern continuation,
   probe minus control) of the parameters after ``m`` replayed steps.
 * ``dM/dw_i`` is differentiated through every update from the SFT start state to step ``m``: the
   loss, optax's global-norm clipping and AdamW (both moments, bias correction, decoupled weight
@@ -74,7 +74,7 @@ ADVANTAGE_MODES = ("logged", "recomputed")
 # the reverse sweep, the advantages) changes dM/dw, so that cached ``metagradient/<mode>.json``
 # files are recomputed (the stage's cache key, stages/metagradient.py).
 METAGRADIENT_VERSION = 1
-MEASURE = "logp_margin"  # the differentiated measure M (a registered measure, behavior/measures.py)
+MEASURE = "logp_margin"  # the differentiated measure M (a registered measure, train/measures.py)
 PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[Any, Any, dict]]
 
 
@@ -476,7 +476,7 @@ class RunMetagradient:
     def replay_margin(self, weights: np.ndarray | None, stop: int) -> float:
         """M after ``stop`` forward steps of the metagradient's own step at ``weights`` (any real
         values, e.g. ``1 +- eps`` for a finite-difference check; the replay takes [0, 1] only),
-        measured as the replay measures it (``behavior/measures.py`` ``logp_margin``: float64 mean over prompts)."""
+        measured as the replay measures it (``train/measures.py`` ``logp_margin``: float64 mean over prompts)."""
         start = self.rp.start
         state = tuple(jax.tree.map(jnp.copy, x) for x in (start.params, start.opt_state))
         for b, w in zip(self.batches(stop), self._weights(weights, stop)):

@@ -44,7 +44,7 @@ index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes
   measures "the same data, minus these rollouts", not "a run in which these rollouts never
   happened"; no sampling is done (``rollouts="regenerated"`` is that run).
 
-:class:`ReplayResult` holds every requested measure (registered objects, ``behavior/measures.py``:
+:class:`ReplayResult` holds every requested measure (registered objects, ``train/measures.py``:
 the teacher-forced pattern log-prob margin and its probe and control halves, the greedy and the
 sampled rates) at every measure step.
 
@@ -70,15 +70,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from behaviortrace_jax.behavior import measures as measures_lib
-from behaviortrace_jax.behavior.measures import DEFAULT_MEASURES
+from behaviortrace_jax.train import measures as measures_lib
+from behaviortrace_jax.train.measures import DEFAULT_MEASURES
 from behaviortrace_jax.behavior.probes import ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher
-from behaviortrace_jax.train import grpo_step, interventions, nonfinite, replay_request, rollouts as rollouts_lib, train_state
-from behaviortrace_jax.train.replay_request import ReplayRequest, Track
+from behaviortrace_jax.io import replay_request
+from behaviortrace_jax.train import grpo_step, interventions, nonfinite, rollouts as rollouts_lib, train_state
+from behaviortrace_jax.io.replay_request import ReplayRequest, Track
 from behaviortrace_jax.train.grpo_loss import recomputed_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
 from behaviortrace_jax.models.loader import ModelOptions
 from behaviortrace_jax.train.schedule import StepSchedule
@@ -190,7 +191,7 @@ class Replayer:
         workdir: the run directory (``sft/state``, ``grpo/rollouts``).
         layout: the run's ``sharding.Layout`` (``RunSpec.layout``, built at the stage boundary):
             the mesh and parameter layout (FSDP) the run's grpo stage trained on.
-        measures: the registered measures (``behavior/measures.py``) its replays can record, in order
+        measures: the registered measures (``train/measures.py``) its replays can record, in order
             (the greedy and sampled rates cost a sampler compile + decode each time).
         measure_settings: ``{measure name: settings}`` (e.g. ``{"sampled_rate": {"samples": 4}}``).
         shortcut: take the exact shortcut of zero-gradient steps (module docstring; False runs every

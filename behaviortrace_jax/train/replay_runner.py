@@ -21,7 +21,7 @@ from absl import logging
 from behaviortrace_jax.io.cache import stale_fields  # the one rule of every keyed cache
 from behaviortrace_jax.io.files import read_json, write_json
 from behaviortrace_jax.train import interventions, replay as R
-from behaviortrace_jax.train.replay_request import ReplayRequest, replay_file
+from behaviortrace_jax.io.replay_request import ReplayRequest, replay_file
 
 
 def changes_nothing(rp: R.Replayer, request: ReplayRequest) -> bool:

@@ -48,7 +48,7 @@ from behaviortrace_jax.behavior.behaviors import Behavior
 from behaviortrace_jax.behavior.probes import BehaviorProbe, ProbeOptions
 from behaviortrace_jax.models import decoder, programs, sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from behaviortrace_jax.train import replay_request
+from behaviortrace_jax.io import replay_request
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ A :class:`ReplayRequest` names everything that defines a replay: the track (``ro
 sampler ``stream``), the ``intervention`` (a registered name, ``train/interventions.py``; None =
 the no-intervention baseline) and the rollout slots it ``target``s (a unit or subset, log order:
 index ``step * N + i``), the ``advantages`` choice, the steps (``start_step``, ``measure_steps``,
-``stop_step``) and the ``measures`` recorded (registered names, ``behavior/measures.py``).
+``stop_step``) and the ``measures`` recorded (registered names, ``train/measures.py``).
 :func:`cache_key` gives its key (with what the replayer, the intervention and the measures say
 decides a result) and :func:`replay_file` its file; nothing builds a key as a string and parses it.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 ROLLOUTS = ("fixed", "regenerated")
-DEFAULT_MEASURES = ("logp_margin", "logp_probe", "logp_control")  # behavior/measures.py
+DEFAULT_MEASURES = ("logp_margin", "logp_probe", "logp_control")  # train/measures.py
 ADVANTAGES = ("logged", "recomputed")
 
 
