@@ -11,6 +11,10 @@ do not tie) and re-checks the decision rules and the checklist on all rows. Outp
 ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``.
 
 ``report`` turns those into ``report.md`` and ``figures/*.png`` with the learning curve and gate.
+
+Other stages' tables (``attribution/stage_outputs.py``, issue 49 item 5): ``evaluate`` keeps the rows
+that another stage owns (the ``counterfactual`` stage's) when it rewrites ``results_table.csv``, and
+``report`` renders those stages' own report sections (their rows appear there, not under "Other rows").
 """
 from __future__ import annotations
 
@@ -284,7 +288,8 @@ def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
     w = RunLayout(workdir)
-    rows = formats.read_results_csv(w.results_table)
+    owned = {(r.seed, r.table) for r in stage_outputs.rows_of_other_stages(w)}  # shown in their stages' sections
+    rows = [r for r in formats.read_results_csv(w.results_table) if (r.seed, r.table) not in owned]
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
     extra = []

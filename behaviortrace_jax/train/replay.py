@@ -72,17 +72,16 @@ import numpy as np
 
 from behaviortrace_jax.train import measures as measures_lib
 from behaviortrace_jax.train.measures import DEFAULT_MEASURES
-from behaviortrace_jax.behavior.probes import ProbeOptions
 from behaviortrace_jax.io import checkpoints, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import sharding, tokenizer as tok_lib
 from behaviortrace_jax.sketch import sketcher
 from behaviortrace_jax.io import replay_request
-from behaviortrace_jax.train import grpo_step, interventions, nonfinite, rollouts as rollouts_lib, train_state
-from behaviortrace_jax.io.replay_request import ReplayRequest, Track
+from behaviortrace_jax.train import grpo_step, interventions, nonfinite, rollouts as rollouts_lib
+from behaviortrace_jax.io.replay_request import ReplayRequest
 from behaviortrace_jax.train.grpo_loss import recomputed_advantages  # noqa: F401 - re-exported (its home: grpo_loss)
-from behaviortrace_jax.models.loader import ModelOptions
-from behaviortrace_jax.train.schedule import StepSchedule
+from behaviortrace_jax.train.replay_types import (  # noqa: F401 - re-exported (their home: replay_types)
+    ReplayOptions, ReplayResult, ReplayState, kept_count_weights, step_spec_digest)
 from behaviortrace_jax.train.start_state import load_start_state
 
 
@@ -96,33 +95,6 @@ from behaviortrace_jax.train.start_state import load_start_state
 REPLAY_VERSION = 3
 
 
-_digest = replay_request.digest
-
-
-def step_spec_digest(spec: grpo_step.GRPOStepSpec) -> str:
-    """sha256 of every field of a :class:`grpo_step.GRPOStepSpec` (shapes and loss config included):
-    two specs with one digest build the same train step. The hash family enters by its name (the
-    config's ``sketch.hash``), as it did when the field was that string, so earlier replay caches
-    keep their key."""
-    return _digest(dict(dataclasses.asdict(spec), sketch_hash=spec.sketch_hash.name))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplayOptions:
-    """What a replay of a run needs from its config, built at the stage boundary (``stages/spec.py``
-    ``RunSpec.replay``): the policy's ``model`` options, the ``optim`` it continues, the GRPO
-    ``step`` (one spec, so a replay is the run), the ``rollouts`` it samples and rewards (a
-    regenerated replay; their ``behaviors[0]`` is the behaviour measured), the measure's ``probe``
-    options and the run's ``schedule``."""
-
-    model: ModelOptions
-    optim: train_state.OptimOptions
-    step: grpo_step.GRPOStepSpec
-    rollouts: rollouts_lib.RolloutOptions
-    probe: ProbeOptions
-    schedule: StepSchedule
-
-
 @dataclasses.dataclass
 class _StepData:
     batch: dict[str, np.ndarray]  # grpo_step.build_batch of the logged rollouts (advantages as logged)
@@ -133,58 +105,8 @@ class _StepData:
 ROLLOUTS = replay_request.ROLLOUTS
 
 
-@dataclasses.dataclass
-class ReplayResult:
-    """What :meth:`Replayer.run` returns: the ``request``, ``measures`` ``{step: {output: float}}``
-    (every requested measure at every measure step), ``seconds`` (wall time of the replay, measures
-    included), ``seconds_per_step`` (of the updates alone), ``regenerated_bonuses`` (bonuses paid to
-    regenerated rollouts, after any withheld), ``zero_gradient_steps`` (steps that took the exact
-    shortcut) and ``state``, the :class:`ReplayState` after ``request.stop`` updates."""
-
-    request: ReplayRequest
-    measures: dict[int, dict[str, float]]
-    seconds: float
-    seconds_per_step: float
-    regenerated_bonuses: int
-    zero_gradient_steps: int
-    state: "ReplayState | None"
-
-    def value(self, step: int, output: str) -> float:
-        """The float ``output`` measured at ``step``. Raises KeyError naming both when absent."""
-        try:
-            return self.measures[int(step)][output]
-        except KeyError:
-            raise KeyError(f"replay: no {output!r} measured at step {step}; measured: "
-                           f"{ {k: sorted(v) for k, v in self.measures.items()} }") from None
-
-    def record(self) -> dict[str, Any]:
-        """The JSON record of the result (no state): measures keyed by str(step), timings, counts."""
-        return {"measures": {str(k): v for k, v in self.measures.items()}, "seconds": self.seconds,
-                "seconds_per_step": self.seconds_per_step, "regenerated_bonuses": self.regenerated_bonuses,
-                "zero_gradient_steps": self.zero_gradient_steps}
-
-
-@dataclasses.dataclass
-class ReplayState:
-    """A replay's state after ``step`` updates: params and optimizer state (device pytrees; a
-    replay started from it donates them, so pass copies to start several)."""
-
-    step: int
-    params: Any
-    opt_state: Any
-
-
-def kept_count_weights(weights: np.ndarray) -> np.ndarray:
-    """One step's weights normalised by the kept count: ``w * N / sum(w)`` (float32 [N]); all-zero
-    weights stay 0. With recomputed advantages the weighted step is then the loss of the kept
-    rollouts as a batch of their own (its mean over them), not divided by the fixed ``G * B``."""
-    w = np.asarray(weights, np.float32)
-    total = float(np.sum(w, dtype=np.float64))
-    return w if total <= 0 else (w * np.float32(w.size / total)).astype(np.float32)
-
-
 class Replayer:
-    """Replays one finished run (built once, then :meth:`run` per weight vector; see module docstring).
+    """Replays one finished run (built once, then :meth:`run` per request; see module docstring).
 
     Args:
         options: the run's :class:`ReplayOptions` (those its ``grpo`` stage ran with).
@@ -264,8 +186,8 @@ class Replayer:
         o = self.options
         gen = {"rollouts": dataclasses.asdict(o.rollouts), "schedule": dataclasses.asdict(o.schedule)}
         return {"replay_version": REPLAY_VERSION, "step_spec": step_spec_digest(self.spec),
-                "optimizer": _digest({"optim": dataclasses.asdict(o.optim), "adv_std_floor": o.rollouts.adv_std_floor}),
-                "rollout_log": self.log_digest, "generation": _digest(gen)}
+                "optimizer": replay_request.digest({"optim": dataclasses.asdict(o.optim), "adv_std_floor": o.rollouts.adv_std_floor}),
+                "rollout_log": self.log_digest, "generation": replay_request.digest(gen)}
 
     @property
     def source(self) -> rollouts_lib.RolloutSource:
