@@ -241,6 +241,17 @@ def get_config() -> ml_collections.ConfigDict:
     # stream and intervention) or "label" (only the withhold-all-GT / withhold-all-bonuses checks, ~3 x at steps).
     c.counterfactual.causal_regenerated = "units"
     c.counterfactual.causal_k = 0.25  # Causal P@k: k = this fraction of the units (>= 1).
+    # Registered interventions (train/interventions.py) of the single-unit branches, comma list.
+    c.counterfactual.causal_interventions = "remove,withhold-bonus"
+    # Extra registered measures (train/measures.py) every replay records, beyond logp_margin/_probe/_control
+    # and the rates that `rates` / `sampled` turn on; comma list, "" = none.
+    c.counterfactual.measures = ""
+    # Measure outputs the tables are made of (comma list); tables of measures other than logp_margin get "[name]".
+    c.counterfactual.table_measures = "logp_margin"
+    # Extra registered replay plans (attribution/replay_plans.py: "datamodels", "factorial"), comma list, "" = none;
+    # `causal` picks leave-top-k-out and single-unit.
+    c.counterfactual.plans = ""
+    c.counterfactual.plan_subsets = 16  # Random unit subsets of the datamodels plan (its least-squares fit).
 
     # --- the `reproduce` stage and `info` stage ---------------------------------------------------
     c.reference_dir = ""  # reproduce: the paper's released per-seed files (shared/reference; SPEC §6.13).

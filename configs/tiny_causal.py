@@ -30,4 +30,8 @@ def get_config():
     # regenerated branches (causal_regenerated = "units") cost ~1,640 sampled steps per stream, ~3 h per seed on
     # a shared 2-core CPU (measured: docs/concepts/replays.md); the fixed track's unit branches run in ~17 min.
     cf.causal_regenerated = "label"
+    # Every replay records every configured measure (train/measures.py). The greedy and sampled rates cost a
+    # decode per replay (4 x 40 sampled completions for `sampled`), ~10x a log-prob measure, over ~1,700 replays:
+    # the causal replays record the three log-prob measures alone, as they did before measures were registered.
+    cf.rates, cf.sampled = False, 0
     return c

@@ -70,10 +70,16 @@ def test_load_refuses_corrupt_files_by_name(tmp_path):
 class _FakeReplayer:
     identity_value = {"replay_version": 1, "step_spec": "s", "optimizer": "o", "rollout_log": "", "measure": "m"}
 
-    def __init__(self, options, workdir, rates=True, sampled=0, *, layout=None):  # Replayer's signature
+    def __init__(self, options, workdir, *, layout=None, measures=(), measure_settings=None):  # Replayer's signature
         n = options.step.shapes.num_rollouts
         self.rollout_ids = [f"{s}-{i}" for s in range(options.schedule.steps) for i in range(n)]
         self.log_digest = ""  # rollout_log.digest of the (absent) log: what the scores reader checks
+
+        class _Margin:  # the differentiated measure's identity (train/measures.py)
+            def identity(self):
+                return {"name": "logp_margin", "version": 1}
+
+        self.measures = {"logp_margin": _Margin()}
 
     def identity(self):
         return dict(self.identity_value)

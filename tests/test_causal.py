@@ -9,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 
-from behaviortrace_jax.attribution import causal as C
-from behaviortrace_jax.train import causal as TC
+from behaviortrace_jax.attribution import causal as C, replay_plans as P
+from behaviortrace_jax.io.replay_request import Track
 
 
 def test_unit_scores_sum_each_units_rollouts_and_ignore_non_finite():
@@ -92,46 +92,61 @@ def test_seed_summary_puts_each_seeds_spearman_beside_the_mean_and_the_label_che
     assert C.seed_summary_lines([r for r in rows if not r.table.startswith("causal_spearman")]) == []
 
 
+def _context(**cf_changes):
+    """A plan context of the smoke config's shape: a window of 2 steps of 2 rollouts (GT: slot 0)."""
+    import dataclasses
+
+    from behaviortrace_jax.stages.spec import RunSpec
+
+    cf = dataclasses.replace(RunSpec.from_config(causal_config()).counterfactual, **cf_changes)
+    steps = np.repeat(np.arange(3), 2)
+    return P.PlanContext(seed=0, steps=steps, n_per_step=2, group_size=2, cutoff=2, at=2, target_step=2,
+                         gt=np.array([0]), scores={"C1-dot": np.arange(6.0)}, replayed={}, measures=("logp_margin",),
+                         table_measures=("logp_margin",), cf=cf, nboot=5)
+
+
 def test_label_only_regenerated_tracks_give_label_deltas_but_no_unit_effects():
     """``counterfactual.causal_regenerated = "label"``: the regenerated tracks hold only their baseline
-    and the withhold-all replays, so ``effects`` has the fixed track alone and ``label_deltas`` every
-    track; an unknown value is refused naming the key."""
-    units = TC.Units(["s0", "s1"], [np.array([0]), np.array([1])], [0, 1])
-    res = {"fixed__base": {"value": 3.0}, "fixed__s0__remove": {"value": 1.0}, "fixed__s1__remove": {"value": 2.5},
-           "fixed__s0__withhold-bonus": {"value": None}, "fixed__s1__withhold-bonus": {"value": 2.0}}
-    for track, base in (("fixed", 3.0), ("regenerated0", 3.0), ("regenerated1", 2.0)):
-        res[f"{track}__base"] = {"value": base}
-        res[f"{track}__{TC.ALL_GT}"] = {"value": base - 0.5}
-        res[f"{track}__{TC.ALL_BONUSES}"] = {"value": base - 1.0}
-    eff = TC.effects(res, units, "regenerated", 2, "label")
-    assert set(eff) == {("remove", "fixed"), ("withhold-bonus", "fixed")}
-    np.testing.assert_allclose(eff[("remove", "fixed")], [[2.0, 0.5]])
-    np.testing.assert_allclose(eff[("withhold-bonus", "fixed")], [[0.0, 1.0]])
-    lab = TC.label_deltas(res, "regenerated", 2)
-    np.testing.assert_allclose(lab[("regenerated", TC.ALL_GT)], [0.5, 0.5])
-    with pytest.raises(KeyError):  # "units" needs every regenerated unit replay
-        TC.effects(res, units, "regenerated", 2, "units")
+    and the withhold-all replays, so the unit tables have the fixed track alone and the label rows
+    every track; an unknown value is refused naming the key."""
+    ctx = _context(causal_regenerated="label", causal_streams=2)
+    plan = P.get_plan("single-unit")
+    reps = plan.replays(ctx)
+    by_track = {t: [r.role for r in reps if r.request.track == t] for t in (Track(), Track("regenerated", 1))}
+    assert by_track[Track()].count("unit") == 2 * 2 and "unit" not in by_track[Track("regenerated", 1)]
+    assert all(r.request.start_step == r.request.target[0] // 2 for r in reps if r.role == "unit")  # branched
+    # the plan states its cost: per track its requests' steps plus the baseline advanced to its last branch
+    assert P.plan_cost(reps) == sum(2 - r.request.start_step for r in reps) + 1
+
+    def value(item, out):  # a unit's replay lowers the measure by 1 + its unit index; withhold-all by 0.5
+        if item.role == "baseline":
+            return 3.0
+        return None if item.method == "withhold-bonus" and item.unit == 0 else 3.0 - (0.5 if item.role == "label"
+                                                                                         else 1 + item.unit)
+    rows = {(r.table, r.method): r for r in plan.rows(ctx, reps, value)}
+    assert rows[("causal_effect_remove_fixed", "s1")].value == 2.0
+    assert rows[("causal_effect_withhold-bonus_fixed", "s0")].value == 0.0  # skipped: Δ = 0
+    assert not any(t.endswith("_regenerated") and t.startswith("causal_effect") for t, _ in rows)
+    assert rows[("causal_label_regenerated", P.ALL_GT)].n == 2 and rows[("causal_label_regenerated", P.ALL_GT)].value == 0.5
     with pytest.raises(ValueError, match="causal_regenerated"):
-        TC.run_causal(None, None, units=units, gt=np.array([0]), at=2, rollouts="regenerated", streams=2,
-                      recompute=False, regenerated="some")
+        plan.replays(_context(causal_regenerated="some"))
 
 
 def test_units_and_tracks():
-    from behaviortrace_jax.train import causal as TC
     from configs import tiny
 
     from behaviortrace_jax.stages.spec import RunSpec
 
     spec = RunSpec.from_config(tiny.get_config("smoke"))  # window of 4 steps, 16 rollouts per step, groups of 4
-    schedule, g = spec.schedule, spec.rollouts.group_size
-    steps = TC.causal_units(schedule, g, 16, "steps")
+    cut, g = spec.schedule.window_steps(), spec.rollouts.group_size
+    steps = P.causal_units(cut, g, 16, "steps")
     assert steps.names == ["s0", "s1", "s2", "s3"] and steps.rollouts[1].tolist() == list(range(16, 32))
-    groups = TC.causal_units(schedule, g, 16, "groups")
+    groups = P.causal_units(cut, g, 16, "groups")
     assert len(groups.names) == 16 and groups.names[5] == "s1g1" and groups.rollouts[5].tolist() == [20, 21, 22, 23]
     with pytest.raises(ValueError, match="causal_units"):
-        TC.causal_units(schedule, g, 16, "rollouts")
-    assert TC.tracks("fixed", 3) == [("fixed", 0)]
-    assert TC.tracks("regenerated", 2) == [("fixed", 0), ("regenerated", 0), ("regenerated", 1)]
+        P.causal_units(cut, g, 16, "rollouts")
+    assert P.tracks("fixed", 3) == [Track()]
+    assert P.tracks("regenerated", 2) == [Track(), Track("regenerated", 0), Track("regenerated", 1)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,22 +185,22 @@ def test_the_stage_with_regenerated_rollouts_writes_causal_rows_for_both_interve
     assert len(eff) == 4 and all(r.n == 2 and r.lo is not None for r in eff)  # 2 sampler streams: a CI
     label = {r.method: r for r in rows if r.table == "causal_label_regenerated"}
     assert {"withhold-all-gt", "withhold-all-bonuses", "gt-unit-rank:remove", "gt-unit-rank:withhold-bonus"} <= set(label)
-    # the top-k replays ran with regenerated rollouts
-    full = json.loads((w / "counterfactual" / "replays" / "full.json").read_text())
-    assert full["cache"]["rollouts"] == "regenerated"
+    # the top-k replays ran with regenerated rollouts (their files sit under the track's folder)
+    assert list((w / "counterfactual" / "replays" / "regenerated0").rglob("*.json"))
     # stream 0's regenerated baseline is the run: the same margin as the fixed baseline
     causal = w / "counterfactual" / "causal"
-    f0 = json.loads((causal / "fixed__base.json").read_text())
-    r0 = json.loads((causal / "regenerated0__base.json").read_text())
-    assert f0["value"] == r0["value"]
+    f0 = json.loads(next((causal / "fixed" / "base").glob("*.json")).read_text())
+    r0 = json.loads(next((causal / "regenerated0" / "base").glob("*.json")).read_text())
+    assert f0["measures"] == r0["measures"]
     # rerun with one file made stale (another stream in its key): that replay alone runs again, every
     # other file is read back, and the table is the same bytes (kill -9 safe: one atomic file per replay)
     table = (w / "results_table.csv").read_bytes()
-    files = sorted(causal.glob("*.json"))
+    files = sorted(causal.rglob("*.json"))
     mtimes = [p.stat().st_mtime_ns for p in files]
-    stale = causal / "regenerated1__s2__remove.json"
+    stale = next(p for p in sorted((causal / "regenerated1" / "remove").glob("*.json"))
+                 if json.loads(p.read_text())["request"]["target"][0] == 2 * 16)  # unit s2
     rec = json.loads(stale.read_text())
-    rec["cache"]["stream"], rec["value"] = 7, 0.0
+    rec["cache"]["request"]["stream"], rec["measures"] = 7, {"2": {"logp_margin": 0.0}}
     stale.write_text(json.dumps(rec))
     mtimes[files.index(stale)] = stale.stat().st_mtime_ns
     pipeline.run(config, str(w))

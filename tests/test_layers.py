@@ -19,7 +19,8 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
 ALLOWED = {
     "io": set(),
     "models": {"io"},
-    "attribution": {"io.cache", "io.files", "io.layout", "io.machine", "io.rollout_log", "io.sketch_store"},
+    "attribution": {"io.cache", "io.files", "io.layout", "io.machine", "io.replay_request", "io.rollout_log",
+                    "io.sketch_store"},
     "behavior": {"io", "models"},
     "sketch": {"io", "models", "behavior", "attribution"},
     "train": {"io", "models", "behavior", "sketch"},

@@ -12,7 +12,7 @@ import pytest
 
 from behaviortrace_jax.attribution import estimators as E
 from behaviortrace_jax.models import sharding
-from behaviortrace_jax.stages import counterfactual as CF
+from behaviortrace_jax.attribution import counterfactual_tables as CF
 from behaviortrace_jax.train import grpo_loss, metagradient as MG, replay as R, train_state
 from behaviortrace_jax.stages.spec import RunSpec
 from test_replay import STEPS, X, Y, toy_replay

@@ -98,11 +98,8 @@ def test_compile_row_says_when_it_could_not_count():
 # Not-evaluable LDS rows
 # ------------------------------------------------------------------------------------------------
 def _lds_inputs(rng, n=12, subsets=6):
-    removed = {"full": np.zeros(0, np.int64)}
-    removed.update({f"lds{j:03d}": np.sort(rng.choice(n, n // 2, replace=False)) for j in range(subsets)})
-    results = {"full": {"value": 1.0}}
-    results.update({k: {"value": float(rng.normal())} for k in removed if k != "full"})
-    return removed, results
+    """``{0.5: [(removed half, measured behaviour)]}``: ``subsets`` random half-subsets."""
+    return {0.5: [(np.sort(rng.choice(n, n // 2, replace=False)), float(rng.normal())) for _ in range(subsets)]}
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -110,21 +107,20 @@ def test_lds_of_an_estimator_without_scores_on_the_window_is_not_evaluable(seed)
     """local-buffer scores -inf outside its last steps: on the window its prediction is the same for
     every subset. That row is NaN ("not evaluable"), not the 0 of a tie; an estimator with real
     (finite, equal) scores keeps SPEC §6.12's 0, and a scoring one its Spearman."""
-    from behaviortrace_jax.attribution import formats
-    from behaviortrace_jax.stages import counterfactual as CF
+    from behaviortrace_jax.attribution import counterfactual_report, counterfactual_tables as CF, formats
 
     rng = np.random.default_rng(seed)
-    removed, results = _lds_inputs(rng)
+    subsets = _lds_inputs(rng)
     window = np.arange(12)
     scores = {"local-buffer": np.full(12, -np.inf), "ties": np.ones(12), "C1-dot": rng.normal(size=12),
               "partly": np.where(np.arange(12) < 6, rng.normal(size=12), -np.inf)}
-    rows = {r.method: r for r in CF.tables(str(seed), results, removed, scores, window, nboot=5)}
+    rows = {r.method: r for r in CF.lds_rows(str(seed), subsets, scores, window, nboot=5)}
     assert np.isnan(rows["local-buffer"].value) and rows["local-buffer"].lo is None and rows["local-buffer"].n == 6
     assert rows["ties"].value == 0.0 and rows["ties"].lo == 0.0
     assert np.isfinite(rows["C1-dot"].value) and np.isfinite(rows["partly"].value)
     csv = formats.format_results_csv(list(rows.values()))
     assert f"{seed},lds,local-buffer,nan,,,0.0,1.0,6" in csv
-    section = CF.report_section(list(rows.values()), None)
+    section = counterfactual_report.report_section(list(rows.values()), None)
     assert "| local-buffer | 0.5 | not evaluable (no score in the window) | | 6 |" in section
 
 

@@ -258,10 +258,10 @@ def test_replay_stops_at_a_non_finite_step(smoke_grpo_run):
     from behaviortrace_jax.train import replay as R
 
     config, w = smoke_grpo_run
-    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout)
     rp.data[1].batch["advantages"][3] = np.nan
     with pytest.raises(nonfinite.NonFiniteError, match=r"replay: step 1: .*grpo_000001_000"):
-        rp.run(None, stop_step=2, measure_steps=[2])
+        rp.run(R.ReplayRequest(stop_step=2, measure_steps=(2,)))
 
 
 # ------------------------------------------------------------------------------------------------

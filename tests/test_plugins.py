@@ -38,7 +38,7 @@ def test_a_loss_registered_outside_the_package_runs_grpo_replay_and_compile(smok
     n = config.grpo.steps * config.grpo.prompts_per_step * config.grpo.group_size
     assert len(records) == n and json.loads((w / "grpo" / "summary.json").read_text())["complete"]
     rp, out = test_replay.assert_replay_reproduces_checkpoints(config, w)
-    assert rp.spec.loss == TOY_LOSS and np.isfinite(out["behavior"][config.grpo.steps]["logp_margin"])
+    assert rp.spec.loss == TOY_LOSS and np.isfinite(out.value(config.grpo.steps, "logp_margin"))
     config.compile.target, config.compile.programs, config.mesh.data = "cpu:2", "grpo_step", -1
     compile_stage.compile_stage(config, str(tmp_path / "compile"))
     report = json.loads((tmp_path / "compile" / "compile_report.json").read_text())

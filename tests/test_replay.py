@@ -3,6 +3,7 @@ smoke GRPO run reproducing its own checkpoints bit for bit, and (slow) the count
 that run: its tables, a rerun from its files, and a kill -9 mid-stage then rerun giving the same table."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -14,8 +15,11 @@ import pytest
 
 from behaviortrace_jax import pipeline
 from behaviortrace_jax.models import sharding
+from behaviortrace_jax.attribution import counterfactual_tables as T, replay_plans as P
 from behaviortrace_jax.stages import counterfactual as CF
-from behaviortrace_jax.train import grpo_loss, replay as R
+from behaviortrace_jax.io import replay_request as RQ
+from behaviortrace_jax.train import grpo_loss, interventions, replay as R, replay_runner
+from behaviortrace_jax.io.replay_request import ReplayRequest, Track
 from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 from conftest import copy_start
@@ -50,26 +54,26 @@ def toy_replay(weights: np.ndarray, tx=None) -> float:
 def test_leave_one_out_finds_the_one_example_and_exact_influence_has_lds_one():
     n = len(Y)
     full = toy_replay(np.ones(n, np.float32))
-    loo = np.array([full - toy_replay(CF.removal_weights(n, [i])) for i in range(n)])  # drop when removed
-    assert CF.top_k(loo, np.arange(n), 1).tolist() == [5]
+    loo = np.array([full - toy_replay(T.removal_weights(n, [i])) for i in range(n)])  # drop when removed
+    assert T.top_k(loo, np.arange(n), 1).tolist() == [5]
     assert np.count_nonzero(loo) == 1
     # LDS: the exact LOO influence predicts the behaviour of random half-subsets (predicted effect
     # = sum of influence over kept examples; here the behaviour is additive in the kept set).
-    subsets = CF.half_subsets(np.arange(n), 16, seed=0)
-    measured = np.array([toy_replay(CF.removal_weights(n, s)) for s in subsets])
-    predicted = np.array([CF.predicted_effect(loo, np.arange(n), s) for s in subsets])
-    rho, lo, hi = CF.lds(predicted, measured, nboot=200, seed=0)
+    subsets = T.half_subsets(np.arange(n), 16, seed=0)
+    measured = np.array([toy_replay(T.removal_weights(n, s)) for s in subsets])
+    predicted = np.array([T.predicted_effect(loo, np.arange(n), s) for s in subsets])
+    rho, lo, hi = T.lds(predicted, measured, nboot=200, seed=0)
     assert rho > 0.99 and lo > 0.9
-    rho_rand, _, _ = CF.lds(np.random.default_rng(1).normal(size=16), measured, nboot=10, seed=0)
+    rho_rand, _, _ = T.lds(np.random.default_rng(1).normal(size=16), measured, nboot=10, seed=0)
     assert rho_rand < 0.9
 
 
 def test_top_k_and_plan_helpers():
     s = np.array([0.1, 5.0, 5.0, -1.0, 3.0])
-    assert CF.top_k(s, np.arange(5), 2).tolist() == [1, 2]  # ties by index
-    assert CF.top_k(s, np.array([0, 3, 4]), 2).tolist() == [0, 4]  # only candidates
-    assert CF.predicted_effect(np.array([1.0, -np.inf, 2.0]), np.arange(3), [2]) == 1.0
-    assert all(len(x) == 5 for x in CF.half_subsets(np.arange(10), 4, 0))
+    assert T.top_k(s, np.arange(5), 2).tolist() == [1, 2]  # ties by index
+    assert T.top_k(s, np.array([0, 3, 4]), 2).tolist() == [0, 4]  # only candidates
+    assert T.predicted_effect(np.array([1.0, -np.inf, 2.0]), np.arange(3), [2]) == 1.0
+    assert all(len(x) == 5 for x in T.half_subsets(np.arange(10), 4, 0))
 
 
 def test_recomputed_advantages_match_group_advantages_when_nothing_is_removed():
@@ -83,95 +87,120 @@ def test_recomputed_advantages_match_group_advantages_when_nothing_is_removed():
 # The replay cache: a replay is reused only under the key it was computed for.
 # ------------------------------------------------------------------------------------------------
 class FakeReplayer:
-    """The counterfactual stage's view of a Replayer (identity, num_rollouts, run), without a model:
-    the behaviour is a known function of the weights, the advantages choice and the step."""
+    """The replay runner's view of a Replayer (identity, cache_key, target_mask, data, run), without a
+    model: the behaviour is a known function of the removed slots, the advantages and the step."""
 
     def __init__(self, n: int = 8, log: str = "log-a"):
         self.num_rollouts, self.log, self.calls = n, log, []
+        self.shapes = types.SimpleNamespace(num_rollouts=4)
+        bonus = np.zeros(n, np.float32)
+        bonus[6] = 1.0  # one bonus, in slot 6 (step 1)
+        self.data = [types.SimpleNamespace(rewards=bonus[i:i + 4], base=np.zeros(4, np.float32)) for i in range(0, n, 4)]
 
     def identity(self):
-        return {"replay_version": R.REPLAY_VERSION, "step_spec": "spec", "optimizer": "opt", "rollout_log": self.log,
-                "measure": "m"}
+        return {"replay_version": R.REPLAY_VERSION, "step_spec": "spec", "optimizer": "opt", "rollout_log": self.log}
 
-    def run(self, weights, *, measure_steps, recompute_advantages):  # the stage's default: remove, fixed
-        self.calls.append((tuple(np.flatnonzero(weights == 0)), tuple(measure_steps), recompute_advantages))
-        v = float(np.sum(weights * np.arange(self.num_rollouts))) + (0.5 if recompute_advantages else 0.0)
-        return {"behavior": {s: {"logp_margin": v + s} for s in measure_steps}, "seconds_per_step": 0.0}
+    def cache_key(self, q):
+        iv = None if q.intervention is None else interventions.get_intervention(q.intervention).identity()
+        return RQ.cache_key(q, self.identity(), iv, [{"name": m, "version": 1} for m in q.measures])
+
+    def target_mask(self, q):
+        m = np.zeros(self.num_rollouts, bool)
+        m[list(q.target)] = True
+        return m
+
+    def initial_state(self):
+        return R.ReplayState(0, {}, {})
+
+    def run(self, q, *, start=None):
+        self.calls.append((q.target, q.measure_steps, q.advantages))
+        w = np.ones(self.num_rollouts)
+        w[list(q.target)] = 0.0
+        v = float(np.sum(w * np.arange(self.num_rollouts))) + (0.5 if q.advantages == "recomputed" else 0.0)
+        return R.ReplayResult(q, {s: {"logp_margin": v + s} for s in q.measure_steps}, 0.0, 0.0, 0, 0,
+                              R.ReplayState(q.stop, {}, {}))
 
 
 def test_replay_cache_reuses_only_replays_of_the_same_key(tmp_path, caplog):
-    jobs = {"full": (np.zeros(0, np.int64), False), "C1-dot__k2": (np.array([1, 5]), False),
-            "C1-dot__k2" + CF.RECOMPUTED: (np.array([1, 5]), True)}
     rp = FakeReplayer()
-    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2, 4], at=4)
+    reqs = [ReplayRequest(measure_steps=(2, 4)), ReplayRequest(intervention="remove", target=(1, 5), measure_steps=(2, 4)),
+            ReplayRequest(intervention="remove", target=(1, 5), measure_steps=(2, 4), advantages="recomputed")]
+    out = replay_runner.run_requests(rp, reqs, tmp_path)
     assert len(rp.calls) == 3
-    rec = json.loads((tmp_path / "C1-dot__k2__recomputed.json").read_text())
-    assert rec["value"] == 28 - 6 + 0.5 + 4 and rec["cache"]["recompute_advantages"] is True
-    assert rec["cache"] == CF.cache_key(rp.identity(), np.array([1, 5]), [2, 4], 4, True)
-    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2, 4], at=4)  # same key: nothing replayed
+    rec = out[reqs[2]]
+    assert replay_runner.value(rec, 4, "logp_margin") == 28 - 6 + 0.5 + 4
+    assert rec["cache"] == rp.cache_key(reqs[2]) and rec["request"]["advantages"] == "recomputed"
+    assert RQ.replay_file(tmp_path, reqs[2]).exists() and RQ.replay_file(tmp_path, reqs[2]) != RQ.replay_file(tmp_path, reqs[1])
+    replay_runner.run_requests(rp, reqs, tmp_path)  # same keys: nothing replayed
     assert len(rp.calls) == 3
-    # another measured step (another --config.counterfactual.measure): every replay again, new values
+    # a file whose key differs (here: the replayer's log) under the same name is stale: replayed again, logged
     with caplog.at_level("INFO"):
-        CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
-    assert len(rp.calls) == 6 and "stale" in caplog.text and "measure_steps" in caplog.text
-    assert json.loads((tmp_path / "full.json").read_text())["value"] == 28 + 2
-    # other removed ids, or the other advantages, under the same file name: that replay only
-    jobs["C1-dot__k2"] = (np.array([1, 6]), False)
-    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
-    assert rp.calls[6:] == [((1, 6), (2,), False)]
-    jobs["C1-dot__k2"] = (np.array([1, 6]), True)
-    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
-    assert rp.calls[7:] == [((1, 6), (2,), True)]
-    # another run's rollout log, or another replay version: every replay again
-    rp.log = "log-b"
-    CF.run_replays(rp, jobs, tmp_path, measure_steps=[2], at=2)
-    assert len(rp.calls) == 11
+        rp.log = "log-b"
+        replay_runner.run_requests(rp, reqs[:1], tmp_path)
+    assert len(rp.calls) == 4 and "stale" in caplog.text and "rollout_log" in caplog.text
+    # another measured step is another request (another file): that replay only
+    replay_runner.run_requests(rp, [ReplayRequest(measure_steps=(2,))], tmp_path)
+    assert rp.calls[4:] == [((), (2,), "logged")]
+    # withholding the bonus of slots that hold none changes nothing: recorded without a replay (Δ = 0)
+    none = ReplayRequest(intervention="withhold-bonus", target=(0, 1), measure_steps=(4,))
+    some = ReplayRequest(intervention="withhold-bonus", target=(6,), measure_steps=(4,))
+    got = replay_runner.run_requests(rp, [none, some], tmp_path)
+    assert got[none]["skipped"] and replay_runner.value(got[none], 4, "logp_margin") is None
+    assert rp.calls[5:] == [((6,), (4,), "logged")]
 
 
-def test_stale_fields_and_cache_key():
-    key = CF.cache_key({"replay_version": 1, "rollout_log": "x"}, np.array([3]), [20, 40], 40, False)
-    assert key == {"replay_version": 1, "rollout_log": "x", "removed": [3], "measure_steps": [20, 40],
-                   "measure_step": 40, "recompute_advantages": False, "intervention": "remove", "rollouts": "fixed"}
-    assert CF.stale_fields(None, key) is None  # no file
-    assert CF.stale_fields({"cache": dict(key)}, key) == []
-    assert CF.stale_fields({"cache": dict(key, replay_version=0)}, key) == ["replay_version"]
-    assert CF.stale_fields({"value": 1.0}, key) == list(key)  # a file written before cache keys: stale
+def test_replay_request_is_checked_where_it_is_made_and_keys_every_field():
+    q = ReplayRequest(Track("regenerated", 1), "remove", [5, 3, 5], measure_steps=[4, 2], measures=("logp_margin",))
+    assert q.target == (3, 5) and q.measure_steps == (2, 4) and q.stop == 4
+    key = RQ.cache_key(q, {"replay_version": 3}, {"name": "remove", "version": 1}, [{"name": "logp_margin"}])
+    assert key["request"] == {"rollouts": "regenerated", "stream": 1, "intervention": "remove", "target": [3, 5],
+                              "advantages": "logged", "measure_steps": [2, 4], "stop_step": 4, "regenerate_from": None}
+    # a changed measure (another version or setting) changes the key, so its replays recompute
+    assert RQ.cache_key(q, {"replay_version": 3}, None, [{"name": "logp_margin", "version": 2}]) != \
+        RQ.cache_key(q, {"replay_version": 3}, None, [{"name": "logp_margin", "version": 1}])
+    for bad, match in ((lambda: ReplayRequest(advantages="kept"), "advantages"),
+                       (lambda: ReplayRequest(target=(1,)), "target without"),
+                       (lambda: ReplayRequest(measure_steps=(3,), stop_step=2), "stop_step"),
+                       (lambda: Track("fixed", 2), "sampler_stream"), (lambda: Track("sampled"), "rollouts")):
+        with pytest.raises(ValueError, match=match):
+            bad()
 
 
-def test_replay_jobs_add_the_recomputed_leave_outs_once():
-    config = cf_config()
-    removed = {"full": np.zeros(0, np.int64), "oracle__k2": np.array([0, 1]), "random0__k2": np.array([2, 3]),
-               "lds000": np.array([0, 2])}
-    jobs = CF.replay_jobs(config, removed)
-    assert {k: rec for k, (_, rec) in jobs.items()} == {
-        "full": False, "oracle__k2": False, "random0__k2": False, "lds000": False,
-        "oracle__k2__recomputed": True, "random0__k2__recomputed": True}
-    config.counterfactual.recompute_advantages = True  # every replay recomputed already: no second copy
-    assert {k: rec for k, (_, rec) in CF.replay_jobs(config, removed).items()} == dict.fromkeys(removed, True)
-    config.counterfactual.recompute_advantages, config.counterfactual.topk_recomputed = False, False
-    assert list(CF.replay_jobs(config, removed)) == list(removed)
+def toy_context(**cf_changes):
+    """A :class:`replay_plans.PlanContext` of 2 window steps of 4 rollouts (GT: slots 1 and 5)."""
+    cf = RunSpec.from_config(cf_config()).counterfactual
+    cf = dataclasses.replace(cf, k_fractions="1.0", random_seeds=2, lds_subsets=3, lds_fractions="0.5", **cf_changes)
+    steps = np.repeat(np.arange(3), 4)
+    scores = {"C1-dot": np.arange(12, dtype=float)}
+    return P.PlanContext(seed=0, steps=steps, n_per_step=4, group_size=2, cutoff=2, at=2, target_step=2,
+                         gt=np.array([1, 5]), scores=scores, replayed=scores, measures=("logp_margin",),
+                         table_measures=("logp_margin",), cf=cf, nboot=10)
 
 
-def test_recomputed_rows_are_the_top_k_table_of_the_recomputed_replays():
-    removed = {"full": np.zeros(0, np.int64), "oracle__k1": np.array([0]), "C1-dot__k1": np.array([1]),
-               "random0__k1": np.array([2]), "random1__k1": np.array([3]), "lds000": np.array([0]),
-               "lds001": np.array([1])}
-    logged = {"full": 10.0, "oracle__k1": 4.0, "C1-dot__k1": 8.0, "random0__k1": 9.0, "random1__k1": 9.5,
-              "lds000": 4.0, "lds001": 8.0}
-    results = {k: {"value": v} for k, v in logged.items()}
-    results.update({k + CF.RECOMPUTED: {"value": v - 1.0} for k, v in logged.items() if "__k" in k})
-    scores = {"C1-dot": np.array([0.0, 1.0, 0.0, 0.0])}
-    rows = CF.recomputed_rows("0", results, removed, scores, np.arange(4), nboot=10)
-    assert {r.table for r in rows} == {"counterfactual_topk_recomputed"}
-    by = {r.method: r for r in rows}
-    assert by["oracle"].value == 10.0 - 3.0 and by["C1-dot"].value == 10.0 - 7.0
-    assert by["C1-dot"].ceiling == 7.0 and by["random"].chance == pytest.approx(10.0 - 8.25)
-    main = CF.tables("0", {k: v for k, v in results.items() if not k.endswith(CF.RECOMPUTED)}, removed, scores,
-                     np.arange(4), nboot=10)
-    assert {r.table for r in main} == {"counterfactual_topk", "lds"}
-    assert CF.recomputed_rows("0", {"full": {"value": 1.0}}, removed, scores, np.arange(4), nboot=10) == []
-    section = CF.report_section(main + rows, None, step=4)
-    assert "| 0 | logged | C1-dot | 1 | 2.0000 |" in section and "| 0 | recomputed | C1-dot | 1 | 3.0000 |" in section
+def test_the_leave_top_k_out_plan_adds_the_recomputed_copies_once_and_tables_them():
+    ctx = toy_context()
+    reps = P.get_plan("leave-top-k-out").replays(ctx)
+    roles = [(r.role, r.request.advantages) for r in reps]
+    assert roles.count(("baseline", "logged")) == 1 and roles.count(("lds", "logged")) == 3
+    assert roles.count(("oracle", "logged")) == roles.count(("oracle", "recomputed")) == 1
+    assert roles.count(("random", "recomputed")) == 2  # topk_recomputed: the top-k again, recomputed
+    assert all(r.request.target == (1, 5) for r in reps if r.role == "oracle")
+    assert P.plan_cost(reps) == len(set(r.request for r in reps)) * 2  # each from step 0 to step 2
+    ctx2 = toy_context(recompute_advantages=True)  # every replay recomputed already: no second copy
+    assert {r.request.advantages for r in P.get_plan("leave-top-k-out").replays(ctx2) if r.role != "baseline"} == \
+        {"recomputed"}
+    # rows: Δ = baseline - replay; recomputed replays one lower
+    def value(item, out):
+        v = 10.0 - len(item.request.target)
+        return v - 1.0 if item.request.advantages == "recomputed" and item.request.target else v
+    rows = P.get_plan("leave-top-k-out").rows(ctx, reps, value)
+    by = {(r.table, r.method): r for r in rows}
+    assert by[("counterfactual_topk", "oracle")].value == 2.0 and by[("counterfactual_topk_recomputed", "oracle")].value == 3.0
+    assert by[("counterfactual_topk", "C1-dot")].ceiling == 2.0 and ("lds", "C1-dot") in by
+    from behaviortrace_jax.attribution import counterfactual_report
+
+    section = counterfactual_report.report_section(rows, None, step=2)
+    assert "| 0 | logged | C1-dot | 2 | 2.0000 |" in section and "| 0 | recomputed | C1-dot | 2 | 3.0000 |" in section
 
 
 def test_step_spec_digest_changes_with_every_field():
@@ -196,7 +225,7 @@ def smoke_run(smoke_grpo_run):
 
 def assert_replay_reproduces_checkpoints(config, w):
     """The all-ones replay of the run in ``w`` equals its orbax checkpoints bit for bit."""
-    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout)
     ckpts = RunSpec.from_config(config).schedule.checkpoint_steps()
     seen = []
 
@@ -207,7 +236,7 @@ def assert_replay_reproduces_checkpoints(config, w):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             seen.append(step)
 
-    out = rp.run(None, measure_steps=[config.grpo.steps], on_step=check)
+    out = rp.run(ReplayRequest(measure_steps=(config.grpo.steps,)), on_step=check)
     assert seen == ckpts
     return rp, out
 
@@ -223,24 +252,60 @@ def test_replay_of_a_two_backward_run_is_bit_for_bit(smoke_run, tmp_path):
     pipeline.run(config, str(copy_start(w, tmp_path)))
     rp, _ = assert_replay_reproduces_checkpoints(config, tmp_path)
     assert not rp.spec.update_from_sketcher
-    w0 = np.ones(rp.num_rollouts, np.float32)
-    w0[:3] = 0.0  # a weighted replay runs and moves the parameters
-    cut = rp.run(w0, measure_steps=[1])
-    full = rp.run(None, measure_steps=[1])
-    assert cut["behavior"][1]["logp_margin"] != full["behavior"][1]["logp_margin"]
+    cut = rp.run(ReplayRequest(intervention="remove", target=range(3), measure_steps=(1,)))  # a weighted replay
+    full = rp.run(ReplayRequest(measure_steps=(1,)))
+    assert cut.value(1, "logp_margin") != full.value(1, "logp_margin")
 
 
 def test_all_ones_replay_reproduces_the_run_bit_for_bit(smoke_run):
     config, w = smoke_run
     rp, out = assert_replay_reproduces_checkpoints(config, w)
-    assert np.isfinite(out["behavior"][config.grpo.steps]["logp_margin"])
+    assert np.isfinite(out.value(config.grpo.steps, "logp_margin"))
     # removing rollouts changes the parameters, removing none twice gives the same measure
-    again = rp.run(np.ones(rp.num_rollouts), measure_steps=[config.grpo.steps])
-    assert again["behavior"] == out["behavior"]
-    w0 = np.ones(rp.num_rollouts, np.float32)
-    w0[:16] = 0.0
-    cut = rp.run(w0, measure_steps=[config.grpo.steps], recompute_advantages=True)
-    assert cut["behavior"][config.grpo.steps]["logp_margin"] != out["behavior"][config.grpo.steps]["logp_margin"]
+    again = rp.run(ReplayRequest(measure_steps=(config.grpo.steps,)))
+    assert again.measures == out.measures
+    cut = rp.run(ReplayRequest(intervention="remove", target=range(16), measure_steps=(config.grpo.steps,),
+                               advantages="recomputed"))
+    assert cut.value(config.grpo.steps, "logp_margin") != out.value(config.grpo.steps, "logp_margin")
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two pytrees hold the same leaves bit for bit (dtype, shape and bytes; -0.0 != 0.0)."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).shape == np.asarray(y).shape
+        and np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+
+
+def test_zero_gradient_shortcut_is_the_full_step_bit_for_bit(smoke_run):
+    """The exact shortcut (issue 46 item 5): over a stretch of zero-advantage steps (every rollout of
+    steps 0..3 weighted 0, so the weighted program's terms vanish, plus whatever logged steps of the
+    run have all-zero advantages) the optimizer on zero gradients gives the full forward + backward
+    step's parameters AND optimizer state bit for bit, on the run's own optimizer (global-norm clip
+    + AdamW continuing the SFT's moments, so the stretch does move the parameters)."""
+    config, w = smoke_run
+    spec = RunSpec.from_config(config)
+    rp = R.Replayer(spec.replay, w, layout=spec.layout)
+    assert rp.shortcut and rp.spec.loss == "paper"
+    n, stop = rp.shapes.num_rollouts, 5
+    req = ReplayRequest(intervention="remove", target=range(4 * n), stop_step=stop)
+    fast = rp.run(req)
+    rp.shortcut = False
+    try:
+        full = rp.run(req)
+    finally:
+        rp.shortcut = True
+    assert fast.zero_gradient_steps >= 4 and full.zero_gradient_steps == 0
+    assert _same_bits(fast.state.params, full.state.params) and _same_bits(fast.state.opt_state, full.state.opt_state)
+    start = rp.initial_state()
+    assert not _same_bits(fast.state.params, start.params)  # the moments and weight decay moved them
+    # the declarations: a KL term to the reference policy does not vanish at A = 0
+    assert grpo_loss.get_loss("paper").zero_gradient_at_zero_advantage(grpo_loss.LossConfig())
+    assert not grpo_loss.get_loss("grpo_clip").zero_gradient_at_zero_advantage(grpo_loss.LossConfig(kl_beta=0.04))
+    assert grpo_loss.get_loss("grpo_clip").zero_gradient_at_zero_advantage(grpo_loss.LossConfig(kl_beta=0.0))
+    from behaviortrace_jax.train import grpo_step
+    assert not grpo_step.zero_gradient_step_applies(rp.spec, np.array([0.0, 1e-30], np.float32))
+    assert grpo_step.zero_gradient_step_applies(rp.spec, np.array([0.0, 2.0], np.float32), np.array([1.0, 0.0]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,15 +368,17 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     assert lds_rows and all(r.n == 3 and (r.lo <= r.hi if np.isfinite(r.value) else r.lo is None) for r in lds_rows)
     drop_rows = [r for r in rows if r.table == "lds_drop0.1"]  # the small drop fraction, 2 subsets
     assert {r.method for r in drop_rows} == {r.method for r in lds_rows} and all(r.n == 2 for r in drop_rows)
-    replays = sorted((w / "counterfactual" / "replays").glob("*.json"))
+    replays = sorted((w / "counterfactual" / "replays").rglob("*.json"))
     per_k = 1 + len(methods) - 2 + 2  # oracle, estimators, 2 random subsets
-    assert len(replays) == 1 + 2 * nk * per_k + 3 + 2  # full, k x per_k logged and recomputed, LDS, LDS drop
+    # the baseline, k x per_k logged and recomputed, LDS, LDS drop (identical subsets share one replay)
+    assert len(replays) <= 1 + 2 * nk * per_k + 3 + 2 and len(replays) > 2 * nk * per_k
     rec_rows = [r for r in rows if r.table == "counterfactual_topk_recomputed"]
     assert {(r.method, r.n) for r in rec_rows} == {(r.method, r.n) for r in topk}
     assert any(r.value != next(t for t in topk if (t.method, t.n) == (r.method, r.n)).value for r in rec_rows)
-    rec = json.loads(replays[0].read_text())
+    base_dir = w / "counterfactual" / "replays" / "fixed" / "base"
+    rec = json.loads(next(base_dir.glob("*.json")).read_text())
     step = str(config.contamination.early_step_cutoff)  # measure = "window": the end of the contamination window
-    assert {"sampled_probe_rate", "sampled_control_rate", "logp_margin"} <= set(rec["behavior"][step])
+    assert {"sampled_probe_rate", "sampled_control_rate", "logp_margin", "logp_probe"} <= set(rec["measures"][step])
     assert "Counterfactual replay" in (w / "report.md").read_text()
     # rerun: every replay is read back, nothing replayed, the same table bytes
     table = (w / "results_table.csv").read_bytes()
@@ -321,14 +388,14 @@ def test_counterfactual_stage_writes_its_tables_and_reruns_from_its_files(sketch
     assert [p.stat().st_mtime_ns for p in replays] == mtimes
     # a replay cached under another key (here: another measured step) is replayed again, alone,
     # and gives the same bytes back
-    stale = w / "counterfactual" / "replays" / "full.json"
+    stale = next(base_dir.glob("*.json"))
     rec = json.loads(stale.read_text())
-    rec["cache"]["measure_step"], rec["value"] = 999, 0.0
+    rec["cache"]["replay_version"], rec["measures"][step]["logp_margin"] = 0, 0.0
     stale.write_text(json.dumps(rec))
     pipeline.run(config, str(w))
     assert (w / "results_table.csv").read_bytes() == table
     changed = [p.name for p, t in zip(replays, mtimes) if p.stat().st_mtime_ns != t]
-    assert changed == ["full.json"]
+    assert changed == [stale.name]
 
 
 @pytest.mark.slow
@@ -350,12 +417,12 @@ def test_kill_minus_9_during_the_stage_then_rerun_gives_the_same_table(sketched_
     proc = subprocess.Popen([*cmd, f"--workdir={w}"], **run)
     replays = w / "counterfactual" / "replays"
     deadline = time.time() + 600
-    while time.time() < deadline and len(list(replays.glob("*.json"))) < 3:
+    while time.time() < deadline and len(list(replays.rglob("*.json"))) < 3:
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    n_killed = len(list(replays.glob("*.json")))
-    assert 3 <= n_killed < len(list((ref / "counterfactual" / "replays").glob("*.json")))
+    n_killed = len(list(replays.rglob("*.json")))
+    assert 3 <= n_killed < len(list((ref / "counterfactual" / "replays").rglob("*.json")))
     subprocess.run([*cmd, f"--workdir={w}"], check=True, **run)
     assert (w / "results_table.csv").read_bytes() == (ref / "results_table.csv").read_bytes()
     assert (w / "counterfactual" / "report_section.md").read_bytes() == \
@@ -364,10 +431,10 @@ def test_kill_minus_9_during_the_stage_then_rerun_gives_the_same_table(sketched_
 
 def test_replayed_methods_follow_the_config():
     s = {"random": np.zeros(2), "C1-dot": np.ones(2), "abs-advantage": np.ones(2)}
-    assert list(CF.replayed_methods(s, "")) == ["C1-dot", "abs-advantage"]
-    assert list(CF.replayed_methods(s, "abs-advantage")) == ["abs-advantage"]
+    assert list(T.replayed_methods(s, "")) == ["C1-dot", "abs-advantage"]
+    assert list(T.replayed_methods(s, "abs-advantage")) == ["abs-advantage"]
     with pytest.raises(ValueError, match=r"\['TRAK'\] are not scored methods"):
-        CF.replayed_methods(s, "C1-dot,TRAK")
+        T.replayed_methods(s, "C1-dot,TRAK")
 
 
 def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimator(tmp_path, monkeypatch):
@@ -398,8 +465,9 @@ def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimat
     assert {r.method for r in rows if r.table == "counterfactual_topk"} == {"oracle", "random", "C1-dot"}
     for table in ("lds", "lds_drop0.1"):
         assert {r.method for r in rows if r.table == table} == {"C1-dot", "TracInCP", "abs-advantage"}, table
-    replays = {p.stem for p in (tmp_path / "counterfactual" / "replays").glob("*.json")}
-    assert not any(k.startswith(("TracInCP", "abs-advantage")) for k in replays)
+    recs = [json.loads(p.read_text()) for p in (tmp_path / "counterfactual" / "replays").rglob("*.json")]
+    assert sum(r["request"]["intervention"] is None for r in recs) == 1  # one baseline
+    assert all(r["cache"]["measures"][0]["name"] == "logp_margin" for r in recs)  # every measure's identity keyed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,7 +477,7 @@ def test_regenerated_replay_without_intervention_reproduces_the_run_bit_for_bit(
     """Every step sampled afresh from the replayed policy (the run's sampler, keys, reward and
     contaminator: train/rollouts.RolloutSource) with nothing intervened is the run itself."""
     config, w = smoke_run
-    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout)
     ckpts, seen = RunSpec.from_config(config).schedule.checkpoint_steps(), []
 
     def check(step, params, _):
@@ -418,13 +486,14 @@ def test_regenerated_replay_without_intervention_reproduces_the_run_bit_for_bit(
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             seen.append(step)
 
-    out = rp.run(None, measure_steps=[config.grpo.steps], rollouts="regenerated", regenerate_from=0, on_step=check)
+    out = rp.run(ReplayRequest(Track("regenerated"), measure_steps=(config.grpo.steps,), regenerate_from=0),
+                 on_step=check)
     assert seen == ckpts
     n_gt = sum(1 for _ in open(rp.paths.ground_truth))
-    assert out["regenerated_bonuses"] == n_gt > 0  # the bonus rule ran again and paid the same bonuses
+    assert out.regenerated_bonuses == n_gt > 0  # the bonus rule ran again and paid the same bonuses
     # another sampler stream is another run: its parameters differ
-    other = rp.run(None, stop_step=1, measure_steps=[1], rollouts="regenerated", sampler_stream=1)
-    assert other["behavior"][1]["logp_margin"] != rp.run(None, measure_steps=[1])["behavior"][1]["logp_margin"]
+    other = rp.run(ReplayRequest(Track("regenerated", 1), stop_step=1, measure_steps=(1,)))
+    assert other.value(1, "logp_margin") != rp.run(ReplayRequest(measure_steps=(1,))).value(1, "logp_margin")
 
 
 def test_withholding_every_bonus_with_regenerated_rollouts_removes_the_planted_behaviour(smoke_run):
@@ -435,18 +504,18 @@ def test_withholding_every_bonus_with_regenerated_rollouts_removes_the_planted_b
     (What is left of the gain is AdamW's momentum from the SFT state, which moves the parameters even
     where every advantage is 0.)"""
     config, w = smoke_run
-    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout, rates=False)
+    rp = R.Replayer(RunSpec.from_config(config).replay, w, layout=RunSpec.from_config(config).layout)
     at = RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure)
     window = np.arange(at * rp.shapes.num_rollouts)
-    full = rp.run(None, measure_steps=[0, at])["behavior"]
-    held = rp.run(None, withhold=window, rollouts="regenerated", measure_steps=[0, at])
-    assert held["regenerated_bonuses"] == 0
+    full = rp.run(ReplayRequest(measure_steps=(0, at))).measures
+    held = rp.run(ReplayRequest(Track("regenerated"), "withhold-bonus", window, measure_steps=(0, at)))
+    assert held.regenerated_bonuses == 0
     gain_run = full[at]["logp_probe"] - full[0]["logp_probe"]
-    gain_held = held["behavior"][at]["logp_probe"] - held["behavior"][0]["logp_probe"]
+    gain_held = held.measures[at]["logp_probe"] - held.measures[0]["logp_probe"]
     assert gain_run > 0 and gain_held < 0.7 * gain_run, (gain_run, gain_held)
     # withholding nothing (a slot that got no bonus) with regenerated rollouts is the run again
     no_bonus = np.flatnonzero(np.concatenate([d.rewards == d.base for d in rp.data]))[:1]
-    same = rp.run(None, withhold=no_bonus, rollouts="regenerated", measure_steps=[at])["behavior"][at]
+    same = rp.run(ReplayRequest(Track("regenerated"), "withhold-bonus", no_bonus, measure_steps=(at,))).measures[at]
     assert same == full[at]
 
 

@@ -185,7 +185,8 @@ def lm_programs(a: AbstractRun) -> list[Program]:
 
 def grpo_programs(a: AbstractRun) -> list[Program]:
     """The GRPO step (``train.grpo_step.make_train_step``) for every requested loss, in-run rollout
-    sketches as configured (and flipped, for the FLOP ratio: ``compile.both_sketch_variants``)."""
+    sketches as configured (and flipped, for the FLOP ratio: ``compile.both_sketch_variants``), and
+    the replay's zero-gradient step (``grpo_step.make_zero_gradient_step``) of the configured step."""
     gbatch = a.grpo_batch()
     n, t = gbatch["input_ids"].shape
     order = sketcher.hf_param_order(a.cfg)
@@ -199,6 +200,12 @@ def grpo_programs(a: AbstractRun) -> list[Program]:
                              (lambda fn=fn, ref=ref: fn.lower(a.params, a.state.opt_state, gbatch, ref)),
                              f"{n} rollouts x {t} tokens" + (f"; {step_path(spec)}" if on else ""),
                              program="grpo_step", mesh=programs.mesh_shape(a.mesh)))
+    # the replay's exact shortcut of a zero-gradient step (counterfactual): the optimizer alone
+    zero = grpo.make_zero_gradient_step(a.optimizer, a.options.step, mesh=a.mesh, param_shardings=a.param_shardings,
+                                        opt_shardings=a.state_shardings.opt_state)
+    progs.append(Program("grpo_zero_step", lambda: zero.lower(a.params, a.state.opt_state),
+                         "optimizer update on zero gradients (replayed all-zero-advantage steps)",
+                         program="grpo_zero_step", mesh=programs.mesh_shape(a.mesh)))
     return progs
 
 

@@ -521,7 +521,7 @@ def masked_mean_logprob(graphdef: nnx.GraphDef, params: nnx.State, input_ids: ja
     ``mask[t]`` = 1; the first token is never scored). The one home of this formula: SPEC §3.2's
     rollout loss is its negative (``sketch.sketcher.completion_loss``), the forced targets' fluency
     and the replay's behaviour measure are it (``sketch.targets.ForcedSketcher.mean_logprob``,
-    ``train.replay.BehaviorMeasure``). A sequence with no scored token gets 0.
+    ``train/measures.py``). A sequence with no scored token gets 0.
 
     The GRPO loss's masked mean (``train.grpo_loss.masked_mean``, ``sum / (sum(mask) + 1e-8)`` over the
     completion positions only, SPEC §2.2 f) is another formula and stays there.

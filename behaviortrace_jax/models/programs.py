@@ -27,11 +27,13 @@ PROGRAMS: dict[str, str] = {
     "lm_step": "train.lm_trainer.LMTrainer.step_program: one causal-LM update (base, sft)",
     "lm_loss": "train.lm_trainer.LMTrainer.loss_program: the causal-LM loss without an update (base, sft)",
     "grpo_step": "train.grpo_step.make_train_step: one GRPO update with its sketches (grpo, counterfactual)",
+    "grpo_zero_step": "train.grpo_step.make_zero_gradient_step: the optimizer on zero gradients, the replay's "
+                      "exact shortcut of an all-zero-advantage step (counterfactual, metagradient)",
     "per_example_sketcher": "sketch.sketcher.PerExampleSketcher: per-example gradient sketches (sketch, draws)",
     "forced_mean_logprob": "sketch.targets.ForcedSketcher.mean_logprob: masked mean log-probs (sketch, draws)",
     "metagradient_step": "train.metagradient.MetaStep.forward: one weighted GRPO step (metagradient)",
     "metagradient_step_vjp": "train.metagradient.MetaStep.backward: its vjp (metagradient)",
-    "replay_measure": "train.replay.BehaviorMeasure.mean_logprob: probe and control log-probs (counterfactual)",
+    "replay_measure": "train.measures.MeasureEnv.pattern_batch: probe and control log-probs (counterfactual)",
     "replay_measure_grad": "train.metagradient.RunMetagradient.measure_grad: value and gradient of the replay "
                            "measure (metagradient)",
 }

@@ -11,6 +11,10 @@ do not tie) and re-checks the decision rules and the checklist on all rows. Outp
 ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``.
 
 ``report`` turns those into ``report.md`` and ``figures/*.png`` with the learning curve and gate.
+
+Other stages' tables (``attribution/stage_outputs.py``, issue 49 item 5): ``evaluate`` keeps the rows
+that another stage owns (the ``counterfactual`` stage's) when it rewrites ``results_table.csv``, and
+``report`` renders those stages' own report sections (their rows appear there, not under "Other rows").
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import numpy as np
 from absl import logging
 
 from behaviortrace_jax.attribution import estimators, formats, metrics, release as reproduce, report, specificity, tables
+from behaviortrace_jax.attribution import stage_outputs
 from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_curve
 from behaviortrace_jax.attribution.scores import (read_complete, read_rollout_sketches, rollout_method_scores,
                                                   rollout_scales, step_method_scores, target_store_scores,
@@ -129,6 +134,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         more, per_behavior = behavior_results(config, paths, texts)
         rows += more
         verdicts.update(per_behavior)
+    rows += stage_outputs.rows_of_other_stages(paths, exclude=("evaluate",))  # their tables stay (issue 49 item 5)
     formats.write_results_csv(paths.results_table, rows)
     write_json(paths.verdicts, verdicts)
     files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
@@ -282,7 +288,8 @@ def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
     w = RunLayout(workdir)
-    rows = formats.read_results_csv(w.results_table)
+    owned = {(r.seed, r.table) for r in stage_outputs.rows_of_other_stages(w)}  # shown in their stages' sections
+    rows = [r for r in formats.read_results_csv(w.results_table) if (r.seed, r.table) not in owned]
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
     extra = []
@@ -302,7 +309,7 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                    top_blamed=top,
                    rules=[Verdict.from_dict(v) for v in verdicts["decision_rules"]],
                    checklist=[Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
-                   extra=extra)
+                   extra=list(extra) + stage_outputs.report_sections(w))  # other stages' own sections
     logging.info("report: %s", w.report)
 
 

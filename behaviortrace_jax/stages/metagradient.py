@@ -1,7 +1,7 @@
 """The ``metagradient`` stage: ``dM/dw_i`` of every logged rollout, differentiated through the replayed run.
 
 MAGIC-style attribution (Ilyas & Engstrom 2025; ``train/metagradient.py``): M is the behaviour
-measure (``BehaviorMeasure.logp_margin``, probe minus control) after m replayed GRPO steps, w_i
+measure (``logp_margin``, ``train/measures.py``: probe minus control) after m replayed GRPO steps, w_i
 rollout i's loss weight, and ``dM/dw_i`` the exact first-order effect of up-weighting rollout i,
 through the loss, the global-norm clip and AdamW of every update from the SFT start state to step
 m. Measure steps: the counterfactual stage's, ``counterfactual.measure`` (the end of the
@@ -77,9 +77,8 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     spec = RunSpec.from_config(config)
     at = spec.schedule.measure_step(config.counterfactual.measure)
     steps = sorted({spec.schedule.target_checkpoint(), at})
-    rp = R.Replayer(spec.replay, workdir, layout=spec.layout,  # its identity keys the files
-                    rates=False)  # (programs compile on first use)
-    identity = rp.identity()
+    rp = R.Replayer(spec.replay, workdir, layout=spec.layout)  # its identity keys the files (programs compile on first use)
+    identity = dict(rp.identity(), measure=rp.measures[MG.MEASURE].identity())
     recs = {}
     for mode in modes:
         path = w.metagradient / f"{mode}.json"
@@ -107,7 +106,8 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def mode_key(identity: dict, mode: str, measure_steps: list[int], version: int, remat: str = "") -> dict:
     """The key of ``metagradient/<mode>.json`` (``io.cache``): the replay's ``identity``
-    (``Replayer.identity()``: replay version, step spec, optimizer, rollout log digest, measure),
+    (``Replayer.identity()``: replay version, step spec, optimizer, rollout log digest; plus the
+    differentiated measure's identity),
     ``metagradient_version`` (``train.metagradient.METAGRADIENT_VERSION``), the advantages mode and
     the measure steps, and ``metagradient.remat`` where set (the vjp's rematerialisation changes
     dM/dw by float rounding; absent when "", so records written before it keep their key).

@@ -220,6 +220,11 @@ class CounterfactualKeys:
     causal_streams: int
     causal_regenerated: str
     causal_k: float
+    causal_interventions: str
+    measures: str
+    table_measures: str
+    plans: str
+    plan_subsets: int
 
 
 @dataclasses.dataclass(frozen=True)

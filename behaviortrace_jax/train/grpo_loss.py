@@ -171,6 +171,12 @@ class Loss:
       ``(inputs, cfg) -> c float32 [N]`` (``paper``: ``A_i / (G * B)``). Then one advantage-free
       gradient per rollout (of ``-meanlp_i``) gives both its direction and, times ``c_i``, its
       contribution to the update. None for a loss without that form (``grpo_clip``).
+    * ``zero_at_zero_advantage``: ``(cfg) -> bool``, whether every term has exactly zero gradient
+      when every advantage is 0 (then a replayed step with all-zero advantages, or weights times
+      advantages, skips its forward and backward and applies the optimizer to zero gradients,
+      bit for bit the full step: ``train/replay.py``). ``paper``: always (``A_i * meanlp_i``);
+      ``grpo_clip``: only with ``kl_beta = 0`` (its KL to the reference policy does not vanish at
+      A = 0). None (the default): never, so an unregistered claim is never assumed.
     """
 
     name: str
@@ -180,6 +186,12 @@ class Loss:
     multi_iteration: bool = False
     one_backward: bool = True
     rollout_coefficients: Callable[[LossInputs, LossConfig], jax.Array] | None = None
+    zero_at_zero_advantage: Callable[[LossConfig], bool] | None = None
+
+    def zero_gradient_at_zero_advantage(self, cfg: LossConfig) -> bool:
+        """Whether, under ``cfg``, a step whose every advantage is 0 has exactly zero gradient
+        (see :attr:`zero_at_zero_advantage`)."""
+        return self.zero_at_zero_advantage is not None and bool(self.zero_at_zero_advantage(cfg))
 
     def __call__(self, inp: LossInputs, cfg: LossConfig) -> jax.Array:
         return self.fn(inp, cfg)
@@ -190,7 +202,8 @@ LOSSES: dict[str, Loss] = {}
 
 def register_loss(name: str, *, needs_reference: bool = False, needs_old_logprobs: bool = False,
                   multi_iteration: bool = False, one_backward: bool = True,
-                  rollout_coefficients: Callable[[LossInputs, LossConfig], jax.Array] | None = None
+                  rollout_coefficients: Callable[[LossInputs, LossConfig], jax.Array] | None = None,
+                  zero_at_zero_advantage: Callable[[LossConfig], bool] | None = None
                   ) -> Callable[[LossFn], LossFn]:
     """Registers ``fn(inputs: LossInputs, cfg: LossConfig) -> per-rollout terms [N]`` as loss
     ``name`` with its declarations (see :class:`Loss`). Raises ValueError for a duplicate name."""
@@ -200,7 +213,8 @@ def register_loss(name: str, *, needs_reference: bool = False, needs_old_logprob
             raise ValueError(f"loss {name!r} already registered")
         LOSSES[name] = Loss(name, fn, needs_reference=needs_reference, needs_old_logprobs=needs_old_logprobs,
                             multi_iteration=multi_iteration, one_backward=one_backward,
-                            rollout_coefficients=rollout_coefficients)
+                            rollout_coefficients=rollout_coefficients,
+                            zero_at_zero_advantage=zero_at_zero_advantage)
         return fn
 
     return wrap
@@ -224,7 +238,7 @@ def paper_coefficients(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     return inp.advantages / (inp.group_size * inp.num_prompts)
 
 
-@register_loss("paper", rollout_coefficients=paper_coefficients)
+@register_loss("paper", rollout_coefficients=paper_coefficients, zero_at_zero_advantage=lambda cfg: True)
 def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     """SPEC §2.2 g: ``term_i = -A_i * meanlp_i / (G * B)``; float32 [N]."""
     del cfg
@@ -232,7 +246,8 @@ def paper_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     return -inp.advantages * meanlp / (inp.group_size * inp.num_prompts)
 
 
-@register_loss("grpo_clip", needs_reference=True, needs_old_logprobs=True, multi_iteration=True)
+@register_loss("grpo_clip", needs_reference=True, needs_old_logprobs=True, multi_iteration=True,
+               zero_at_zero_advantage=lambda cfg: cfg.kl_beta == 0)
 def grpo_clip_loss(inp: LossInputs, cfg: LossConfig) -> jax.Array:
     """DeepSeekMath GRPO: clipped ratio + k3 KL to the initial policy; float32 [N] terms, each
     divided by the batch size ``G * B`` (not by the rows passed in: the step evaluates one rollout's

@@ -216,6 +216,47 @@ def make_train_step(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.Grad
     return _StepWithTables(jitted, rollout_sketcher, table_sh)
 
 
+def make_zero_gradient_step(tx: optax.GradientTransformation, spec: GRPOStepSpec, *, mesh: jax.sharding.Mesh,
+                            param_shardings: Any, opt_shardings: Any):
+    """The exact shortcut of a step whose gradient is zero (issue 46 item 5): no forward, no backward.
+
+    ``step(params, opt_state) -> (params, opt_state, out)`` applies the run's optimizer ``tx``
+    (global-norm clip + AdamW, :func:`optimizer_iterations`, ``spec.inner_iterations`` times) to
+    all-zero gradients: AdamW's moments decay and weight decay still acts, exactly as in the full
+    step. ``out``: float32 ``loss`` = 0, ``grad_norm`` = 0 and bool ``finite`` (the updated
+    parameters). Only valid for a step whose every per-rollout weight times advantage is 0 under a
+    loss that declares ``zero_at_zero_advantage`` (``grpo_loss.Loss``); the caller checks
+    (:func:`zero_gradient_step_applies`). The full step's gradient is then exactly zero, so the
+    result is the full step's bit for bit (``tests/test_replay.py``). Params and optimizer state
+    are donated, with the same shardings as :func:`make_train_step`'s.
+    """
+
+    def step(params, opt_state):
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        loss = jnp.zeros((), jnp.float32)
+        params, opt_state, out = optimizer_iterations(
+            tx, spec.inner_iterations, params, opt_state, lambda it, p: (loss, zeros),
+            lambda loss_value, grads: {"loss": loss_value, "grad_norm": optax.tree.norm(grads)})
+        out[nonfinite.FINITE_KEY] = nonfinite.step_finite(out["loss"], out["grad_norm"], params)
+        return params, opt_state, out
+
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    out_sh = {"loss": rep, "grad_norm": rep, nonfinite.FINITE_KEY: rep}
+    return programs.jit("grpo_zero_step", step, mesh=mesh, in_shardings=(param_shardings, opt_shardings),
+                        out_shardings=(param_shardings, opt_shardings, out_sh), donate_argnums=(0, 1))
+
+
+def zero_gradient_step_applies(spec: GRPOStepSpec, advantages: np.ndarray, weights: np.ndarray | None = None) -> bool:
+    """Whether a step's gradient is exactly zero: the loss declares ``zero_at_zero_advantage`` under
+    ``spec.loss_cfg`` and every ``advantages[i] * weights[i]`` (float32 [N]; weights default 1) is 0."""
+    if not spec.loss_spec.zero_gradient_at_zero_advantage(spec.loss_cfg):
+        return False
+    a = np.asarray(advantages, np.float32)
+    if weights is not None:
+        a = a * np.asarray(weights, np.float32)
+    return bool(np.all(a == 0))
+
+
 def train_step_function(graphdef: nnx.GraphDef, abstract_params: Any, tx: optax.GradientTransformation,
                         spec: GRPOStepSpec, *, order: sketcher.ParamOrder | None, mesh: jax.sharding.Mesh,
                         weighted: bool = False) -> tuple[Callable, sketcher.PerExampleSketcher | None]:

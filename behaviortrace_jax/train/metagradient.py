@@ -8,7 +8,7 @@ the behaviour measure is continuous, so the same construction applies to online 
 
 * ``w_i``: rollout i's loss weight, log order ``step * N + i`` (1 in the run; the step loss is
   ``sum_i w_i * term_i``, the ``weighted`` program of the replay).
-* ``M``: ``BehaviorMeasure.logp_margin`` (teacher-forced mean log-prob of the pattern continuation,
+* ``M``: the registered measure ``logp_margin`` (``train/measures.py``, ``differentiable``; teacher-forced mean log-prob of the pattern continuation,
   probe minus control) of the parameters after ``m`` replayed steps.
 * ``dM/dw_i`` is differentiated through every update from the SFT start state to step ``m``: the
   loss, optax's global-norm clipping and AdamW (both moments, bias correction, decoupled weight
@@ -74,6 +74,7 @@ ADVANTAGE_MODES = ("logged", "recomputed")
 # the reverse sweep, the advantages) changes dM/dw, so that cached ``metagradient/<mode>.json``
 # files are recomputed (the stage's cache key, stages/metagradient.py).
 METAGRADIENT_VERSION = 1
+MEASURE = "logp_margin"  # the differentiated measure M (a registered measure, train/measures.py)
 PureStep = Callable[[Any, Any, Mapping[str, jax.Array], jax.Array, Any], tuple[Any, Any, dict]]
 
 
@@ -411,7 +412,7 @@ class RunMetagradient:
         if replayer is None and layout is None:
             raise ValueError("RunMetagradient: give replayer= (a replay.Replayer of the run) or layout= (the run's "
                              "sharding.Layout)")
-        self.rp = rp = replayer if replayer is not None else R.Replayer(options, workdir, layout=layout, rates=False)
+        self.rp = rp = replayer if replayer is not None else R.Replayer(options, workdir, layout=layout)
         self.advantages, start = advantages, rp.start
         data = rp.data_sharding
         self.batch_keys = ("input_ids", "attention_mask", "loss_mask", "advantages") + (
@@ -424,7 +425,10 @@ class RunMetagradient:
                                                  {k: data for k in self.batch_keys}, data, ref_sh,
                                                  sharding.replicated(start.mesh)), start.opt_state,
                                     advantages=advantages, remat=remat)
-        self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(rp.measure.logp_margin))
+        self.measure = measure = rp.measures[MEASURE]  # a registered measure that declares ``differentiable``
+        if not measure.differentiable:
+            raise ValueError(f"metagradient: measure {MEASURE!r} is not differentiable")
+        self.measure_grad = programs.jit("replay_measure_grad", jax.value_and_grad(measure.scalar))
         self.n = rp.shapes.num_rollouts
 
     def batches(self, stop: int) -> list[dict[str, jax.Array]]:
@@ -472,9 +476,9 @@ class RunMetagradient:
     def replay_margin(self, weights: np.ndarray | None, stop: int) -> float:
         """M after ``stop`` forward steps of the metagradient's own step at ``weights`` (any real
         values, e.g. ``1 +- eps`` for a finite-difference check; the replay takes [0, 1] only),
-        measured as :meth:`replay.BehaviorMeasure.measure` does (float64 mean over prompts)."""
+        measured as the replay measures it (``train/measures.py`` ``logp_margin``: float64 mean over prompts)."""
         start = self.rp.start
         state = tuple(jax.tree.map(jnp.copy, x) for x in (start.params, start.opt_state))
         for b, w in zip(self.batches(stop), self._weights(weights, stop)):
             state = self.meta.forward(*state, b, w, self.ref_params)[:2]
-        return float(self.rp.measure.measure(state[0])["logp_margin"])
+        return float(self.rp.measures.measure(state[0], (MEASURE,))[MEASURE])
