@@ -54,7 +54,7 @@ HOW_TO_READ = """\
   margin.
 * **answered by the log**: a table where some log control reaches ≥ 0.95 of the ceiling (of the
   oracle's Δ in `counterfactual_topk`). There the label is recovered from the training log alone,
-  so a targeted method's value there says little about attribution (docs/counterfactual.md).
+  so a targeted method's value there says little about attribution (docs/concepts/replays.md).
 * `metagradient` (when the `metagradient` stage ran) is a different kind of method: not a score on
   sketches but dM/dw_i, the behaviour measure differentiated through the replayed GRPO run
   (MAGIC-style; it needs the run's start state and rollout log); a step's score is the sum of its

@@ -48,7 +48,7 @@ index ``step * N + i``) multiplies each rollout's loss term; ``w_i = 0`` removes
 the teacher-forced pattern log-prob margin and its probe and control halves, the greedy and the
 sampled rates) at every measure step.
 
-Library use (docs/guide.md "Test your estimator's rankings by replay")::
+Library use (docs/guides/extending.md, "Test your estimator's rankings by replay")::
 
     spec = RunSpec.from_config(tiny.get_config())  # behaviortrace_jax/stages/spec.py
     rp = Replayer(spec.replay, "runs/tiny", layout=spec.layout)  # build once (~10 s)
