@@ -17,6 +17,9 @@ Registered here (names are also the keys of the floats they give, except the rat
 * ``sampled_rate`` -> ``sampled_probe_rate``, ``sampled_control_rate``: ``samples`` completions
   per probe and control prompt at the GRPO temperature / top-p, always with one fixed key
   (``key(seed)``: common random numbers across branches, so their difference has less variance).
+* ``probe-rate``, ``probe-pair`` (differentiable), ``leakage``: the sampled probe rate with its
+  standard error, SPEC §5.4's minimal-pair log-ratio, and both on the control prompts
+  (``train/probe_measures.py``, registered on import of this module).
 
 **Adding a measure** (e.g. issue 47's probe and leakage measures) is one registration::
 
@@ -66,6 +69,7 @@ class MeasureEnv:
     seed: int
     _pattern: Any = None
     _probe: Any = None
+    cache: dict = dataclasses.field(default_factory=dict)  # programs and batches measures share (train/probe_measures.py)
 
     def identity(self) -> dict:
         """What every measure's numbers depend on besides params and its own settings (JSON)."""
@@ -278,3 +282,6 @@ class MeasureSet:
                 raise ValueError(f"measure {name!r} gives {clash}, already given by another configured measure")
             out.update(vals)
         return out
+
+
+from behaviortrace_jax.train import probe_measures as _probe_measures  # noqa: E402,F401 - registers its measures
