@@ -1,4 +1,4 @@
-"""The registered probe and leakage measures (``train/probe_measures.py``) on a tiny random Qwen2:
+"""The registered probe and leakage measures (``train/measures.py``) on a tiny random Qwen2:
 each one's floats are the pure functions' of ``behavior/probe_measures.py`` on the same params,
 keys and prompts; a MeasureSet records them together; the minimal-pair measure's scalar is its
 float and differentiable; the stream setting changes the sampled rate's key and only it."""
