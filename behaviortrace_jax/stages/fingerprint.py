@@ -70,6 +70,7 @@ EXCLUDED = {
     "info.": "the info stage writes nothing",
     "counterfactual.": "the counterfactual stage keys each replay file itself (io/cache.py)",
     "metagradient.": "the metagradient stage keys its files itself (io/cache.py)",
+    "cause.": "the cause stage keys each replay file itself (io/replay_request.py) and rewrites its gate on every run",
     "evaluation.": "read by evaluate and report, which rewrite their outputs on every run",
 }
 # The config keys (dotted; a trailing "." is a whole section) that shape each stage's own outputs.
@@ -84,7 +85,7 @@ STAGE_SECTIONS = {
 # Which recorded stages each stage reads (directly); the fingerprint of a stage includes theirs.
 UPSTREAM = {"base": (), "sft": ("base",), "grpo": ("sft",), "sketch": ("grpo",), "draws": ("grpo",),
             "evaluate": ("sketch", "draws"), "report": ("evaluate",), "counterfactual": ("grpo",),
-            "metagradient": ("grpo",)}
+            "metagradient": ("grpo",), "cause": ("grpo",)}
 # Stage -> its outputs under the workdir (globs), removed when ``on_changed_config=recompute``
 # recomputes it or a stage before it.
 OUTPUTS = {
