@@ -44,7 +44,8 @@ from behaviortrace_jax.stages.registry import STAGES, register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 # The outputs of a registered measure that the gate tests (their standard errors and counts are
-# read beside them); a measure not named here is gated on every float it gives.
+# read beside them). A measure not named here is recorded (gate.json's values) but not gated, unless
+# no configured measure is named here: then every float is gated.
 GATED_OUTPUTS = {"probe-rate": ("probe_rate",), "probe-pair": ("probe_pair_logratio",),
                  "leakage": ("leakage_rate", "leakage_pair_logratio"), "logp_margin": ("logp_margin",),
                  "logp_probe": ("logp_probe",), "logp_control": ("logp_control",),
@@ -119,6 +120,7 @@ def cause_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     values: dict[str, dict[int, dict]] = {"baseline": {}, "withheld": {}}
     for j in range(ck.streams):
         track = Track("regenerated", j)
+        # the stream's own sampling keys for both arms (the measures' settings, so in each replay's cache key)
         rp.measures = measures_lib.MeasureSet(rp.measures.env, names, settings(names, ck.samples, j))
         base = ReplayRequest(track, measure_steps=(at,), measures=tuple(names))
         cut = ReplayRequest(track, "withhold-bonus", window, measure_steps=(at,), measures=tuple(names))

@@ -23,9 +23,9 @@ the requested ones and those they read is compared with the fingerprint of the c
   after it are removed (:data:`OUTPUTS`), so the requested stages recompute them; a changed stage
   that the run does not name is refused, as it cannot be recomputed.
 
-Stages without a fingerprint (``evaluate``, ``report``, ``counterfactual``, ``metagradient``, ...):
-``evaluate`` and ``report`` rewrite their outputs on every run; ``counterfactual`` and
-``metagradient`` key each cached file by its inputs (``io/cache.py``). They are downstream of
+Stages without a fingerprint (``evaluate``, ``report``, ``counterfactual``, ``metagradient``, ``cause``, ...):
+``evaluate`` and ``report`` rewrite their outputs on every run; ``counterfactual``,
+``metagradient`` and ``cause`` key each cached file by its inputs (``io/cache.py``). They are downstream of
 ``draws`` / ``grpo``, so a recompute removes ``evaluate``'s and ``report``'s stale tables too.
 """
 from __future__ import annotations
