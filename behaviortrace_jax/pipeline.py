@@ -16,6 +16,7 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 | ``sweep`` | ``stages/sweep.py`` | ``seed{S}/`` runs, diagnostic draws, one aggregate report |
 | ``counterfactual`` | ``stages/counterfactual.py`` | ``counterfactual/`` replays; leave-top-k-out and LDS rows |
 | ``metagradient`` | ``stages/metagradient.py`` | ``metagradient/`` (dM/dw of every rollout; the ``metagradient`` estimator's input) |
+| ``cause`` | ``stages/cause.py`` | ``cause/`` (the causal gate: replays, ``gate.json``, ``causal_gate[...]`` rows) |
 | ``status`` | ``stages/status.py`` | nothing (prints where a run stands; safe while the run goes on) |
 
 ``config.model.hf_id`` (a model in the Hugging Face cache) is resolved once, here, into
@@ -38,7 +39,7 @@ from behaviortrace_jax.stages import fingerprint, registry as stages
 
 HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
 _STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
-                  "counterfactual", "metagradient", "status")
+                  "counterfactual", "metagradient", "cause", "status")
 # Stages that only read the workdir: an invocation of these alone neither creates the workdir nor appends
 # to run_info.json, so it can look at a run that another process is writing.
 READ_ONLY_STAGES = {"status"}

@@ -253,6 +253,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.plans = ""
     c.counterfactual.plan_subsets = 16  # Random unit subsets of the datamodels plan (its least-squares fit).
 
+    # --- the causal gate (the `cause` stage, not in the default stages: --config.stages=cause) -----------
+    # Did the planted cause act? The run's no-intervention baseline against withholding every bonus of the
+    # window, both with rollouts regenerated from the replayed policy, over `streams` sampler streams.
+    c.cause = ml_collections.ConfigDict()
+    c.cause.streams = 3  # Sampler streams (>= 2: the CI and noise floor are over streams; stream 0 = the run's keys).
+    # Registered measures (train/measures.py) every gate replay records, comma list.
+    c.cause.measures = "probe-rate,probe-pair,leakage,logp_margin"
+    c.cause.primary = "probe_rate"  # The measure output whose verdict is the gate's ("acted" / "not detected").
+    c.cause.measure_step = "end"  # Step measured: "end" (the run's end), "window" (the window's end) or a step number.
+    c.cause.samples = 4  # Completions per probe / control prompt of the sampled rates (probe-rate, leakage).
+
     # --- the `reproduce` stage and `info` stage ---------------------------------------------------
     c.reference_dir = ""  # reproduce: the paper's released per-seed files (shared/reference; SPEC §6.13).
     c.info = ml_collections.ConfigDict()

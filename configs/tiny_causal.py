@@ -3,7 +3,8 @@
     python main.py --config=configs/tiny_causal.py --workdir=runs/tiny_causal
 
 The tiny default (configs/tiny.py) for seeds 0, 1, 2 under one shared base model
-(``runs/tiny_causal/seed{S}/``), with the ``metagradient`` stage after ``grpo`` and the
+(``runs/tiny_causal/seed{S}/``), with the ``cause`` stage (the causal gate: did withholding every
+bonus, with regenerated rollouts, lower the probe measures?) and the ``metagradient`` stage after ``grpo`` and the
 ``counterfactual`` stage run for its causal ground truth only (``counterfactual.causal = "only"``):
 single-step replays of the contamination window, both interventions (remove, withhold-bonus), with
 the logged rollouts; with rollouts regenerated from the replayed policy over two sampler streams,
@@ -22,6 +23,9 @@ from configs import tiny_sweep
 def get_config():
     c = tiny_sweep.get_config()
     c.sweep.diagnostic_draws = ""  # Not needed for causal truth; the tiny_sweep config makes them.
+    # The causal gate after grpo (stages/cause.py): did withholding every bonus, regenerated over
+    # cause.streams sampler streams, lower the probe measures? Its rows sit beside the causal tables.
+    c.sweep.stages = c.sweep.stages.replace("grpo,", "grpo,cause,", 1)
     cf = c.counterfactual
     cf.causal = "only"  # The causal replays alone; the leave-top-k-out/LDS replays are configs/tiny_sweep.py's.
     cf.rollouts = "regenerated"  # Fixed and regenerated tracks (stream 0 = the run's keys, stream 1 resampled).

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from behaviortrace_jax.attribution import causal as C, replay_plans as P
+from behaviortrace_jax.attribution import causal as C, noise_floor as NF, replay_plans as P
 from behaviortrace_jax.io.replay_request import Track
 
 
@@ -66,6 +66,36 @@ def test_tables_score_the_label_and_rank_the_ground_truth_units():
     assert rank.value == pytest.approx((1 / 4 + 1) / 2) and rank.chance == pytest.approx(5 / 8) and rank.n == 2
     gt_all = by[("causal_label_regenerated", "withhold-all-gt")]
     assert gt_all.value == 1.5 and gt_all.n == 2 and by[("causal_label_fixed", "withhold-all-gt")].value == 4.0
+
+
+def test_effects_below_the_noise_floor_are_not_detected_and_the_tables_are_unchanged():
+    """Eight regenerated streams whose baselines spread with sd 1 (a noise floor); unit s1's effect
+    is 10 sd in every stream, the others' are noise around 0 (each well inside the floor's MDE):
+    only s1 is "detected"; the floor's rows state the sd and the MDE for 8 streams; and every
+    existing table is the same with or without the baselines."""
+    rng = np.random.default_rng(0)
+    units = [np.array([0, 1]), np.array([2, 3]), np.array([4, 5])]
+    e = rng.normal(0.0, 0.3, (8, 3))
+    e[:, 1] += 10.0
+    base = rng.normal(0.0, 1.0, 8)
+    kw = dict(unit_names=["s0", "s1", "s2"], unit_rollouts=units,
+              effects={("withhold-bonus", "regenerated"): e, ("withhold-bonus", "fixed"): e[:1]},
+              label_deltas={}, scores={"C1-dot": np.arange(6, dtype=float)}, is_gt=np.zeros(6, bool),
+              k_fraction=0.5, nboot=20)
+    with_floor = C.tables("0", baselines={"regenerated": base, "fixed": base[:1]}, **kw)
+    plain = C.tables("0", **kw)
+    assert [r for r in with_floor if r.table in {p.table for p in plain}] == plain  # old tables unchanged
+    by = {(r.table, r.method): r for r in with_floor}
+    floor = by[("causal_noise_floor_regenerated", "baseline-sd")]
+    assert floor.value == pytest.approx(np.std(base, ddof=1)) and floor.n == 8
+    mde = by[("causal_noise_floor_regenerated", "mde")]
+    assert mde.value == pytest.approx(NF.mde(np.std(base, ddof=1), 8, design="two-arm")) and mde.value > floor.value
+    det = "causal_detected_withhold-bonus_regenerated"
+    assert by[(det, "s1")].value == 1.0 and by[(det, "s1")].lo > 0
+    for u in ("s0", "s2"):  # below the floor: the CI holds 0, reported "not detected", never "no effect"
+        r = by[(det, u)]
+        assert r.value == 0.0 and r.lo < 0 < r.hi and abs(r.chance) < 1
+    assert not any(t.startswith(("causal_noise_floor_fixed", "causal_detected_withhold-bonus_fixed")) for t, _ in by)
 
 
 def test_seed_summary_puts_each_seeds_spearman_beside_the_mean_and_the_label_checks():

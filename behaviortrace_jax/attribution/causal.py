@@ -24,6 +24,18 @@ rollouts have one). Tables (``formats.Row``; ``<iv>`` = ``remove`` / ``withhold-
   all units by Δ; ``chance`` = a random unit set's expectation, the mean percentile of all
   units, ``(U + 1) / 2U``; ``n`` = units holding ground truth).
 
+* ``causal_noise_floor_<ro>`` (rollout modes measured over >= 2 sampler streams): the noise floor
+  of the measure (``attribution/noise_floor.py``). ``baseline-sd``: ``value`` = the
+  no-intervention baseline's sd over streams (ddof 1), ``chance`` = its mean, ``n`` = streams;
+  ``mde``: ``value`` = the minimum detectable effect (two-sided 95 %, power 80 %) of a two-arm
+  comparison with that many streams per arm at that sd (``noise_floor.mde``; the conservative
+  planning value: a unit's branches share the baseline's keys up to the unit's step), ``n`` =
+  streams.
+* ``causal_detected_<iv>_<ro>`` (the same modes): per unit (``method`` = unit name), ``value`` = 1
+  when its 95 % t-interval over streams (``causal_effect_*``'s ``lo``/``hi``) excludes 0
+  ("detected"), 0 when it holds 0 ("not detected": never an effect of 0), ``lo``/``hi`` that
+  interval, ``chance`` = the mean Δ in units of the baseline's noise-floor sd (None when that sd
+  is 0), ``n`` = streams.
 * ``causal_metagradient_remove_<ro>`` (when the ``metagradient`` estimator is scored): how far its
   linearisation holds. For its top-k units and k random other units (``default_rng(seed)``):
   ``method`` = ``top<i>:<unit>`` / ``random<i>:<unit>``, ``value`` = the exact single-unit replay's
@@ -44,7 +56,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import scipy.stats
 
-from behaviortrace_jax.attribution import formats, metrics as M
+from behaviortrace_jax.attribution import formats, metrics as M, noise_floor as NF
 
 LABEL = "ground-truth"  # the pseudo-method: a unit's count of ground-truth rollouts
 METAGRADIENT = "metagradient"  # the estimator whose first-order predictions get their own table
@@ -136,6 +148,31 @@ def effect_rows(seed: str, table_suffix: str, names: Sequence[str], effects: np.
     return rows
 
 
+def noise_floor_rows(seed: str, rollouts: str, baselines: np.ndarray) -> list[formats.Row]:
+    """``causal_noise_floor_<rollouts>`` rows ``baseline-sd`` and ``mde`` of the no-intervention
+    baseline's values float [streams >= 2] (module docstring). Raises ValueError for < 2 streams
+    or non-finite values (``noise_floor.noise_floor``)."""
+    f = NF.noise_floor(np.asarray(baselines, np.float64), design="two-arm")
+    table = f"causal_noise_floor_{rollouts}"
+    return [formats.Row(seed, table, "baseline-sd", f.sd, None, None, f.mean, None, f.n_streams),
+            formats.Row(seed, table, "mde", f.mde, None, None, None, None, f.n_streams)]
+
+
+def detected_rows(seed: str, table_suffix: str, names: Sequence[str], effects: np.ndarray,
+                  floor_sd: float) -> list[formats.Row]:
+    """``causal_detected_<suffix>``: per unit, 1 = its t-interval over streams excludes 0, 0 = "not
+    detected" (module docstring); ``effects`` float [streams >= 2, U]; ``floor_sd`` the baseline's
+    sd over streams."""
+    e = np.asarray(effects, np.float64)
+    rows = []
+    for j, name in enumerate(names):
+        m, lo, hi = mean_ci(e[:, j])
+        hit = NF.verdict(lo, hi) == NF.DETECTED
+        rows.append(formats.Row(seed, f"causal_detected_{table_suffix}", name, 1.0 if hit else 0.0, lo, hi,
+                                m / floor_sd if floor_sd > 0 else None, None, int(e.shape[0])))
+    return rows
+
+
 def gt_rank_row(seed: str, rollouts: str, intervention: str, effects: np.ndarray,
                 gt_counts: np.ndarray) -> formats.Row | None:
     """``causal_label_<rollouts>`` row ``gt-unit-rank:<intervention>``: the mean percentile rank of
@@ -177,7 +214,7 @@ def metagradient_rows(seed: str, rollouts: str, names: Sequence[str], predicted:
 def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.ndarray],
            effects: Mapping[tuple[str, str], np.ndarray], label_deltas: Mapping[tuple[str, str], np.ndarray],
            scores: Mapping[str, np.ndarray], is_gt: np.ndarray, k_fraction: float, nboot: int,
-           rng_seed: int = 0) -> list[formats.Row]:
+           rng_seed: int = 0, baselines: Mapping[str, np.ndarray] | None = None) -> list[formats.Row]:
     """Every ``causal_*`` row of one run (module docstring).
 
     Args:
@@ -187,6 +224,8 @@ def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.n
         scores: ``{method: float [num_rollouts]}`` per-rollout scores (log order).
         is_gt: bool [num_rollouts], the logged ground truth.
         k_fraction: P@k's k = ``max(1, round(k_fraction * U))``.
+        baselines: ``{rollouts: float [streams]}`` the no-intervention baseline's values per stream;
+            a mode with >= 2 streams gets its ``causal_noise_floor_*`` and ``causal_detected_*`` rows.
     Raises:
         ValueError: fewer than 2 units, or ``k_fraction`` outside (0, 1].
     """
@@ -198,9 +237,12 @@ def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.n
     per_unit.update({m: unit_scores(s, unit_rollouts) for m, s in scores.items()})
     k = max(1, int(round(k_fraction * len(unit_names))))
     rows: list[formats.Row] = []
+    floors = {ro: np.asarray(b, np.float64) for ro, b in (baselines or {}).items() if np.size(b) >= 2}
     for (iv, ro), e in sorted(effects.items()):
         suffix = f"{iv}_{ro}"
         rows += effect_rows(seed, suffix, unit_names, e)
+        if ro in floors and np.shape(e)[0] >= 2:
+            rows += detected_rows(seed, suffix, unit_names, e, float(np.std(floors[ro], ddof=1)))
         mean = np.asarray(e, np.float64).mean(axis=0)
         rows += method_rows(seed, suffix, mean, per_unit, k=k, nboot=nboot, rng_seed=rng_seed)
         if iv == "remove" and METAGRADIENT in per_unit:
@@ -214,6 +256,8 @@ def tables(seed: str, *, unit_names: Sequence[str], unit_rollouts: Sequence[np.n
                 row = gt_rank_row(seed, ro, iv, np.asarray(e, np.float64).mean(axis=0), gt_counts)
                 if row is not None:
                     rows.append(row)
+        if ro in floors:
+            rows += noise_floor_rows(seed, ro, floors[ro])
     return rows
 
 

@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from behaviortrace_jax.attribution import noise_floor as nf
+from behaviortrace_jax.attribution import formats, noise_floor as nf
 
 ACTED, NOT_DETECTED, REVERSED = "acted", "not detected", "reversed"
 LABEL_NOT_CAUSE = ("The planted cause did not act in this run: its attribution tables score the methods against a "
@@ -169,3 +169,42 @@ def gate_measures(baseline: Mapping[str, Sequence[float]], withheld: Mapping[str
                                         withheld_se=wse.get(m, 0.0), paired=paired,
                                         expected_sign=signs.get(m, 1), alpha=alpha, power=power)
                             for m in baseline), primary)
+
+
+def gate_rows(seed: str, report: GateReport) -> list[formats.Row]:
+    """The results-table rows of a gate, one table ``causal_gate[<output>]`` per measure output:
+    ``delta`` (``value`` = Δ = baseline - withheld, ``lo``/``hi`` its CI, ``n`` = streams),
+    ``baseline-sd`` (the noise floor: the baseline's sd over streams; ``chance`` = its mean),
+    ``mde`` (minimum detectable effect of the effect's design with its streams), ``delta-over-sd``
+    (Δ in noise-floor sd) and ``acted`` (1 = acted, 0 = not detected, -1 = reversed; ``ceiling`` 1
+    for the primary measure, else None)."""
+    rows = []
+    code = {ACTED: 1.0, NOT_DETECTED: 0.0, REVERSED: -1.0}
+    for v in report.verdicts:
+        t, e, f = f"causal_gate[{v.measure}]", v.effect, v.floor
+        ratio = v.delta_over_sd if math.isfinite(v.delta_over_sd) else None
+        rows += [formats.Row(seed, t, "delta", e.delta, e.ci_low, e.ci_high, None, None, e.n),
+                 formats.Row(seed, t, "baseline-sd", f.sd, None, None, f.mean, None, f.n_streams),
+                 formats.Row(seed, t, "mde", v.mde, None, None, None, None, e.n),
+                 formats.Row(seed, t, "delta-over-sd", ratio if ratio is not None else float("nan"), None, None,
+                             None, None, e.n),
+                 formats.Row(seed, t, "acted", code[v.status], None, None, None,
+                             1.0 if v.measure == report.primary else None, e.n)]
+    return rows
+
+
+def report_section(report: GateReport, *, step: int, streams: int) -> str:
+    """The report's markdown section of a gate: its console lines, then one table row per measure."""
+    lines = [f"Withholding every bonus of the window against the no-intervention baseline, rollouts regenerated "
+             f"from the replayed policy, {streams} sampler streams (the arms of a stream share its sampling keys: "
+             f"paired), measured at step {step}. Δ = baseline - withheld; a CI that holds 0 is \"not detected\", "
+             "not an effect of 0.", ""]
+    lines += [f"- {ln}" for ln in report.lines()]
+    lines += ["", "| measure | status | Δ | 95% CI | noise floor sd | MDE | Δ / sd | streams |",
+              "|---|---|---|---|---|---|---|---|"]
+    for v in report.verdicts:
+        e = v.effect
+        lines.append(f"| {v.measure}{' (primary)' if v.measure == report.primary else ''} | {v.status} | "
+                     f"{e.delta:.4g} | [{e.ci_low:.4g}, {e.ci_high:.4g}] | {v.floor.sd:.4g} | {v.mde:.4g} | "
+                     f"{v.delta_over_sd:.3g} | {e.n} |")
+    return "\n".join(lines) + "\n"

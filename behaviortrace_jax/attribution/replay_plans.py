@@ -288,9 +288,11 @@ class SingleUnit(ReplayPlan):
         for out in ctx.table_measures:
             effects: dict[tuple[str, str], list] = {}
             labels: dict[tuple[str, str], list] = {}
+            baselines: dict[str, list] = {}
             for tr in dict.fromkeys(r.request.track for r in replays):
                 mine = [r for r in replays if r.request.track == tr]
                 base = next(r for r in mine if r.role == "baseline")
+                baselines.setdefault(tr.rollouts, []).append(value(base, out))
                 for iv in self.interventions(ctx):
                     row = [_delta(value, r, base, out) for r in mine if r.role == "unit" and r.method == iv]
                     if row:
@@ -302,7 +304,8 @@ class SingleUnit(ReplayPlan):
                                        effects={k: np.array(v, np.float64) for k, v in effects.items()},
                                        label_deltas={k: np.array(v, np.float64) for k, v in labels.items()},
                                        scores=ctx.scores, is_gt=is_gt, k_fraction=float(ctx.cf.causal_k),
-                                       nboot=ctx.nboot, rng_seed=int(ctx.seed))
+                                       nboot=ctx.nboot, rng_seed=int(ctx.seed),
+                                       baselines={k: np.array(v, np.float64) for k, v in baselines.items()})
             rows += [dataclasses.replace(r, table=measure_table(r.table, out)) for r in got]
         return rows
 

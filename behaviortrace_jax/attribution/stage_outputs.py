@@ -83,3 +83,5 @@ def report_sections(layout: RunLayout) -> list[tuple[str, str]]:
 register_stage_outputs("counterfactual", rows="counterfactual/results_rows.csv",
                        section="counterfactual/report_section.md",
                        heading=counterfactual_report.HEADING)
+register_stage_outputs("cause", rows="cause/results_rows.csv", section="cause/report_section.md",
+                       heading="The causal gate: did the planted cause act?")

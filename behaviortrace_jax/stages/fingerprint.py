@@ -23,9 +23,9 @@ the requested ones and those they read is compared with the fingerprint of the c
   after it are removed (:data:`OUTPUTS`), so the requested stages recompute them; a changed stage
   that the run does not name is refused, as it cannot be recomputed.
 
-Stages without a fingerprint (``evaluate``, ``report``, ``counterfactual``, ``metagradient``, ...):
-``evaluate`` and ``report`` rewrite their outputs on every run; ``counterfactual`` and
-``metagradient`` key each cached file by its inputs (``io/cache.py``). They are downstream of
+Stages without a fingerprint (``evaluate``, ``report``, ``counterfactual``, ``metagradient``, ``cause``, ...):
+``evaluate`` and ``report`` rewrite their outputs on every run; ``counterfactual``,
+``metagradient`` and ``cause`` key each cached file by its inputs (``io/cache.py``). They are downstream of
 ``draws`` / ``grpo``, so a recompute removes ``evaluate``'s and ``report``'s stale tables too.
 """
 from __future__ import annotations
@@ -70,6 +70,7 @@ EXCLUDED = {
     "info.": "the info stage writes nothing",
     "counterfactual.": "the counterfactual stage keys each replay file itself (io/cache.py)",
     "metagradient.": "the metagradient stage keys its files itself (io/cache.py)",
+    "cause.": "the cause stage keys each replay file itself (io/replay_request.py) and rewrites its gate on every run",
     "evaluation.": "read by evaluate and report, which rewrite their outputs on every run",
 }
 # The config keys (dotted; a trailing "." is a whole section) that shape each stage's own outputs.
@@ -84,7 +85,7 @@ STAGE_SECTIONS = {
 # Which recorded stages each stage reads (directly); the fingerprint of a stage includes theirs.
 UPSTREAM = {"base": (), "sft": ("base",), "grpo": ("sft",), "sketch": ("grpo",), "draws": ("grpo",),
             "evaluate": ("sketch", "draws"), "report": ("evaluate",), "counterfactual": ("grpo",),
-            "metagradient": ("grpo",)}
+            "metagradient": ("grpo",), "cause": ("grpo",)}
 # Stage -> its outputs under the workdir (globs), removed when ``on_changed_config=recompute``
 # recomputes it or a stage before it.
 OUTPUTS = {

@@ -228,6 +228,17 @@ class CounterfactualKeys:
 
 
 @dataclasses.dataclass(frozen=True)
+class CauseKeys:
+    """``config.cause`` (the ``cause`` stage: the causal gate)."""
+
+    streams: int
+    measures: str
+    primary: str
+    measure_step: str
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
 class MetagradientKeys:
     """``config.metagradient`` (the ``metagradient`` stage)."""
 
@@ -431,6 +442,7 @@ class RunSpec:
     counterfactual: CounterfactualKeys
     metagradient: MetagradientKeys
     info: InfoKeys
+    cause: CauseKeys
 
     @property
     def first_behavior(self) -> behaviors_lib.Behavior:
@@ -538,6 +550,7 @@ def build(c: ConfigReads, platform: str | None = None) -> RunSpec:
                                ("compile_keys", "compile", CompileKeys),
                                ("counterfactual", "counterfactual", CounterfactualKeys),
                                ("metagradient", "metagradient", MetagradientKeys), ("info", "info", InfoKeys),
+                               ("cause", "cause", CauseKeys),
                                ("evaluation", "evaluation", EvalOptions), ("optim", "optim", OptimOptions)):
         p[name] = read_section(cls, c, section)
     check(p)
