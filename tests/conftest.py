@@ -128,6 +128,7 @@ MODULE_TIERS = {
 # Single tests (``module::function``, parameters left off) whose tier is not their module's; they
 # win over the fixtures and MODULE_TIERS.
 TEST_TIERS = {
+    "test_bad_input::test_pipeline_refuses_budgets_past_the_model_positions_before_writing": "e2e",  # pipeline.run
     "test_config_schema::test_main_refuses_a_config_file_with_an_unknown_key": "e2e",  # main.py subprocess
     "test_configs::test_unknown_config_key_is_refused": "e2e",                          # main.py subprocess
     "test_configs::test_unknown_stage_is_refused": "e2e",                               # main.py subprocess

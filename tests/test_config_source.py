@@ -52,7 +52,7 @@ def test_another_pattern_and_probe_files_flow_through_every_stage(tmp_path):
     sft = json.loads((w / "sft" / "sft_summary.json").read_text())
     assert json.dumps(sft).count("rate") and (w / "sft" / ".sft_warmup_done").is_file()
 
-    settings = [json.loads(p.read_text()) for p in (w / "draws").glob("*.settings.json")]
+    settings = [json.loads(p.read_text()) for p in (w / "draws").glob("draw_*.settings.json")]  # not the fingerprint
     mine = planted.load_probes(pp)
     want = hashlib.sha256("\n".join(target_texts.context_prompts(mine)).encode()).hexdigest()
     assert settings and all(s["prompts_sha256"] == want for s in settings)  # the draws used these probes

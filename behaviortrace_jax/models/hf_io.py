@@ -100,7 +100,7 @@ class _SafetensorsFile:
 
     def __init__(self, path: epath.Path):
         self.path = path
-        size = os.path.getsize(str(path))
+        size = as_path(path).stat().length
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:

@@ -41,6 +41,8 @@ from behaviortrace_jax.attribution.verdicts import EvalOptions
 from behaviortrace_jax.behavior import behaviors as behaviors_lib
 from behaviortrace_jax.behavior.contaminator import ContaminationSpec
 from behaviortrace_jax.behavior.probes import ProbeOptions
+from behaviortrace_jax.io.files import read_json
+from behaviortrace_jax.io.layout import as_path
 from behaviortrace_jax.models import tokenizer as tok_lib
 from behaviortrace_jax.models.loader import ModelOptions
 from behaviortrace_jax.models.sharding import Layout
@@ -394,13 +396,9 @@ def check_model_positions(run: "RunSpec", stages: "tuple[str, ...] | None" = Non
     """:func:`check_positions` of ``stages`` against ``run.hf_dir``'s config.json when it is a local
     folder that has one (``model.hf_dir`` given; the run's own base model is checked by the stage
     that loads it)."""
-    import json
-    import os
-
-    path = os.path.join(run.hf_dir, "config.json") if run.hf_dir and "://" not in run.hf_dir else ""
-    if path and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            n = json.load(f).get("max_position_embeddings")
+    path = as_path(run.hf_dir) / "config.json" if run.hf_dir and "://" not in run.hf_dir else None
+    if path is not None and path.is_file():
+        n = read_json(path).get("max_position_embeddings")
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             check_positions(run, n, path, stages)
 
