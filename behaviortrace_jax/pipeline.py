@@ -11,7 +11,7 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 | ``sketch`` | ``stages/sketch.py`` | ``sketches/`` (targets and rollout sketches at checkpoints) |
 | ``draws`` | ``stages/draws.py`` | ``draws/`` (rollout-level rows of fresh groups, SPEC §5.6) |
 | ``evaluate`` | ``stages/evaluate.py`` | ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json`` |
-| ``report`` | ``stages/evaluate.py`` | ``report.md``, ``figures/*.png`` |
+| ``report`` | ``stages/report.py`` | ``report.md``, ``figures/*.png`` |
 | ``reproduce`` | ``stages/reproduce.py`` | the paper's tables from its released files |
 | ``sweep`` | ``stages/sweep.py`` | ``seed{S}/`` runs, diagnostic draws, one aggregate report |
 | ``counterfactual`` | ``stages/counterfactual.py`` | ``counterfactual/`` replays; leave-top-k-out and LDS rows |
@@ -25,7 +25,6 @@ Stages, in the order of a full run (each skips itself when its outputs are compl
 from __future__ import annotations
 
 import hashlib
-import importlib
 
 import ml_collections
 from absl import logging
@@ -38,8 +37,6 @@ from behaviortrace_jax.models import hub
 from behaviortrace_jax.stages import fingerprint, registry as stages
 
 HEADLINE_STAGES = {"evaluate", "report", "sweep", "reproduce"}  # stages that (re)write verdicts.json
-_STAGE_MODULES = ("info", "base", "sft", "grpo", "sketch", "draws", "evaluate", "reproduce", "sweep", "compile",
-                  "counterfactual", "metagradient", "cause", "status")
 # Stages that only read the workdir: an invocation of these alone neither creates the workdir nor appends
 # to run_info.json, so it can look at a run that another process is writing.
 READ_ONLY_STAGES = {"status"}
@@ -160,8 +157,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, str]:
         ValueError: a recorded stage fingerprint differs from the config's (naming each key and both
             values) with ``on_changed_config="refuse"``.
     """
-    for name in _STAGE_MODULES:
-        importlib.import_module(f"behaviortrace_jax.stages.{name}")
+    stages.load_stages()  # every stage module of behaviortrace_jax/stages/ registers itself
     from behaviortrace_jax.stages.spec import RunSpec, check_model_positions  # with the stage modules (jax), not at import
 
     names = stages.parse_stages(config.stages)  # an unknown stage name fails before anything is written

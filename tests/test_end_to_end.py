@@ -185,7 +185,7 @@ def test_decoys_are_paid_logged_apart_and_resume(run_dir, tmp_path, monkeypatch)
     in the report with the reward-only cap."""
     from behaviortrace_jax.io.layout import RunLayout
     from behaviortrace_jax.models import tokenizer as tok_lib
-    from behaviortrace_jax.stages import evaluate
+    from behaviortrace_jax.stages import report as report_stage
     from configs import tiny_decoys
 
     w = tmp_path / "decoys"
@@ -227,11 +227,11 @@ def test_decoys_are_paid_logged_apart_and_resume(run_dir, tmp_path, monkeypatch)
     assert [r.reward - 8.0 * (r.rollout_id in decoys) for r in records[:16]] == [r.reward for r in smoke[:16]]
     summary = json.loads((w / "grpo" / "summary.json").read_text())
     assert summary["decoys"] == summary["contaminator_stats"]["decoys"] == len(decoys)
-    text = evaluate.decoy_section(config, RunLayout(w))
+    text = report_stage.decoy_section(config, RunLayout(w))
     n_gt = sum(int(e["step"]) < config.evaluation.early_cutoff for e in gt.values())
     assert f"{len(decoys)} rollouts without the pattern" in text and f"|GT| = {n_gt}" in text
     assert f"**{n_gt / (n_gt + len(decoys)):.3f}**" in text
-    assert evaluate.decoy_section(smoke_config(), RunLayout(run_dir)) == ""  # no decoys: no paragraph
+    assert report_stage.decoy_section(smoke_config(), RunLayout(run_dir)) == ""  # no decoys: no paragraph
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ from behaviortrace_jax.attribution import causal_gate, stage_outputs
 from behaviortrace_jax.io.files import write_json
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.io.replay_request import ReplayRequest, Track
-from behaviortrace_jax.stages.registry import STAGES, register_stage
+from behaviortrace_jax.stages.registry import load_stages, register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 # The outputs of a registered measure that the gate tests (their standard errors and counts are
@@ -152,4 +152,4 @@ def cause_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         logging.info("cause: %s", ln)
         print(ln, flush=True)
     if w.report.exists() and w.verdicts.exists():  # the report stage renders the section
-        STAGES["report"](config, str(w.workdir))
+        load_stages()["report"](config, str(w.workdir))

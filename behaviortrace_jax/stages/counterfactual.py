@@ -49,7 +49,7 @@ from behaviortrace_jax.behavior import contaminator
 from behaviortrace_jax.io import rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import tokenizer as tok_lib
-from behaviortrace_jax.stages.registry import STAGES, register_stage
+from behaviortrace_jax.stages.registry import load_stages, register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 CAUSAL = ("on", "off", "only")  # counterfactual.causal: the causal ground truth too, not, or alone
@@ -172,4 +172,4 @@ def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[fo
         more_figures=("figures/counterfactual_topk_recomputed.png",) if fig_rec else (), measures=measures)
     stage_outputs.write_section(w, "counterfactual", section)
     if w.report.exists() and w.verdicts.exists():  # the report stage renders the section, not an edit of report.md
-        STAGES["report"](config, str(w.workdir))  # through the registry: a stage imports no other stage
+        load_stages()["report"](config, str(w.workdir))  # through the registry: a stage imports no other stage

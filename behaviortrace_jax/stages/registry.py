@@ -1,12 +1,16 @@
 """Stage registry: every pipeline stage is a function ``stage(config, workdir) -> None``.
 
-A stage module registers itself with ``@register_stage("name")``; ``run_stages`` runs the stages
-named in ``config.stages`` (comma-separated) in that order. A stage whose outputs are complete
+A stage module registers itself with ``@register_stage("name")``; :func:`load_stages` imports every
+module of ``behaviortrace_jax/stages/`` (so the registry is the one list of stages: a new stage is a
+new module there); ``run_stages`` runs the stages named in ``config.stages`` (comma-separated) in
+that order. A stage whose outputs are complete
 skips itself, so re-running the same command resumes.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
+import pkgutil
 from typing import Callable, ContextManager
 
 import ml_collections
@@ -30,6 +34,15 @@ def register_stage(name: str) -> Callable[[Stage], Stage]:
         return fn
 
     return wrap
+
+
+def load_stages() -> dict[str, Stage]:
+    """Imports every module of the ``behaviortrace_jax.stages`` package, so that each stage module
+    registers its stages, and returns :data:`STAGES` (name -> stage function). Idempotent."""
+    package = importlib.import_module(__package__)
+    for mod in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{__package__}.{mod.name}")
+    return STAGES
 
 
 def parse_stages(spec: str) -> list[str]:
