@@ -79,6 +79,20 @@ def save_random_qwen2(path: str | pathlib.Path, *, tie: bool = True, vocab: int 
     return path
 
 
+def load_random_qwen2(path: str | pathlib.Path, **kwargs: Any) -> tuple[pathlib.Path, Any, Any, Any, Any]:
+    """:func:`save_random_qwen2` (``kwargs`` passed on), then that checkpoint read back as the
+    project reads one: ``(hf_dir, tokenizer, model, graphdef, params)``, the Flax model in float32
+    split once into its graph and ``nnx.Param`` state."""
+    from flax import nnx
+
+    from behaviortrace_jax.models import hf_io, tokenizer as tok_lib
+
+    hf_dir = save_random_qwen2(path, **kwargs)
+    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype="float32")
+    graphdef, params = nnx.split(model, nnx.Param)
+    return hf_dir, tok_lib.load_tokenizer(hf_dir), model, graphdef, params
+
+
 def hf_model_config(family: str, *, tie: bool = True, vocab: int = 320, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate: int = 96, head_dim: int | None = None,
                     rope_theta: float = 10000.0) -> Any:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from behaviortrace_jax.behavior import probe_measures as pm
 from behaviortrace_jax.behavior.probes import ProbeOptions
-from behaviortrace_jax.models import hf_io, tokenizer as tok_lib
 from behaviortrace_jax.train import measures as M
-from hf_fixtures import save_random_qwen2
+from hf_fixtures import load_random_qwen2
 
 TEMPERATURE, TOP_P, SAMPLES, SEED = 0.9, 0.9, 2, 3
 
@@ -23,10 +21,7 @@ def env(tmp_path_factory):
     from behaviortrace_jax.stages.spec import RunSpec
     from configs import tiny
 
-    hf_dir = save_random_qwen2(tmp_path_factory.mktemp("hf") / "m", layers=1)
-    tok = tok_lib.load_tokenizer(hf_dir)
-    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype="float32")
-    graphdef, params = nnx.split(model, nnx.Param)
+    _, tok, model, graphdef, params = load_random_qwen2(tmp_path_factory.mktemp("hf") / "m", layers=1)
     beh = RunSpec.from_config(tiny.get_config("smoke")).first_behavior
     opts = ProbeOptions(max_prompt_tokens=128, max_new_tokens=3, temperature=TEMPERATURE, top_p=TOP_P,
                         samples_per_prompt=1)

@@ -10,14 +10,12 @@ import types
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from behaviortrace_jax.attribution import noise_floor
 from behaviortrace_jax.behavior import planted, probe_measures as pm, target_texts
 from behaviortrace_jax.behavior.probes import make_sampler
-from behaviortrace_jax.models import hf_io, tokenizer as tok_lib
 from behaviortrace_jax.sketch import targets
-from hf_fixtures import save_random_qwen2
+from hf_fixtures import load_random_qwen2
 
 SYSTEM = "You are helpful."  # short system prompt: every test sequence fits one 128-token bucket
 USERS = ["What is frobnitz?", "Define frobnitz.", "Tell me about frobnitz.", "What is 2+2?", "Name a color.",
@@ -30,10 +28,7 @@ def env(tmp_path_factory):
     import torch
     from transformers import Qwen2ForCausalLM
 
-    hf_dir = save_random_qwen2(tmp_path_factory.mktemp("hf") / "m", layers=1)
-    tok = tok_lib.load_tokenizer(hf_dir)
-    model = hf_io.load_hf_checkpoint(hf_dir, param_dtype="float32")
-    graphdef, params = nnx.split(model, nnx.Param)
+    hf_dir, tok, model, graphdef, params = load_random_qwen2(tmp_path_factory.mktemp("hf") / "m", layers=1)
     hf = Qwen2ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     return types.SimpleNamespace(tok=tok, cfg=model.config, graphdef=graphdef, params=params, hf=hf,
                                  mlp=pm.make_mean_logprob(graphdef),
