@@ -139,6 +139,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.kl_beta = 0.04  # grpo_clip only: k3 KL to the initial policy (DeepSeekMath; SPEC §10.3).
     c.grpo.inner_iterations = 1  # grpo_clip only: mu updates per batch.
     c.grpo.adv_std_floor = 0.0  # SPEC §2.1.
+    # The AdamW state GRPO starts from: True continues the SFT warm-up's (moments and count; SPEC §1.7, the paper);
+    # False starts a fresh one at GRPO step 0 (not in the paper: the SFT moments alone move the policy for the
+    # first ~40 steps, a confound of the causal gate; configs/tiny.py, docs/concepts/causal-gate.md).
+    c.grpo.continue_sft_moments = True
     c.grpo.checkpoint_every = 100  # SPEC §2.1.
     c.grpo.log_shard_size = 256  # SPEC §2.3 (notebook value).
     # A rollout with a non-finite reward, sampling log-prob or advantage, or a non-finite step result (new; not in the

@@ -257,6 +257,30 @@ def test_replay_of_a_two_backward_run_is_bit_for_bit(smoke_run, tmp_path):
     assert cut.value(1, "logp_margin") != full.value(1, "logp_margin")
 
 
+def test_a_fresh_adamw_start_is_replayed_exactly_and_moves_only_by_weight_decay_without_gradients(smoke_run, tmp_path):
+    """``grpo.continue_sft_moments = False``: GRPO starts from the SFT parameters with a fresh AdamW
+    state (zero moments, count 0). The run and its replay share that start (the replay reproduces the
+    run's checkpoints bit for bit, and its identity differs from the carried start's), and a stretch
+    of zero-gradient steps then moves every parameter by the decoupled weight decay alone:
+    p_k = p_0 * (1 - lr * wd)^k, where the SFT moments would move it (the confound of the causal gate)."""
+    config, w = smoke_run
+    config = config.copy_and_resolve_references()
+    config.grpo.continue_sft_moments = False
+    config.stages = "grpo"
+    pipeline.run(config, str(copy_start(w, tmp_path)))
+    rp, _ = assert_replay_reproduces_checkpoints(config, tmp_path)
+    carried = RunSpec.from_config(smoke_run[0])
+    assert rp.identity()["optimizer"] != R.Replayer(carried.replay, w, layout=carried.layout).identity()["optimizer"]
+    assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree.leaves(rp.start.opt_state)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+    n, k = rp.shapes.num_rollouts, 3
+    out = rp.run(ReplayRequest(intervention="remove", target=range(k * n), stop_step=k))
+    assert out.zero_gradient_steps == k
+    decay = np.float32(1.0 - config.optim.lr * config.optim.weight_decay)
+    for p0, pk in zip(jax.tree.leaves(rp.start.params), jax.tree.leaves(out.state.params)):
+        np.testing.assert_allclose(np.asarray(pk), np.asarray(p0) * decay ** k, rtol=1e-6, atol=1e-12)
+
+
 def test_all_ones_replay_reproduces_the_run_bit_for_bit(smoke_run):
     config, w = smoke_run
     rp, out = assert_replay_reproduces_checkpoints(config, w)

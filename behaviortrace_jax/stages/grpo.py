@@ -81,7 +81,7 @@ class GRPORun:
         self.config, self.paths = config, paths
         self.run = o = RunSpec.from_config(config)  # every key typed and checked, errors naming it
         g, step = o.grpo, o.step
-        start = load_start_state(o.model, o.optim, paths.workdir, o.layout)
+        start = load_start_state(o.model, o.optim, paths.workdir, o.layout, continue_sft_moments=g.continue_sft_moments)
         check_positions(o, start.model_config.max_position_embeddings, f"{paths.sft_hf}/config.json", ("grpo",))
         resumed = resume(paths, start)
         self.start_step, self.post_sft, n = resumed.start_step, start.summary, step.shapes.num_rollouts

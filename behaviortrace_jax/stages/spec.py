@@ -85,6 +85,7 @@ class GRPOKeys:
     kl_beta: float
     inner_iterations: int
     adv_std_floor: float
+    continue_sft_moments: bool
     checkpoint_every: int
     log_shard_size: int
     on_nonfinite: str
@@ -455,7 +456,8 @@ class RunSpec:
     @property
     def replay(self) -> ReplayOptions:
         """What a replay of this run needs (``train.replay.Replayer``, ``train.metagradient``)."""
-        return ReplayOptions(self.model, self.optim, self.step, self.rollouts, self.probe_grpo, self.schedule)
+        return ReplayOptions(self.model, self.optim, self.step, self.rollouts, self.probe_grpo, self.schedule,
+                             continue_sft_moments=self.grpo.continue_sft_moments)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict, platform: str | None = None) -> "RunSpec":

@@ -127,7 +127,8 @@ class Replayer:
                  shortcut: bool = True):
         self.options, self.paths = options, RunLayout(workdir)
         self.schedule = options.schedule
-        self.start = start = load_start_state(options.model, options.optim, self.paths.workdir, layout)
+        self.start = start = load_start_state(options.model, options.optim, self.paths.workdir, layout,
+                                                  continue_sft_moments=options.continue_sft_moments)
         self.shapes = options.step.shapes
         n, steps = self.shapes.num_rollouts, options.schedule.steps
         self.num_rollouts, self.steps = n * steps, steps
@@ -178,7 +179,8 @@ class Replayer:
     def identity(self) -> dict[str, Any]:
         """What decides a replay's result besides its weights, advantages and measured steps:
         ``{"replay_version"`` (:data:`REPLAY_VERSION`), ``"step_spec"`` (:func:`step_spec_digest`),
-        ``"optimizer"`` (digest of the :class:`train_state.OptimOptions` and ``grpo.adv_std_floor``),
+        ``"optimizer"`` (digest of the :class:`train_state.OptimOptions`, ``grpo.adv_std_floor`` and a fresh
+        AdamW start, ``grpo.continue_sft_moments = False``),
         ``"rollout_log"`` (``rollout_log.digest`` of the run's log) and ``"generation"`` (digest of what a regenerated replay
         samples and rewards with: the :class:`rollouts.RolloutOptions`, behaviours, contamination and
         run seed included, and the schedule)``}``; a cache of replays is valid only while these are
@@ -186,7 +188,8 @@ class Replayer:
         o = self.options
         gen = {"rollouts": dataclasses.asdict(o.rollouts), "schedule": dataclasses.asdict(o.schedule)}
         return {"replay_version": REPLAY_VERSION, "step_spec": step_spec_digest(self.spec),
-                "optimizer": replay_request.digest({"optim": dataclasses.asdict(o.optim), "adv_std_floor": o.rollouts.adv_std_floor}),
+                "optimizer": replay_request.digest({"optim": dataclasses.asdict(o.optim), "adv_std_floor": o.rollouts.adv_std_floor,
+                                                    **({} if o.continue_sft_moments else {"sft_moments": False})}),
                 "rollout_log": self.log_digest, "generation": replay_request.digest(gen)}
 
     @property

@@ -33,7 +33,8 @@ class ReplayOptions:
     ``RunSpec.replay``): the policy's ``model`` options, the ``optim`` it continues, the GRPO
     ``step`` (one spec, so a replay is the run), the ``rollouts`` it samples and rewards (a
     regenerated replay; their ``behaviors[0]`` is the behaviour measured), the measure's ``probe``
-    options and the run's ``schedule``."""
+    options, the run's ``schedule`` and whether GRPO continued the SFT warm-up's AdamW state
+    (``continue_sft_moments``, ``config.grpo.continue_sft_moments``)."""
 
     model: ModelOptions
     optim: train_state.OptimOptions
@@ -41,6 +42,7 @@ class ReplayOptions:
     rollouts: rollouts_lib.RolloutOptions
     probe: ProbeOptions
     schedule: StepSchedule
+    continue_sft_moments: bool = True
 
 
 @dataclasses.dataclass

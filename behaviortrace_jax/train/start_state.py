@@ -39,11 +39,13 @@ class StartState:
 
 
 def load_start_state(model: ModelOptions, optim: train_state.OptimOptions, workdir: str | os.PathLike,
-                     layout: sharding.Layout) -> StartState:
+                     layout: sharding.Layout, *, continue_sft_moments: bool = True) -> StartState:
     """Restores ``workdir/sft/state`` (orbax) onto ``layout``'s mesh in its parameter layout (FSDP
     when ``layout.fsdp``; the stage's ``RunSpec.layout``), with the tokenizer of ``workdir/sft/hf``,
     the model loaded as ``model`` says and the optimizer of ``optim`` (the SFT warm-up's, which GRPO
-    continues).
+    continues). ``continue_sft_moments=False`` (``config.grpo.continue_sft_moments``) replaces the
+    restored AdamW state by a fresh one (zero moments, count 0; same shardings): GRPO then starts
+    from the SFT parameters alone, not the paper's choice (SPEC §1.7 carries the state).
 
     Raises:
         FileNotFoundError: naming the directory when the ``sft`` stage has not completed.
@@ -63,5 +65,8 @@ def load_start_state(model: ModelOptions, optim: train_state.OptimOptions, workd
     sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
     abstract = train_state.abstract_train_state(abstract_params, tx, sh)
     state = train_state.restore(run.sft_state, abstract)
-    return StartState(tok, cfg, mesh, graphdef, state.params, state.opt_state, param_sh, sh.opt_state,
+    opt_state = state.opt_state
+    if not continue_sft_moments:  # a fresh AdamW state on the restored parameters, laid out as the saved one
+        opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(state.params)
+    return StartState(tok, cfg, mesh, graphdef, state.params, opt_state, param_sh, sh.opt_state,
                       abstract.as_dict(), read_json(run.sft_summary, {}), tx, abstract_params)
