@@ -88,3 +88,18 @@ def test_gate_measures_gates_each_measure_beside_the_others():
     assert not cg.gate_measures(base, held, primary="logp_margin").acted
     with pytest.raises(ValueError, match="no withheld"):
         cg.gate_measures(base, {"probe_rate": [0.06]}, primary="probe_rate")
+
+
+def test_the_reports_gate_line_says_acted_not_detected_or_not_measured():
+    """The report's one-line summary (``causal_gate.summary_line``): the primary's console line; a
+    gate that did not act adds that the tables score a label; no gate.json says "not measured"."""
+    r = cg.gate_measures({"probe_rate": [0.5, 0.52, 0.48]}, {"probe_rate": [0.1, 0.12, 0.09]}, primary="probe_rate",
+                        paired=True)
+    acted = {"primary": "probe_rate", "measure_step": 80, "acted": r.acted, "lines": r.lines()}
+    assert r.acted and cg.summary_line(acted).startswith("Causal gate (probe_rate, step 80): the planted cause acted")
+    assert cg.LABEL_NOT_CAUSE not in cg.summary_line(acted)
+    r = cg.gate_measures({"probe_rate": [0.5, 0.1, 0.3]}, {"probe_rate": [0.45, 0.2, 0.25]}, primary="probe_rate",
+                        paired=True)
+    quiet = {"primary": "probe_rate", "measure_step": 80, "acted": r.acted, "lines": r.lines()}
+    assert not r.acted and cg.summary_line(quiet).endswith(cg.LABEL_NOT_CAUSE) and "not detected" in cg.summary_line(quiet)
+    assert cg.summary_line(None) == cg.NOT_MEASURED

@@ -28,6 +28,18 @@ from behaviortrace_jax.attribution import formats, noise_floor as nf
 ACTED, NOT_DETECTED, REVERSED = "acted", "not detected", "reversed"
 LABEL_NOT_CAUSE = ("The planted cause did not act in this run: its attribution tables score the methods against a "
                    "label (the bonus log), not against a cause.")
+NOT_MEASURED = ("Causal gate: not measured (the `cause` stage did not run; add it after `grpo` in config.stages): "
+                "this run's attribution tables score the methods against a label (the bonus log), not a measured cause.")
+
+
+def summary_line(gate: dict | None) -> str:
+    """The report's one-line gate summary from ``cause/gate.json`` (``stages/cause.py``; None: the
+    stage did not run, :data:`NOT_MEASURED`): the primary measure's console line, and
+    :data:`LABEL_NOT_CAUSE` when it did not act."""
+    if not gate:
+        return NOT_MEASURED
+    line = f"Causal gate ({gate['primary']}, step {gate['measure_step']}): {gate['lines'][0]}"
+    return line if gate["acted"] else f"{line} {LABEL_NOT_CAUSE}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -131,6 +131,7 @@ class RunLayout:
     | ``evaluate`` | ``release/seed{N}/``, ``results_table.csv``, ``attribution_scores.json``, ``verdicts.json``, ``which_rollout_top.json`` |
     | ``report`` | ``report.md``, ``figures/`` |
     | ``counterfactual`` | ``counterfactual/``: ``replays/*.json``, ``report_section.md``; rows of ``results_table.csv``, a section of ``report.md``, ``figures/counterfactual_topk.png`` |
+    | ``cause`` | ``cause/``: ``replays/*.json``, ``gate.json``, ``results_rows.csv``, ``report_section.md`` (the causal gate) |
     | ``metagradient`` | ``metagradient/``: ``<advantages>.json`` (dM/dw per measure step), ``scores.json`` |
     | ``compile`` | ``compile_report.json``, ``compile_report.md`` |
     | every invocation | ``run_info.json``: CPU type, library versions, kernel variables (``machine.run_info``); ``.lock`` while a run writes the workdir (``io/workdir_lock.py``) |
@@ -198,6 +199,8 @@ class RunLayout:
     # optional stages
     counterfactual = property(lambda self: self.workdir / "counterfactual")  # report_section.md
     counterfactual_replays = property(lambda self: self.counterfactual / "replays")  # one JSON per replay
+    cause = property(lambda self: self.workdir / "cause")  # the causal gate (stages/cause.py)
+    cause_gate = property(lambda self: self.cause / "gate.json")  # its verdicts, values and console lines
     metagradient = property(lambda self: self.workdir / "metagradient")  # <advantages>.json per mode
     metagradient_scores = property(lambda self: self.metagradient / "scores.json")  # the estimator's input
     compile_report_json = property(lambda self: self.workdir / "compile_report.json")

@@ -110,7 +110,7 @@ def cause_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     ck = spec.cause
     names = check_options(spec)
     at = measure_step(spec)
-    out_dir = w.workdir / "cause"
+    out_dir = w.cause
     rp = R.Replayer(spec.replay, workdir, layout=spec.layout, measures=names,
                     measure_settings=settings(names, ck.samples, 0))
     n = rp.shapes.num_rollouts
@@ -141,7 +141,7 @@ def cause_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                                        primary=ck.primary, sampling_se=se, paired=True,
                                        expected_signs={o: 0 if o in EITHER_SIGN else 1 for o in outputs})
     lines = report.lines()
-    write_json(out_dir / "gate.json", {
+    write_json(w.cause_gate, {
         "acted": report.acted, "primary": report.primary, "measure_step": at, "streams": ck.streams,
         "design": "paired", "measures": names, "samples_per_prompt": ck.samples, "window_slots": int(window.size),
         "lines": lines, "verdicts": [v.as_dict() for v in report.verdicts],

@@ -13,7 +13,7 @@ import json
 import ml_collections
 from absl import logging
 
-from behaviortrace_jax.attribution import formats, report, stage_outputs
+from behaviortrace_jax.attribution import causal_gate, formats, report, stage_outputs
 from behaviortrace_jax.attribution.release import learning_curve
 from behaviortrace_jax.attribution.verdicts import Verdict
 from behaviortrace_jax.io.files import read_json
@@ -96,8 +96,11 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
         figs += [fig] if fig is not None else []
     top = read_json(w.which_rollout_top) if w.which_rollout_top.exists() else None
+    gate_line = causal_gate.summary_line(read_json(w.cause_gate, None))
+    if not w.cause_gate.exists():  # the cause stage prints its own lines when it runs
+        print(gate_line, flush=True)
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
-                   intro="\n\n".join(p for p in (run_intro(config, summary), decoy_section(config, w)) if p),
+                   intro="\n\n".join(p for p in (run_intro(config, summary), gate_line, decoy_section(config, w)) if p),
                    top_blamed=top,
                    rules=[Verdict.from_dict(v) for v in verdicts["decision_rules"]],
                    checklist=[Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,
