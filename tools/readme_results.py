@@ -65,7 +65,12 @@ class Campaign:
 
 
 # ------------------------------------------------------------------------------------------------
-# The campaigns: adding one is one entry here, then `python tools/readme_results.py`.
+# The campaigns: adding one is one entry here, then `python tools/readme_results.py`. Save the run's
+# output beside its record first, in a folder named as the record: docs/records/<campaign>/
+# results_table.csv, or for the causal gate the `cause` stage's cause/results_rows.csv copied to
+# docs/records/<campaign>/cause_rows.csv (its causal_gate[<output>] rows, one seed label per run):
+#     Campaign("tiny causal", "docs/records/2026-12-08-causal-gate-three-seeds/cause_rows.csv",
+#              "docs/records/2026-12-08-causal-gate-three-seeds.md", "causal_gate"),
 # ------------------------------------------------------------------------------------------------
 CAMPAIGNS: tuple[Campaign, ...] = (
     Campaign("default", "docs/records/tiny_sweep/results_table.csv",
