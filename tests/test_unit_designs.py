@@ -1,0 +1,78 @@
+"""Unit designs sized by power (attribution/unit_designs.py): each design's per-unit standard error
+against a direct simulation with numpy (known effects, normal noise of sd sigma), the factorial's
+exactly from its design matrix, and the finest units a budget resolves."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from behaviortrace_jax.attribution import replay_estimators as E, unit_designs as U
+
+
+def _simulated_se(design: str, sigma: float, units: int, replays: int, sims: int = 3000) -> float:
+    """sd over ``sims`` simulated experiments of unit 0's estimated effect."""
+    rng = np.random.default_rng(0)
+    beta = rng.uniform(0.0, 1.0, units)  # true effects: withholding unit u lowers the measure by beta_u
+    est = []
+    for _ in range(sims):
+        if design == "single-unit":
+            r = replays // (units + 1)
+            base = 1.0 + sigma * rng.standard_normal(r)
+            cut = 1.0 - beta[0] + sigma * rng.standard_normal(r)
+            est.append(np.mean(base - cut))
+        else:
+            x = (rng.random((replays, units)) < 0.5).astype(np.int8) if design == "random-subset" else \
+                np.tile((E.fractional_factorial(units) > 0).astype(np.int8), (replays // U.factorial_runs(units), 1))
+            y = 1.0 - x @ beta + sigma * rng.standard_normal(x.shape[0])
+            est.append(E.least_squares(1.0, x, y)[0])
+    return float(np.std(est, ddof=1))
+
+
+@pytest.mark.parametrize("design,units,replays,tol", [("single-unit", 7, 64, 0.06), ("random-subset", 8, 64, 0.15),
+                                                     ("factorial", 7, 64, 0.06)])
+def test_per_unit_standard_error_matches_a_simulation(design, units, replays, tol):
+    got = U.design_power(design, 0.3, units, replays)
+    assert got.feasible
+    assert abs(_simulated_se(design, 0.3, units, replays) / got.se - 1) < tol
+
+
+def test_the_factorial_standard_error_is_exact_from_its_design_matrix():
+    for units in (2, 6, 10):  # R - U - 1 >= 1 residual df (a saturated design has no interval)
+        x = (E.fractional_factorial(units) > 0).astype(np.float64)
+        a = np.concatenate([np.ones((x.shape[0], 1)), x], axis=1)
+        var = np.linalg.inv(a.T @ a)[1:, 1:].diagonal()  # sigma = 1, one replicate
+        np.testing.assert_allclose(np.sqrt(var), U.design_power("factorial", 1.0, units, x.shape[0]).se, rtol=1e-12)
+
+
+def test_subset_designs_beat_single_unit_replays_by_about_half_the_unit_count_at_equal_budget():
+    for units in (4, 10, 40):
+        budget = 4 * (units + 1)
+        single, subset, _ = U.compare_designs(0.05, units, budget, seconds_per_replay=30.0)
+        ratio = (single.se / subset.se) ** 2
+        assert ratio == pytest.approx((units + 1) / 2, rel=1e-9)
+        assert single.cpu_hours == pytest.approx(budget * 30.0 / 3600)
+        assert subset.half_width < single.half_width and subset.mde < single.mde
+
+
+def test_a_budget_too_small_for_a_design_is_infeasible_not_a_number_that_looks_fine():
+    p = U.design_power("single-unit", 0.05, 40, 60)  # one stream per unit: no interval
+    assert not p.feasible and math.isnan(p.se) and math.isnan(p.mde)
+    assert not U.design_power("random-subset", 0.05, 40, 30).feasible
+    with pytest.raises(ValueError, match="design='leave-one'"):
+        U.design_power("leave-one", 0.05, 4, 16)
+    with pytest.raises(ValueError, match="sigma=-1"):
+        U.design_power("factorial", -1, 4, 16)
+
+
+def test_finest_units_is_the_largest_count_whose_even_share_is_detectable():
+    sigma, delta, budget = 0.05, 0.5, 64
+    for design in U.DESIGNS:
+        u = U.finest_units(design, sigma, delta, budget)
+        if u:
+            assert delta / u >= U.design_power(design, sigma, u, budget).mde
+        nxt = U.design_power(design, sigma, u + 1, budget)
+        assert not nxt.feasible or delta / (u + 1) < nxt.mde
+    assert U.finest_units("random-subset", sigma, delta, budget) > U.finest_units("single-unit", sigma, delta, budget)
+    assert U.finest_units("random-subset", 10.0, 0.01, 16) == 0
