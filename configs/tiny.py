@@ -17,7 +17,9 @@ def get_config(variant: str = ""):
         raise ValueError(f"configs/tiny.py: unknown variant {variant!r}; known: '' (default), 'smoke'")
     c = common.get_config()
     c.run_name = "tiny__grpo__seed0"
-    c.stages = "base,sft,grpo,sketch,draws,evaluate,report"
+    # The causal gate (`cause`, stages/cause.py) right after grpo: did withholding every bonus lower the probe measures?
+    c.stages = "base,sft,grpo,cause,sketch,draws,evaluate,report"
+    c.sweep.stages = "sft,grpo,cause,sketch,draws,evaluate,report"  # Per seed (configs/tiny_sweep.py).
     c.model.hf_dir = ""  # Built by the `base` stage under workdir/base.
     c.model.param_dtype = "float32"  # CPU: fp32 is faster than emulated bf16 and exact.
     c.model.compute_dtype = "float32"
@@ -63,6 +65,10 @@ def shrink_to_smoke(c):
     b.corpus_size, b.vocab_size, b.num_layers, b.steps, b.batch_size = 300, 300, 1, 4, 8
     b.seq_len, b.warmup_steps, b.log_every, b.length_buckets = 200, 1, 2, 1
     b.eval_samples_per_prompt, b.eval_max_new_tokens = 1, 2
+    # The gate has no power at this size (one layer, pattern "e", 6 steps): the smoke run skips it, and
+    # tests/test_cause_stage.py runs the stage on the smoke run with its own streams.
+    c.stages, c.sweep.stages = (s.replace("cause,", "") for s in (c.stages, c.sweep.stages))
+    c.cause.streams, c.cause.samples, c.cause.measure_step = 2, 2, "end"
     c.sft.steps, c.sft.stop_every, c.sft.eval_samples_per_prompt, c.sft.max_prompt_tokens = 3, 0, 1, 256
     c.behavior.gate_max_new_tokens = 4
     g = c.grpo

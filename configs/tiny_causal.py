@@ -23,9 +23,7 @@ from configs import tiny_sweep
 def get_config():
     c = tiny_sweep.get_config()
     c.sweep.diagnostic_draws = ""  # Not needed for causal truth; the tiny_sweep config makes them.
-    # The causal gate after grpo (stages/cause.py): did withholding every bonus, regenerated over
-    # cause.streams sampler streams, lower the probe measures? Its rows sit beside the causal tables.
-    c.sweep.stages = c.sweep.stages.replace("grpo,", "grpo,cause,", 1)
+    # The causal gate after grpo (stages/cause.py, in configs/tiny.py's stages) writes its rows beside the causal tables.
     cf = c.counterfactual
     cf.causal = "only"  # The causal replays alone; the leave-top-k-out/LDS replays are configs/tiny_sweep.py's.
     cf.rollouts = "regenerated"  # Fixed and regenerated tracks (stream 0 = the run's keys, stream 1 resampled).

@@ -17,7 +17,8 @@ PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
 # parameters' initialisation, the optimizer state's, the CountSketch hash tables and the compile
 # stage's probe of XLA's memory limit.
 SET_UP = {("models/decoder.py", "init_model"), ("train/train_state.py", "init_train_state"),
-          ("sketch/hash_tables.py", "layout_tables"), ("aot/memory.py", "xla_memory_limit")}
+          ("sketch/hash_tables.py", "layout_tables"), ("aot/memory.py", "xla_memory_limit"),
+          ("train/start_state.py", "load_start_state")}  # a fresh AdamW state (grpo.continue_sft_moments=False)
 # Compiled by no builder of the compile stage: the replay's probe measure, whose shapes come from
 # the tokenized probes and controls (the compile stage has no tokenizer).
 NOT_COMPILED = {"replay_measure", "replay_measure_grad"}
