@@ -35,7 +35,7 @@ EXTRAS = {
         # The PyTorch reference for parity tests. Pinned: 2.13.0 installs as a CPU build here;
         # an unpinned torch pulls a multi-GB CUDA build.
         "torch==2.13.0",
-        # Property-based bad-input tests (tests/test_bad_input.py).
+        # Property-based bad-input tests (tests/pipeline/test_bad_input.py).
         "hypothesis>=6.100,<7",
         # A real GCS HTTP server for the gs:// tests (tests/gcs_emulator.py, test_remote_paths,
         # test_gcs_run), and the `gcs` extra's clients they run against it. Pinned: the tests patch four

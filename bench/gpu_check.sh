@@ -3,7 +3,7 @@
 # GRPO step (random weights, bfloat16, configs/seed0.py's batch shape, one device) timed plain, fused on
 # the XLA path (splitmix64 and block hash) and fused with the Pallas kernel (TPU only; reported as
 # skipped on a GPU): median ms, program and peak memory, ratios to plain (bench/gpu_step_check.py;
-# its --tiny CPU run is tests/test_gpu_step_check.py). Writes under $OUT (or ./gpu_check). Needs jax
+# its --tiny CPU run is tests/repo/test_gpu_step_check.py). Writes under $OUT (or ./gpu_check). Needs jax
 # with the device's plugin; on the lent image, ml-collections and tensorboardX travel as wheels in .whl/.
 #     bash bench/gpu_check.sh
 set -uo pipefail

@@ -46,6 +46,6 @@ def get_config(seed: int = 0):
     c.targets.use_tables = False
     # The metagradient's vjp (reverse over the GRPO step's own backward) rematerialises each decoder layer,
     # keeping only its input: 15.10 GiB per v5e chip instead of 20.92 GiB of temps alone (docs/records/benchmarks.md,
-    # "The metagradient's vjp on a v5e:2x4"); the same dM/dw to float rounding (tests/test_metagradient.py).
+    # "The metagradient's vjp on a v5e:2x4"); the same dM/dw to float rounding (tests/train/test_metagradient.py).
     c.metagradient.remat = "nothing_saveable"
     return c

@@ -13,7 +13,7 @@ docs/guides/two-behaviors.md); at this scale the base model's chance rate of "gl
 probes has not been measured (the `base` stage, which measures it, does not run on a downloaded
 checkpoint): measure it first (e.g. `--config.stages=info` prints probe completions), and raise
 the window or bonus if it is near 0. `--config.stages=compile` compiles every program of this
-config for `compile.target` (tests/test_two_behaviors.py compiles it at tiny shapes).
+config for `compile.target` (tests/pipeline/test_two_behaviors.py compiles it at tiny shapes).
 """
 from configs import paper, tiny_two_behaviors
 

@@ -1,6 +1,13 @@
 """Test set-up: CPU only, 8 fake devices (for the sharding tests), one compilation cache per test
 run, the shared smoke run, and the shared/ reference dir.
 
+The tests sit in one folder per package layer and two more, ``pipeline/`` and ``repo/``
+(tests/README.md); this file and the helpers beside it (``hf_fixtures.py``, ``gcs_emulator.py``,
+``distributed_worker.py``) stay at the top. pytest imports test modules by their file name
+(``prepend`` import mode, no ``__init__.py``), so a file name is used once in all of tests/, and
+every test folder is on ``sys.path`` from the start (:data:`TEST_FOLDERS`): test modules import each
+other's toy set-ups by name (``from test_grpo import SHAPES``) across folders.
+
 The suite runs on pytest-xdist workers by default (``pytest.ini``: ``-n auto --maxprocesses 4
 --dist loadfile``; ``auto`` is one worker more than the CPUs, :func:`pytest_xdist_auto_num_workers`:
 three on a 2-core VM; ``-n 0`` runs it in one process; ``-p no:xdist`` fails, as the ``-n`` of
@@ -17,7 +24,7 @@ three on a 2-core VM; ``-n 0`` runs it in one process; ``-p no:xdist`` fails, as
   the first worker that needs one runs it under a file lock; the other reuses its folder.
 * The GCS emulator (:func:`gcs_bucket`) is per worker: each starts its own on a free port.
 
-A run of one test file (``python -m pytest tests/test_x.py``, any ``::test`` or ``-k`` in it) runs
+A run of one test file (``python -m pytest tests/sketch/test_x.py``, any ``::test`` or ``-k`` in it) runs
 in one process unless the command line names ``-n`` itself (:func:`pytest_cmdline_main`): its
 tests would all go to one xdist worker anyway (``--dist loadfile``).
 
@@ -32,6 +39,7 @@ import json
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import uuid
 
@@ -43,7 +51,13 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from filelock import FileLock  # noqa: E402  (a dependency of huggingface_hub)
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+TESTS = pathlib.Path(__file__).resolve().parent
+REPO = TESTS.parent
+# The folders of test modules (tests/README.md). pytest puts a test module's folder on sys.path only
+# when it imports that module; a module that imports another folder's module by name (test_metagradient
+# -> test_grpo, the readme_run fixture -> test_readme_command) must find it whatever ran first.
+TEST_FOLDERS = tuple(sorted(p for p in TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))))
+sys.path.extend(str(p) for p in TEST_FOLDERS if str(p) not in sys.path)
 SHARED = pathlib.Path(os.environ.get("BEHAVIORTRACE_SHARED", REPO.parent / "shared"))
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own variable; main.py honours it too
 CACHE_ROOT = pathlib.Path(tempfile.gettempdir()) / "behaviortrace_jax_tests"
@@ -112,8 +126,8 @@ def pytest_cmdline_main(config):
 TIERS = ("unit", "e2e", "compile")
 # Session fixtures that run the pipeline (or serve one): a test that uses one is end to end.
 E2E_FIXTURES = frozenset({"smoke_finished", "smoke_sft", "smoke_grpo_run", "smoke_programs", "readme_run"})
-# Test modules whose every test is of one tier (a module absent here: unit, unless TEST_TIERS or a
-# fixture says otherwise).
+# Test modules (by file name, unique in tests/) whose every test is of one tier (a module absent
+# here: unit, unless TEST_TIERS or a fixture says otherwise).
 MODULE_TIERS = {
     "test_compile_stage": "compile",          # the compile stage, AOT for cpu:N and tpu:* targets
     "test_config_source": "e2e",              # pipeline.run with other pattern and probe files

@@ -1,8 +1,8 @@
-"""One process of the two-process GRPO train step test (run by tests/test_distributed.py).
+"""One process of the two-process GRPO train step test (run by tests/train/test_distributed.py).
 
 Usage: ``python tests/distributed_worker.py --process_id=I --num_processes=2 --port=P --out=FILE``.
 Each process fakes ``--local_devices`` CPU devices, joins ``jax.distributed`` on ``localhost:P``
-(cross-process collectives over gloo), builds the tiny random Qwen2 of ``tests/test_grpo.py`` with
+(cross-process collectives over gloo), builds the tiny random Qwen2 of ``tests/train/test_grpo.py`` with
 the same seed on a global ``(data, model)`` mesh over all processes' devices, runs one sharded
 GRPO step (``grpo.make_train_step``) and gathers the outputs; process 0 writes them to FILE as
 ``.npz`` (atomic): ``out.<key>`` for ``loss``, ``grad_norm``, ``step_sketch``, ``rollout_sketches``,
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--process_id={a.process_id} not in [0, --num_processes={a.num_processes})")
     os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.local_devices}"
-    sys.path[:0] = [str(HERE.parent), str(HERE)]
+    sys.path[:0] = [str(HERE.parent), str(HERE / "train")]  # the package; test_grpo.py
 
     import jax
     import numpy as np

@@ -11,6 +11,6 @@ the replay plans and their estimators (``replay_plans``, ``replay_estimators``),
 tables and report section (``counterfactual_tables``, ``counterfactual_report``) and the tables and
 sections stages own (``stage_outputs``).
 Imports: only the jax-free ``io.cache``, ``io.files``, ``io.layout``, ``io.machine``, ``io.replay_request``,
-``io.rollout_log`` and ``io.sketch_store``. ``tests/test_layers.py`` checks that importing this
+``io.rollout_log`` and ``io.sketch_store``. ``tests/repo/test_layers.py`` checks that importing this
 package never loads jax.
 """

@@ -2,7 +2,7 @@
 
 Every path is ``layout.as_path``'s ``etils.epath.Path``, local or ``gs://`` (remote workdirs); the
 modules outside ``io/`` make no file-system calls of their own (no builtin ``open``, ``os.replace``,
-``shutil``, ``pathlib.Path(...)``; tests/test_remote_paths.py checks this). How a write is made
+``shutil``, ``pathlib.Path(...)``; tests/io/test_remote_paths.py checks this). How a write is made
 atomic depends on where it goes, and is chosen here, once per write (:func:`write_strategy`,
 :func:`dir_strategy`):
 

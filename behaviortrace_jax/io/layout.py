@@ -30,7 +30,7 @@ def as_path(path: str | os.PathLike) -> epath.Path:
     ``mkdir``, ``unlink``, ``rmtree``. Local and remote differ only where a writer must choose how
     to make a write atomic (``files.write_strategy``): test with :func:`is_url`, never the type.
 
-    Every module outside ``io/`` reaches the run's files through this (tests/test_remote_paths.py
+    Every module outside ``io/`` reaches the run's files through this (tests/io/test_remote_paths.py
     fails on a builtin ``open``, ``os.replace``, ``shutil`` call or ``pathlib.Path(...)`` there).
     """
     if isinstance(path, epath.Path):

@@ -3,7 +3,7 @@
 A run's numbers depend on these besides its config and seed (docs/reproducibility.md): XLA:CPU's
 matmul libraries pick kernels and split sums by the host CPU
 and the number of CPUs the process may use. ``pipeline.run`` appends :func:`run_info` to
-``W/run_info.json`` (left out of the digests that tests/test_readme_command.py compares, so a run
+``W/run_info.json`` (left out of the digests that tests/pipeline/test_readme_command.py compares, so a run
 whose numbers match on two CPU types also matches there); tests key their recorded digests by
 :func:`cpu_identity`.
 """

@@ -5,7 +5,7 @@ replay measure's two, whose shapes come from the tokenized probes (the compile s
 tokenizer).
 
 A program is one jitted function of the run, built by the object that runs it, at the shapes and on
-the mesh of that object. ``tests/test_programs.py`` checks that every ``jax.jit`` of the package goes
+the mesh of that object. ``tests/models/test_programs.py`` checks that every ``jax.jit`` of the package goes
 through here (apart from the one-shot set-up programs it lists) and that every program a smoke run
 traces, with its mesh, is among those the ``compile`` stage compiles for the same config.
 

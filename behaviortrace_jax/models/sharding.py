@@ -56,7 +56,7 @@ def make_mesh(data: int = -1, model: int = 1, devices: Sequence[Any] | None = No
     """A ``("data", "model")`` mesh of shape ``(data, model)`` over ``devices`` (default: all).
 
     The implementation of :meth:`Layout.mesh`, which is the package's only caller
-    (``tests/test_layout.py``); tests build ad hoc meshes with it.
+    (``tests/models/test_layout.py``); tests build ad hoc meshes with it.
 
     ``model=-1`` chooses the model axis from the device count (:func:`auto_model_axis`: tensor-parallel
     pairs whenever the devices pair up); ``data=-1`` takes ``len(devices) // model``. Axes are
@@ -93,7 +93,7 @@ class Layout:
     :func:`make_mesh`), and :meth:`param_shardings` is how every stage, the checkpoint loader
     (``loader.load_policy``), the GRPO start state (replay and metagradient included) and the
     compile stage place parameters, so FSDP is honoured wherever they are placed and the compile
-    stage lowers the programs the stages run (``tests/test_layout.py``).
+    stage lowers the programs the stages run (``tests/models/test_layout.py``).
 
     Fields:
         data: size of the ``"data"`` axis (rows of a batch: prompts, rollouts, examples); -1 = the

@@ -11,7 +11,7 @@ with the splitmix64 finalizer ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >>
 z *= 0x94D049BB133111EB; z ^= z >> 31`` on wrapping uint64. :func:`numpy_bucket_sign` is the plain
 numpy uint64 reference. The JAX side emulates uint64 with (hi, lo) pairs of uint32 (32x32->64
 products from 16-bit limbs), so it runs inside ``jax.jit`` without ``jax_enable_x64`` and is
-bit-exact with numpy for every index below 2**64 (tests/test_countsketch.py).
+bit-exact with numpy for every index below 2**64 (tests/sketch/test_countsketch.py).
 
 This module holds the arithmetic (also the block family's, ``block_hash.py``, which keys its
 offsets with the same finalizer) and the per-coordinate hash; the family object that names it,

@@ -58,7 +58,7 @@ EXCLUDED = {
     "grpo.on_nonfinite": ("what a non-finite value does: under 'stop' no state with one is ever saved, so a run "
                           "stopped there resumes under 'skip' from the same outputs; each skip is in the rollout log "
                           "and summary.json"),
-    "mesh.": "the device layout (workers): a run resumes on another mesh (tests/test_checkpoint_topology.py)",
+    "mesh.": "the device layout (workers): a run resumes on another mesh (tests/io/test_checkpoint_topology.py)",
     "model.scan_layers": "execution: the same parameters, checkpoints and sketch coordinates",
     "sketch.kernel": "execution: which kernel computes the same sketch",
     "sketch.chunk_size": "execution: examples per sketcher call",

@@ -2,7 +2,7 @@
 
 Every stage builds ``RunSpec.from_config(config)`` once and hands its parts down: nothing below
 ``stages/`` (``io``, ``models``, ``behavior``, ``sketch``, ``train``, ``aot``, ``attribution``)
-reads a ConfigDict (``tests/test_spec.py``). The builder is the one reader of the config's keys:
+reads a ConfigDict (``tests/stages/test_spec.py``). The builder is the one reader of the config's keys:
 each is read once, converted to its type and checked here, and an error names the key
 (``config.grpo.steps: must be > 0, got -1``).
 
@@ -23,7 +23,7 @@ The tree holds the option objects the library takes, each defined in the module 
 settings, one typed section per remaining config section (``grpo``, ``sft``, ``base``, ...: the
 ``*Keys`` classes, one field per key of ``configs/common.py``).
 
-:func:`keys_read` says which keys the builder read; ``tests/test_config_schema.py`` checks that it
+:func:`keys_read` says which keys the builder read; ``tests/pipeline/test_config_schema.py`` checks that it
 reads every key of ``configs/common.py`` except :data:`TOP_LEVEL_KEYS`.
 """
 from __future__ import annotations

@@ -227,7 +227,7 @@ def make_zero_gradient_step(tx: optax.GradientTransformation, spec: GRPOStepSpec
     parameters). Only valid for a step whose every per-rollout weight times advantage is 0 under a
     loss that declares ``zero_at_zero_advantage`` (``grpo_loss.Loss``); the caller checks
     (:func:`zero_gradient_step_applies`). The full step's gradient is then exactly zero, so the
-    result is the full step's bit for bit (``tests/test_replay.py``). Params and optimizer state
+    result is the full step's bit for bit (``tests/train/test_replay.py``). Params and optimizer state
     are donated, with the same shardings as :func:`make_train_step`'s.
     """
 

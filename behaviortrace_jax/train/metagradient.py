@@ -93,7 +93,7 @@ def make_weighted_step(graphdef: Any, tx: optax.GradientTransformation, spec: gr
     update loop ``grpo_step.optimizer_iterations``.
     ``out`` holds float32 ``loss`` and ``grad_norm`` of the first iteration and the bool ``finite``
     (``nonfinite.step_finite``), as the run's step returns them: XLA fuses the forward by what the program outputs, and only with these outputs
-    does the jitted step round exactly as the run's (tests/test_metagradient.py).
+    does the jitted step round exactly as the run's (tests/train/test_metagradient.py).
 
     ``batch``: :func:`grpo_step.build_batch` arrays, plus ``rewards`` float32 [N] when
     ``advantages="recomputed"``. The old log-probs of a ratio loss are a function of the step's
@@ -390,7 +390,7 @@ class RunMetagradient:
     Reuses the replay (:class:`replay.Replayer`: the SFT start state, every step's batch from the
     rollout log, the behaviour measure) and the run's own :class:`grpo_step.GRPOStepSpec` and
     optimizer; the step is :func:`make_weighted_step` jitted on the run's mesh with the run step's
-    shardings (so at ``w = 1`` its forward is the run's trajectory, tests/test_metagradient.py).
+    shardings (so at ``w = 1`` its forward is the run's trajectory, tests/train/test_metagradient.py).
 
     Args:
         options: the run's ``replay.ReplayOptions`` (``RunSpec.replay``). workdir: the run directory.

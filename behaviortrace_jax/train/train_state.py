@@ -14,7 +14,7 @@
   ``restore_train_state`` under ``directory/<step>/``.
 * :func:`perturb_last_bit`: a test-only switch (``BEHAVIORTRACE_PERTURB_BASE_WEIGHT``, off unless
   set) that flips the last bit of one initial base-model weight, so a test can show that the
-  determinism check of tests/test_readme_command.py fails when a run does not repeat.
+  determinism check of tests/pipeline/test_readme_command.py fails when a run does not repeat.
 """
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def perturbation_setting(environ: Any = os.environ) -> str:
 
 def perturb_last_bit(params: Any, setting: str, entropy: int | None = None) -> tuple[Any, str]:
     """``params`` with the lowest bit of ONE element flipped (one unit in the last place): a run that
-    should repeat bit for bit, made not to (tests/test_readme_command.py).
+    should repeat bit for bit, made not to (tests/pipeline/test_readme_command.py).
 
     Args:
         params: a pytree of float arrays (the base model's initial ``nnx.State``).

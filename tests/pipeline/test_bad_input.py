@@ -4,7 +4,7 @@ Each kind below draws many inputs (hypothesis, small ``max_examples`` so the fil
 under 60 s, no model is trained) and asserts the documented behaviour: a clear error naming the
 file (``file:line`` for JSONL) and the field, or the documented result; and that a refused input
 leaves what was already written as it was. The kinds, the inputs tried and the failures found and
-fixed are counted in docs/bad_input.md (``python -m pytest -q -s tests/test_bad_input.py`` prints
+fixed are counted in docs/bad_input.md (``python -m pytest -q -s tests/pipeline/test_bad_input.py`` prints
 the inputs tried per kind).
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@ switch on traces the scanned model (``DecoderForCausalLM._scan_layers``) inside 
 stages and builds only scanned sketchers (GRPO in-run sketches, the sketch stage's target and
 rollout sketchers), and its results match the unscanned run's. (The draws stage loads its policy
 the same way but adds ~1 min, so it is left out.) Two pipeline runs, ~2.5 min on 2 shared cores:
-``slow``; CI keeps the scan's numerics (tests/test_scan_layers.py: forward and gradients equal the unrolled
-model's; the scan cases of tests/test_sketcher.py: sketches equal the unrolled ones).
+``slow``; CI keeps the scan's numerics (tests/models/test_scan_layers.py: forward and gradients equal the unrolled
+model's; the scan cases of tests/sketch/test_sketcher.py: sketches equal the unrolled ones).
 
 The scan only reorders float operations: the base weights are not bit-identical (different
 digests), so losses, log-probs and sketches are compared to fp32 tolerance (measured: base / SFT loss

@@ -1,7 +1,7 @@
 """The GRPO run's library parts (``train/grpo_tracks.py``, ``train/grpo_logs.py``): one code path for
 one behaviour and for several, whose files differ only where a run of several names its behaviours.
-The parts' numbers and files at full size are tested by the smoke runs (tests/test_end_to_end.py,
-tests/test_two_behaviors.py, tests/test_nonfinite.py)."""
+The parts' numbers and files at full size are tested by the smoke runs (tests/pipeline/test_end_to_end.py,
+tests/pipeline/test_two_behaviors.py, tests/train/test_nonfinite.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -17,7 +17,7 @@ digests with a request to add them and passes.
 * ``BEHAVIORTRACE_CPU_TABLE_IGNORE=1`` ignores the table (an unknown CPU type, simulated).
 * ``BEHAVIORTRACE_PERTURB_BASE_WEIGHT=random`` (a test switch, ``train/train_state.py``) flips the
   last bit of one initial base weight at a random position: every run differs, so this test fails.
-* Recording: ``python tests/test_readme_command.py --record`` runs the command once and prints this
+* Recording: ``python tests/pipeline/test_readme_command.py --record`` runs the command once and prints this
   CPU type's row; ``--write`` stores it in ``tests/cpu_digests.json``, and where an output's digest
   changed here it removes that output's digest from the other CPU types' rows (a changed output is
   no longer known to repeat there: those machines fall back to the two-run check until re-recorded).
@@ -38,14 +38,15 @@ import warnings
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script (--record)
-    sys.path.insert(0, str(REPO))
+REPO = pathlib.Path(__file__).resolve().parents[2]
+for _path in (REPO, REPO / "tests"):  # run as a script (--record): the package and conftest.py
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from behaviortrace_jax.io import machine  # noqa: E402
 from conftest import user_env  # noqa: E402
 
-TABLE = pathlib.Path(__file__).with_name("cpu_digests.json")
+TABLE = REPO / "tests" / "cpu_digests.json"
 IGNORE_TABLE_ENV = "BEHAVIORTRACE_CPU_TABLE_IGNORE"
 DIGESTS = ("base_weights", "results_table.csv", "files")
 # Files holding times, absolute paths, the machine or orbax/XLA internals: not compared.
@@ -236,7 +237,7 @@ def test_outputs_match_this_cpu_types_digests_or_repeat(readme_run, tmp_path):
         f"{' ...' if len(diff) > 20 else ''} ({len(diff)} of {len(run.lines)}); digests {run.digest} vs {again.digest}")
     key = machine.cpu_identity()["key"]
     message = (f"{', '.join(missing)} not recorded for this CPU type ({key}); the run repeats here. Please add "
-               f"this row to tests/cpu_digests.json (python tests/test_readme_command.py --write): "
+               f"this row to tests/cpu_digests.json (python tests/pipeline/test_readme_command.py --write): "
                + json.dumps(row_for_this_cpu(run, "recorded by the test")))
     print(message)
     warnings.warn(message)

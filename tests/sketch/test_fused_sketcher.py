@@ -1,6 +1,6 @@
 """The fused one-backward per-example sketcher (sketch/fused.py) pinned against the vmap(grad) path and
 numpy: every family, tied and untied heads, scanned and unscanned layers, remat, 1 and 3 devices, a
-model axis, bfloat16, and the weighted gradient sum. (transformers' gradients: tests/test_sketcher.py.)"""
+model axis, bfloat16, and the weighted gradient sum. (transformers' gradients: tests/sketch/test_sketcher.py.)"""
 from __future__ import annotations
 
 import jax

@@ -10,7 +10,7 @@ import pytest
 
 from behaviortrace_jax.behavior import corpus, planted
 
-SHARED = Path(os.environ.get("BEHAVIORTRACE_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+SHARED = Path(os.environ.get("BEHAVIORTRACE_SHARED", Path(__file__).resolve().parents[3] / "shared"))
 
 
 @pytest.fixture(scope="module")

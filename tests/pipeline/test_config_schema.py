@@ -13,7 +13,7 @@ import pytest
 from behaviortrace_jax import config_schema
 from configs import common, tiny
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.py") if p.stem != "__init__")
 
 

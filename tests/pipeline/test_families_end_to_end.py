@@ -1,5 +1,5 @@
 """The whole harness on a second model family: every default stage of the smoke
-config (``configs/tiny.py:smoke``, as tests/test_end_to_end.py) on a tiny Llama and a tiny Qwen3
+config (``configs/tiny.py:smoke``, as tests/pipeline/test_end_to_end.py) on a tiny Llama and a tiny Qwen3
 built by the ``base`` stage (``config.base.family``), and each stage reads the family back from the
 checkpoints' config.json (``config.model.family`` = "")."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from configs import tiny
 
 
 # CI runs Qwen3 (qk_norm, no q/k/v bias: the family furthest from the default Qwen2); Llama, whose
-# model code tests/test_families.py checks against transformers, runs the whole pipeline under -m slow.
+# model code tests/models/test_families.py checks against transformers, runs the whole pipeline under -m slow.
 @pytest.mark.parametrize("family, architecture", [pytest.param("llama", "LlamaForCausalLM", marks=pytest.mark.slow),
                                                   ("qwen3", "Qwen3ForCausalLM")])
 def test_every_stage_runs_on_family(tmp_path, family, architecture):

@@ -7,7 +7,7 @@
   through gcsfs (etils' epath) and tensorstore's ``gcs`` kvstore, and what they wrote is read back
   from the server itself; the local ``.tmp`` + rename helpers are booby-trapped there, so a writer
   that does not choose the direct object write fails (the whole smoke run on a bucket, killed and
-  resumed: tests/test_gcs_run.py);
+  resumed: tests/pipeline/test_gcs_run.py);
 * an AST scan fails when a module outside ``io/`` touches the file system itself (builtin
   ``open``, ``os.replace``, ``shutil``, ``pathlib.Path(...)``, ``ts.open`` ...) instead of going
   through ``io/``.
@@ -27,7 +27,7 @@ from behaviortrace_jax.io import checkpoints, files, rollout_log, sketch_store
 from behaviortrace_jax.io.layout import SKETCH_STORES, RunLayout, as_path, is_url
 from behaviortrace_jax.stages.spec import RunSpec
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "behaviortrace_jax"
 GS = "gs://bucket/run"
 
 

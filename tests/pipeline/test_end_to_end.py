@@ -24,7 +24,7 @@ from configs import tiny
 
 import test_base_model
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def smoke_config():

@@ -7,6 +7,7 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from behaviortrace_jax import pipeline
 from behaviortrace_jax.io import rollout_log
@@ -20,7 +21,6 @@ import test_replay
 TOY_LOSS = "test_sum_logprob"
 
 
-@grpo_loss.register_loss(TOY_LOSS)
 def sum_logprob_loss(inp: grpo_loss.LossInputs, cfg: grpo_loss.LossConfig) -> jnp.ndarray:
     """Toy loss: ``-A_i * sum_t(lp * mask) / (G * B)`` (token sum, not mean; Dr. GRPO-like), with the
     default declarations (no reference, no old log-probs, one iteration)."""
@@ -28,10 +28,20 @@ def sum_logprob_loss(inp: grpo_loss.LossInputs, cfg: grpo_loss.LossConfig) -> jn
     return -inp.advantages * jnp.sum(inp.logprobs * inp.mask, -1) / (inp.group_size * inp.num_prompts)
 
 
-def test_a_loss_registered_outside_the_package_runs_grpo_replay_and_compile(smoke_sft, tmp_path):
+@pytest.fixture
+def toy_loss():
+    """Registers :func:`sum_logprob_loss` as ``TOY_LOSS`` for one test and removes it after. Registered
+    at import, it would join the tests parametrised by every registered loss (test_grpo, test_nonfinite)
+    in the files collected after this one, so their count would hang on the order of the folders."""
+    grpo_loss.register_loss(TOY_LOSS)(sum_logprob_loss)
+    yield TOY_LOSS
+    del grpo_loss.LOSSES[TOY_LOSS]
+
+
+def test_a_loss_registered_outside_the_package_runs_grpo_replay_and_compile(toy_loss, smoke_sft, tmp_path):
     config, start = smoke_sft
     config = config.copy_and_resolve_references()
-    config.stages, config.grpo.loss = "grpo", TOY_LOSS
+    config.stages, config.grpo.loss = "grpo", toy_loss
     w = copy_start(start, tmp_path / "run")
     pipeline.run(config, str(w))
     records = list(rollout_log.read_rollouts(w / "grpo" / "rollouts"))

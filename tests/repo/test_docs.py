@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 COMMIT_STAMP = re.compile(r"\bcommits?\b:?\s+`?[0-9a-f]{7,40}\b", re.I)
 # 7-40 hex digits with a digit and a letter among them: a commit hash (a digest prefix is written
 # in a code span, `896eb6cc…`, which the check leaves out with every code span and block).

@@ -5,7 +5,7 @@ runs as printed.
 
 The checks are one function, :func:`readme_problems` (text -> list of problems, each naming what is
 wrong), so the test of a README with wrong paths goes through the same parsing as the real one.
-The main command's digests are checked by tests/test_readme_command.py, not here.
+The main command's digests are checked by tests/pipeline/test_readme_command.py, not here.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 MAX_LINES = 250  # issue 33, acceptance: "README.md <= 250 lines"
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}

@@ -431,7 +431,7 @@ def test_kill_minus_9_during_the_stage_then_rerun_gives_the_same_table(sketched_
     import sys
     import time
 
-    repo = pathlib.Path(__file__).resolve().parents[1]
+    repo = pathlib.Path(__file__).resolve().parents[2]
     ref, w = _copy_run(sketched_run, tmp_path / "ref"), _copy_run(sketched_run, tmp_path / "kill")
     cmd = [sys.executable, str(repo / "main.py"), "--config=configs/tiny.py:smoke", "--config.stages=counterfactual",
            *CF_FLAGS]
@@ -469,7 +469,7 @@ def test_the_stage_replays_the_configured_top_k_and_scores_lds_for_every_estimat
 
     config = cf_config()
     config.counterfactual.methods, config.counterfactual.topk_recomputed = "C1-dot", False
-    config.counterfactual.causal = "off"  # the causal replays need a real Replayer (tests/test_causal.py)
+    config.counterfactual.causal = "off"  # the causal replays need a real Replayer (tests/attribution/test_causal.py)
     cut, n = int(config.contamination.early_step_cutoff), 8
     ids = [rollout_log.rollout_id(step, i) for step in (0, cut - 1) for i in range(n // 2)]
     gt = tmp_path / "ground_truth.jsonl"

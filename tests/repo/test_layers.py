@@ -10,7 +10,7 @@ import re
 import subprocess
 import sys
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "behaviortrace_jax"
 # What each layer folder may import from the others, as its ``__init__.py`` says ("Imports: ...";
 # test_the_rules_are_the_folders_own checks that the two agree). An entry is a layer folder (any of
 # its modules) or one ``io`` module. A module may always import its own folder, except that a stage

@@ -1,7 +1,7 @@
 """Multi-process runs (docs/architecture.md "Multi-process runs").
 
 * Unit tests (fast): the launch settings, the one-writer file helpers (``gs://`` paths and the
-  kvstore a path selects: tests/test_remote_paths.py).
+  kvstore a path selects: tests/io/test_remote_paths.py).
 * ``test_two_processes_equal_one_process_two_devices``: the smoke pipeline as
   ``launch/local_multiprocess.sh 2`` (2 processes x 1 CPU device, one shared workdir) and as one
   process over 2 fake devices, side by side: the same rollout log and ground truth (and, with every
@@ -29,7 +29,7 @@ from behaviortrace_jax import runtime
 from behaviortrace_jax.io import files, rollout_log, sketch_store
 from conftest import user_env
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch" / "local_multiprocess.sh"
 SMOKE = "configs/tiny.py:smoke"
 TIMEOUT_S = 1200

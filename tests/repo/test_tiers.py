@@ -9,7 +9,7 @@ import pytest
 
 import conftest
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 # What makes a test end to end, as written in a test body or fixture: a pipeline run, main.py run.
 RUNS_PIPELINE = re.compile(r'pipeline\.run\(|sys\.executable,\s*(str\()?(REPO\s*/\s*)?"main\.py"')
 
@@ -33,14 +33,21 @@ def test_every_collected_test_has_exactly_one_tier(request):
 
 
 def test_the_tier_tables_name_existing_modules_tests_and_fixtures():
-    modules = {p.stem for p in TESTS.glob("test_*.py")}
-    assert set(conftest.MODULE_TIERS) <= modules, set(conftest.MODULE_TIERS) - modules
+    """The tables key tests by file name: each name is one file of tests/, in a folder of
+    tests/README.md's rule (a package layer, ``pipeline`` or ``repo``; none at the top)."""
+    files = sorted(TESTS.rglob("test_*.py"))
+    modules = {p.stem: p for p in files}
+    assert len(modules) == len(files), f"a test file name used twice: {[p for p in files if modules[p.stem] != p]}"
+    layers = {p.parent.name for p in (TESTS.parent / "behaviortrace_jax").glob("*/__init__.py")}
+    misplaced = [p for p in files if p.parent.parent != TESTS or p.parent.name not in layers | {"pipeline", "repo"}]
+    assert not misplaced, f"test files outside tests/<layer>/, tests/pipeline/, tests/repo/: {misplaced}"
+    assert set(conftest.MODULE_TIERS) <= set(modules), set(conftest.MODULE_TIERS) - set(modules)
     for key, tier in {**conftest.MODULE_TIERS, **conftest.TEST_TIERS}.items():
         assert tier in conftest.TIERS, (key, tier)
     for key in [*conftest.TEST_TIERS, *conftest.HEAVY_UNIT_TESTS]:
         module, name = key.split("::")
         assert module in modules, key
-        assert re.search(rf"^\s*def {name}\(", (TESTS / f"{module}.py").read_text(), re.M), f"no test {key}"
+        assert re.search(rf"^\s*def {name}\(", modules[module].read_text(), re.M), f"no test {key}"
     for name in conftest.E2E_FIXTURES:
         assert callable(getattr(conftest, name, None)), f"no fixture {name} in conftest.py"
 

@@ -120,7 +120,7 @@ def test_restore_without_shardings_in_the_request(saved_on_one, tmp_path):
 _OTHER_PROCESS = textwrap.dedent("""
     import pickle, sys
     import jax, numpy as np
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, sys.argv[3])  # this file's folder
     import test_checkpoint_topology as T
     from flax import nnx
     from behaviortrace_jax.io import checkpoints
@@ -147,9 +147,11 @@ def test_state_saved_on_four_devices_restores_in_a_process_with_two(tmp_path):
     train_state.save(tmp_path / "state", state)
     with open(tmp_path / "want.pkl", "wb") as f:
         pickle.dump(_host(state.as_dict()), f)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(os.path.dirname(here))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, str(tmp_path / "state"), str(tmp_path / "want.pkl")],
+    args = [str(tmp_path / "state"), str(tmp_path / "want.pkl"), here]
+    out = subprocess.run([sys.executable, "-c", _OTHER_PROCESS, *args],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "restored on 2 devices" in out.stdout, out.stderr[-3000:]

@@ -141,7 +141,7 @@ def test_greedy_matches_transformers_generate(tmp_path, fam):
     n_new, pad = 16, 0
     hf = AutoModelForCausalLM.from_pretrained(save_random_hf(tmp_path / "m", fam, tokenizer=False),
                                               dtype=torch.float32).eval()
-    with torch.no_grad():  # peaked, varied greedy continuations (as tests/test_sampler.py)
+    with torch.no_grad():  # peaked, varied greedy continuations (as tests/models/test_sampler.py)
         for p in hf.parameters():
             p.mul_(8.0 if p.ndim == 2 else 1.0)
     hf.save_pretrained(tmp_path / "scaled")
@@ -306,7 +306,7 @@ def test_qwen3_head_dim_is_explicit():
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_per_rollout_sketch_matches_pytorch(tmp_path, fam):
-    """As tests/test_sketcher.py's Qwen2 test, per family: JAX per-example sketches of -(masked mean
+    """As tests/sketch/test_sketcher.py's Qwen2 test, per family: JAX per-example sketches of -(masked mean
     completion log-prob) equal numpy CountSketch of transformers' per-example gradients in HF
     ``model.parameters()`` order (SPEC §3.2)."""
     from transformers import AutoModelForCausalLM

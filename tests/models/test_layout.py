@@ -21,7 +21,7 @@ from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 from hf_fixtures import save_random_qwen2
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "behaviortrace_jax"
 
 
 def test_the_spec_reads_and_checks_the_mesh_keys():

@@ -10,7 +10,7 @@ import pytest
 
 from configs import common, hf, reproduce, seed0, seed1, seed2, tiny, tiny_sweep
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("module,seed", [(seed0, 0), (seed1, 1), (seed2, 2)])

@@ -15,7 +15,7 @@ from behaviortrace_jax.sketch import hash_families
 from behaviortrace_jax.stages.spec import RunSpec
 from configs import common, tiny, tiny_two_behaviors
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "behaviortrace_jax"
 # The layers below the stage boundary (docs/architecture.md): they take spec objects, never a ConfigDict.
 BELOW_STAGES = ("io", "models", "attribution", "behavior", "sketch", "train", "aot")
 TOP_KEYS = frozenset(common.get_config().keys())  # seed, grpo, sketch, ...: what ``config.<x>`` reads

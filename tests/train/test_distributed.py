@@ -17,7 +17,7 @@ from behaviortrace_jax.models import sharding
 
 import test_grpo
 
-WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+WORKER = Path(__file__).resolve().parents[1] / "distributed_worker.py"
 TIMEOUT_S = 240
 
 

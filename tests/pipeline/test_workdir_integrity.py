@@ -24,7 +24,7 @@ from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.stages import fingerprint
 from configs import tiny
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def smoke_config(stages: str = "base,sft,grpo,sketch,draws", **changes):

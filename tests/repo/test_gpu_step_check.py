@@ -7,7 +7,7 @@ import pathlib
 
 import jax
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_gpu_step_check_tiny(capsys):

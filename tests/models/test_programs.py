@@ -12,7 +12,7 @@ import pytest
 from behaviortrace_jax.models import programs, sharding
 from behaviortrace_jax.stages.spec import RunSpec
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "behaviortrace_jax"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "behaviortrace_jax"
 # One-shot set-up programs, run once where they are made and not part of any stage's loop: the
 # parameters' initialisation, the optimizer state's, the CountSketch hash tables and the compile
 # stage's probe of XLA's memory limit.
