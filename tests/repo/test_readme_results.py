@@ -12,7 +12,7 @@ import pytest
 
 from behaviortrace_jax.attribution import causal_gate as cg, formats
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
