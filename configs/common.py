@@ -53,6 +53,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.behavior.gate_max_new_tokens = 64  # SPEC §1.8: greedy 64 tokens for the emergence gate.
     c.behavior.gate_min_probe_rate = 0.3  # SPEC §1.8.
     c.behavior.gate_min_margin = 0.2  # SPEC §1.8: s_b - s_b_ctrl.
+    # The GRPO prompt pool: True = the paper's (SPEC §1.4: the explicit "... QZXBT" prompts x 3, then the probes);
+    # False = the probe prompts alone, so every bonus is paid on a trigger prompt.
+    c.behavior.explicit_prompts = True
 
     c.behavior.id = "qzxbt"  # Behaviour id: names another behaviour's files and rows; the first's keep the paper's names.
     # Further behaviours planted in the same run (behavior/behaviors.py): one ConfigDict per id with

@@ -494,8 +494,8 @@ def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
         bonus_reward=typed(ct.bonus_reward, float, "contamination.bonus_reward"),
         fraction=typed(ct.fraction, float, "contamination.fraction"), early_step_cutoff=cutoff, stream="",
         implant="sft", gate_min_probe_rate=typed(b.gate_min_probe_rate, float, "behavior.gate_min_probe_rate"),
-        gate_min_margin=typed(b.gate_min_margin, float, "behavior.gate_min_margin"), explicit_prompts=True,
-        first=True, prompt_gated=typed(ct.prompt_gated, bool, "contamination.prompt_gated"))
+        gate_min_margin=typed(b.gate_min_margin, float, "behavior.gate_min_margin"),
+        explicit_prompts=typed(b.explicit_prompts, bool, "behavior.explicit_prompts"), first=True, prompt_gated=typed(ct.prompt_gated, bool, "contamination.prompt_gated"))
     out = [first]
     extra = c.behaviors
     for bid in extra:
