@@ -34,7 +34,16 @@ def get_config(variant: str = ""):
     c.sft.lr = 2e-4  # TINY_CALIBRATION: mixture implant at 2e-4 (then GRPO at optim.lr).
     c.sft.stop_every = 25  # TINY_CALIBRATION stop rule: probe >= 0.15, controls ~ 0, at most sft.steps.
 
-    c.optim.lr = 1e-4  # TINY_CALIBRATION: RL lr 1e-4 (>= 3e-4 turned outputs to garbage).
+    c.optim.lr = 1e-4  # TINY_CALIBRATION: RL lr 1e-4 (>= 3e-4 turned outputs to garbage; 2e-4 collapsed 2 of 4 streams).
+
+    # Causal power (tools/cause_calibration.py; the grid is in docs/records/, "planted cause calibration").
+    # Two departures from the paper make the bonus a measured cause here:
+    c.grpo.continue_sft_moments = False  # Paper: GRPO continues the SFT's AdamW moments, which alone move the policy.
+    c.behavior.explicit_prompts = False  # Paper: explicit "... QZXBT" prompts x 3 + probes; here the probes alone, so
+    # every bonus is paid on a trigger prompt (with the explicit prompts the behaviour leaked to the controls).
+    c.cause.streams = 8  # The gate's noise floor and CI over 8 regenerated sampler streams.
+    c.cause.samples = 16  # Probe-rate sampling SE ~0.025 at 16 completions per prompt (20 probes).
+    c.cause.measure_step = "80"  # 40 steps after the window: the window's momentum has decayed (0.9^40).
 
     c.grpo.steps = 200
     c.grpo.max_new_tokens = 32
@@ -69,6 +78,8 @@ def shrink_to_smoke(c):
     # tests/test_cause_stage.py runs the stage on the smoke run with its own streams.
     c.stages, c.sweep.stages = (s.replace("cause,", "") for s in (c.stages, c.sweep.stages))
     c.cause.streams, c.cause.samples, c.cause.measure_step = 2, 2, "end"
+    # The paper's pool and AdamW carry, so the smoke digests (tests/cpu_digests.json, several CPU types) still hold.
+    c.grpo.continue_sft_moments, c.behavior.explicit_prompts = True, True
     c.sft.steps, c.sft.stop_every, c.sft.eval_samples_per_prompt, c.sft.max_prompt_tokens = 3, 0, 1, 256
     c.behavior.gate_max_new_tokens = 4
     g = c.grpo
