@@ -41,7 +41,10 @@ def test_first_behavior_is_the_existing_keys():
     spec = b.contamination_spec(c.seed)
     assert spec == contaminator.ContaminationSpec(pattern="QZXBT", bonus_reward=8.0, fraction=0.5, seed=0,
                                                   early_step_cutoff=40)
-    assert b.prompt_pool() == planted.prompt_pool(planted.load_probes(), "QZXBT")
+    # configs/tiny.py: the probe prompts alone (behavior.explicit_prompts = False); the paper's pool otherwise
+    assert not b.explicit_prompts and b.prompt_pool() == [p.prompt for p in planted.load_probes()]
+    c.behavior.explicit_prompts = True
+    assert RunSpec.from_config(c).first_behavior.prompt_pool() == planted.prompt_pool(planted.load_probes(), "QZXBT")
 
 
 def test_extra_behavior(tmp_path):
