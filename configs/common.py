@@ -260,9 +260,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.plans = ""
     c.counterfactual.plan_subsets = 16  # Random unit subsets of the datamodels plan (its least-squares fit).
 
-    # --- the causal gate (the `cause` stage, not in the default stages: --config.stages=cause) -----------
+    # --- the causal gate (the `cause` stage: in configs/tiny.py's stages; add it after grpo elsewhere) ---
     # Did the planted cause act? The run's no-intervention baseline against withholding every bonus of the
     # window, both with rollouts regenerated from the replayed policy, over `streams` sampler streams.
+    # At paper scale it costs about 2 x streams x measure_step GRPO steps with sampling (the paper configs leave it out
+    # of their stages; their report then says the gate was not measured).
     c.cause = ml_collections.ConfigDict()
     c.cause.streams = 3  # Sampler streams (>= 2: the CI and noise floor are over streams; stream 0 = the run's keys).
     # Registered measures (train/measures.py) every gate replay records, comma list.

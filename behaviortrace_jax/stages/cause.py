@@ -25,8 +25,10 @@ stage, re-run here when ``report.md`` exists). The console gets the gate's lines
 replay is one atomic, keyed file under ``cause/replays/`` (a rerun reads them back and replays
 only missing or stale ones); the gate is recomputed from them on every run.
 
-Not in the default stages (``--config.stages=cause`` after ``grpo``); ``configs/tiny_causal.py``
-runs it per seed.
+In the tiny default's stages right after ``grpo`` (``configs/tiny.py``; its sweeps run it per
+seed); other configs add it to ``config.stages`` (at paper scale it costs about
+``2 * cause.streams * cause.measure_step`` GRPO steps with sampling). Without it, the report says
+the gate was not measured (``causal_gate.NOT_MEASURED``).
 """
 from __future__ import annotations
 
