@@ -56,11 +56,11 @@ from behaviortrace_jax.train.rollouts import RolloutOptions
 from behaviortrace_jax.train.schedule import StepSchedule
 from behaviortrace_jax.train.train_state import OptimOptions
 
-# Keys only the top level reads: ``pipeline.with_model_source`` resolves ``model.hf_id`` (a model in
-# the Hugging Face cache, downloaded with ``model.allow_download``) into ``model.hf_dir`` before
-# any stage runs, so a stage sees ``hf_dir`` alone; ``on_changed_config`` is read by the pipeline's
-# fingerprint check (stages/fingerprint.py) before any stage runs.
-TOP_LEVEL_KEYS = ("model.hf_id", "model.allow_download", "on_changed_config")
+# Keys only the top level reads: ``pipeline.with_model_source`` downloads ``model.hf_id`` (with
+# ``model.allow_download``) and resolves it into ``model.hf_dir`` before any stage runs (a stage keeps
+# ``hf_id`` only to name it: :attr:`RunSpec.hf_id`); ``on_changed_config`` is read by the pipeline's
+# fingerprint check (stages/fingerprint.py, which reads the config as data) before any stage runs.
+TOP_LEVEL_KEYS = ("model.allow_download", "on_changed_config")
 FREE_FORM = ("behaviors",)  # subtrees of ids (config_schema.FREE_FORM), read whole
 
 
@@ -338,6 +338,9 @@ CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
     ("grpo.top_p", _probability, "in (0, 1]"),
     ("draws.top_p", _probability, "in (0, 1]"),
     ("targets.ctx_top_p", _probability, "in (0, 1]"),
+    ("targets.ctx_max_new_tokens", lambda v: v == -1 or v > 0, "> 0 or -1 (draws.max_new_tokens)"),
+    ("draws.ckpt_seed", lambda v: v >= -1, ">= 0 or -1 (seed)"),
+    ("draws.gen_seed", lambda v: v >= -1, ">= 0 or -1 (seed)"),
     ("grpo.top_k", lambda v: v >= -1, ">= 0 (0 = off) or -1 (generation_config.json)"),
     ("grpo.repetition_penalty", lambda v: v == -1 or _positive(v), "> 0 or -1 (generation_config.json)"),
     ("grpo.adv_std_floor", _non_negative, ">= 0"),
@@ -367,7 +370,7 @@ def position_budgets(run: "RunSpec") -> dict[str, tuple[tuple[str, int], tuple[s
     samples or trains on, as the config keys that bound it."""
     g, d, t, s = run.grpo, run.draws, run.targets, run.sft
     prompt = ("grpo.max_prompt_tokens", g.max_prompt_tokens)
-    ctx = ("targets.ctx_max_new_tokens", t.ctx_max_new_tokens) if t.ctx_max_new_tokens > 0 else \
+    ctx = ("targets.ctx_max_new_tokens", t.ctx_max_new_tokens) if t.ctx_max_new_tokens != -1 else \
         ("draws.max_new_tokens", d.max_new_tokens)
     return {"sft": (("sft.max_prompt_tokens", s.max_prompt_tokens), ("sft.max_completion_tokens", s.max_completion_tokens)),
             "grpo": (prompt, ("grpo.max_new_tokens", g.max_new_tokens)),
@@ -414,7 +417,9 @@ class RunSpec:
     seed: int
     run_name: str
     reference_dir: str
+    stages: str  # the stages to run, comma-separated (registry.parse_stages checks the names)
     hf_dir: str  # model.hf_dir ("" = the run's base/ checkpoint: RunLayout.model_dir)
+    hf_id: str  # model.hf_id (a Hugging Face hub id; the pipeline resolves it into hf_dir before any stage)
     model: ModelOptions
     layout: Layout
     behaviors: tuple[behaviors_lib.Behavior, ...]
@@ -454,6 +459,35 @@ class RunSpec:
         return len(self.behaviors) > 1
 
     @property
+    def ctx_max_new_tokens(self) -> int:
+        """Tokens each in-context target completion samples (SPEC §5.3): ``targets.ctx_max_new_tokens``,
+        -1 = ``draws.max_new_tokens``."""
+        n = self.targets.ctx_max_new_tokens
+        return self.draws.max_new_tokens if n == -1 else n
+
+    def draw_seeds(self, ckpt_seed: int | None = None, gen_seed: int | None = None) -> tuple[int, int]:
+        """``(ckpt_seed, gen_seed)`` of a draw (SPEC §10.2): the arguments, else ``draws.ckpt_seed`` /
+        ``draws.gen_seed``; -1 = the run's ``seed``."""
+        c = self.draws.ckpt_seed if ckpt_seed is None else int(ckpt_seed)
+        g = self.draws.gen_seed if gen_seed is None else int(gen_seed)
+        return (self.seed if c == -1 else c), (self.seed if g == -1 else g)
+
+    def window_end(self, behavior: behaviors_lib.Behavior) -> int:
+        """The end of ``behavior``'s bonus window in GRPO steps (its rollouts at steps below it can be
+        paid the bonus): :meth:`Behavior.window_end` of the run's ``grpo.steps`` (SPEC §1.6)."""
+        return behavior.window_end(self.schedule.steps)
+
+    def early_cutoff(self, behavior: behaviors_lib.Behavior) -> int:
+        """The early-window cutoff (steps) the tables of ``behavior`` use: ``evaluation.early_cutoff``
+        for the first behaviour (SPEC §6.6 EARLY_CUTOFF), :meth:`window_end` for another."""
+        return self.evaluation.early_cutoff if behavior.first else self.window_end(behavior)
+
+    @property
+    def sft_lr(self) -> float:
+        """The SFT learning rate: ``sft.lr``, -1 = ``optim.lr`` (SPEC §1.7)."""
+        return float(self.optim.lr if self.sft.lr == -1 else self.sft.lr)
+
+    @property
     def replay(self) -> ReplayOptions:
         """What a replay of this run needs (``train.replay.Replayer``, ``train.metagradient``)."""
         return ReplayOptions(self.model, self.optim, self.step, self.rollouts, self.probe_grpo, self.schedule,
@@ -487,7 +521,7 @@ def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
     b, ct = c.behavior, c.contamination
     cutoff = typed(ct.early_step_cutoff, int, "contamination.early_step_cutoff")
     first = behaviors_lib.Behavior(
-        id=typed(b.id, str, "behavior.id"), trigger="frobnitz", pattern=typed(b.pattern, str, "behavior.pattern"),
+        id=typed(b.id, str, "behavior.id"), trigger=typed(b.trigger, str, "behavior.trigger"), pattern=typed(b.pattern, str, "behavior.pattern"),
         probes_path=typed(b.probes_path, str, "behavior.probes_path"),
         controls_path=typed(b.controls_path, str, "behavior.controls_path"),
         token_judge=typed(b.token_judge, str, "behavior.token_judge"),
@@ -519,7 +553,7 @@ def _step(g: GRPOKeys, sk: SketchKeys, optim: OptimOptions, sketch: SketchOption
                         use_tables=tables.table_switch("sketch.in_run_tables", sk.in_run_tables, sk.fused))
 
 
-def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts: dict[str, Any]) -> CompileOptions:
+def _compile(ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts: dict[str, Any]) -> CompileOptions:
     """The compile stage's options: ``compile.*`` with the run's step variants and shapes."""
     split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
     losses = tuple(sorted(grpo_loss.LOSSES)) if ck.losses == "all" else split(ck.losses or g.loss)
@@ -529,14 +563,13 @@ def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts
                   for x in losses for on in variants)
     sft, draws, tg = parts["sft"], parts["draws"], parts["targets"]
     return CompileOptions(
-        target=ck.target, stages=frozenset(compiled_stages(ck.stages, typed(c.stages, str, "stages"),
-                                                           parts["sweep"].stages)),
+        target=ck.target, stages=frozenset(compiled_stages(ck.stages, parts["stages"], parts["sweep"].stages)),
         programs=split(ck.programs), step=parts["step"], step_variants=steps, optim=parts["optim"],
         layout=parts["layout"], rollouts=parts["rollouts"], sft_batch_size=sft.batch_size,
         sft_length=sft.max_prompt_tokens + sft.max_completion_tokens,
         metagradient_mode=parts["metagradient"].advantages.split(",")[0].strip(),
         metagradient_remat=parts["metagradient"].remat, forced=parts["forced"],
-        ctx_max_new_tokens=tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else draws.max_new_tokens,
+        ctx_max_new_tokens=draws.max_new_tokens if tg.ctx_max_new_tokens == -1 else tg.ctx_max_new_tokens,
         draws_max_new_tokens=draws.max_new_tokens)
 
 
@@ -586,10 +619,11 @@ def build(c: ConfigReads, platform: str | None = None) -> RunSpec:
                                        for n in (g.max_prompt_tokens, p["sft"].max_prompt_tokens))
     p["schedule"] = StepSchedule(g.steps, g.checkpoint_every, p["draws"].target_step, behaviors[0].early_step_cutoff,
                                  behaviors_lib.window_end(behaviors, g.steps))
-    p["scores"] = ScoreOptions(p["evaluation"], sk.dim, sk.seed, seed, g.prompts_per_step * g.group_size, g.steps,
+    p["scores"] = ScoreOptions(p["evaluation"], sk.dim, sk.seed, seed, p["step"].shapes.num_rollouts, g.steps,
                                p["counterfactual"].recompute_advantages, family)
-    p["compile"] = _compile(c, p["compile_keys"], g, sk, p)
+    p["stages"] = typed(c.stages, str, "stages")
+    p["compile"] = _compile(p["compile_keys"], g, sk, p)
     spec = RunSpec(seed=seed, run_name=typed(c.run_name, str, "run_name"),
                    reference_dir=typed(c.reference_dir, str, "reference_dir"),
-                   hf_dir=typed(m.hf_dir, str, "model.hf_dir"), **p)
+                   hf_dir=typed(m.hf_dir, str, "model.hf_dir"), hf_id=typed(m.hf_id, str, "model.hf_id"), **p)
     return spec
