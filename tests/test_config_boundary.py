@@ -6,7 +6,8 @@ signature is ``stage(config, workdir)``) and reads the typed ``RunSpec`` built f
 ``tests/test_spec.py`` checks the layers below ``stages/``; this module checks ``stages/`` itself.
 
 What counts as a raw read, for a *config name* (a parameter annotated as a ``ConfigDict``, a parameter
-named ``config``, ``self.config``, or a local name bound to one of these):
+named ``config``, ``self.config``, a local name bound to one of these, or to the result of a function of
+``stages/`` annotated to return a ``ConfigDict``, such as ``spec.seed_config``):
 
 * an attribute of it: ``config.grpo``, ``config.grpo.steps``, ``c.seed``, ``config.get(...)``,
   ``config.to_dict()``, ``config.unlocked()`` (a ConfigDict method reads or changes its values too);
@@ -40,6 +41,13 @@ EXEMPT = {"fingerprint.py": "the fingerprint is the config's flat dotted keys an
 KEY_READING_BUILTINS = {"getattr", "hasattr", "vars", "dict", "list", "tuple", "iter", "sorted", "len"}
 
 
+def config_makers() -> frozenset[str]:
+    """The names of the functions of ``stages/`` (spec.py included) annotated to return a ConfigDict."""
+    return frozenset(n.name for p in STAGES.glob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.returns is not None
+                     and "ConfigDict" in ast.unparse(n.returns))
+
+
 def _is_config_param(arg: ast.arg) -> bool:
     return arg.arg == "config" or (arg.annotation is not None and "ConfigDict" in ast.unparse(arg.annotation))
 
@@ -48,13 +56,17 @@ class _Reads(ast.NodeVisitor):
     """Collects ``(line, expression)`` for each raw read of a config name (module docstring); a
     function's config names are those of its enclosing functions plus its own."""
 
-    def __init__(self):
+    def __init__(self, makers: frozenset[str]):
+        self.makers = makers
         self.names: list[set[str]] = [set()]
         self.found: list[tuple[int, str]] = []
 
     def is_config(self, node: ast.AST) -> bool:
         if isinstance(node, ast.Name):
             return node.id in self.names[-1]
+        if isinstance(node, ast.Call):  # seed_config(...), spec_lib.seed_config(...)
+            f = node.func
+            return (f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "") in self.makers
         return (isinstance(node, ast.Attribute) and node.attr == "config" and isinstance(node.value, ast.Name)
                 and node.value.id == "self")
 
@@ -123,12 +135,13 @@ class _Reads(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def raw_reads(source: str) -> list[str]:
+def raw_reads(source: str, makers: frozenset[str] = frozenset()) -> list[str]:
     """``"<line>: <expression>"`` for each raw read of a config value in ``source`` (a module's text),
-    the whole attribute chain named (``config.grpo.steps``, not ``config.grpo``)."""
+    the whole attribute chain named (``config.grpo.steps``, not ``config.grpo``); ``makers``: the names
+    of functions that return a ConfigDict (:func:`config_makers`)."""
     tree = ast.parse(source)
     parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
-    v = _Reads()
+    v = _Reads(makers)
     v.visit(tree)
     out = set(v.found)
     # widen each attribute read to its whole chain: config.grpo -> config.grpo.steps
@@ -152,7 +165,9 @@ def stage_modules() -> list[pathlib.Path]:
 def test_no_stage_but_the_spec_reads_a_raw_config_value():
     mods = stage_modules()
     assert len(mods) >= 15 and all((STAGES / m).is_file() for m in (READER, *EXEMPT))  # the walk sees stages/
-    found = [f"behaviortrace_jax/stages/{p.name}:{r}" for p in mods for r in raw_reads(p.read_text())]
+    makers = config_makers()
+    assert {"seed_config", "draw_config"} <= makers  # the sweep's per-seed configs (stages/spec.py)
+    found = [f"behaviortrace_jax/stages/{p.name}:{r}" for p in mods for r in raw_reads(p.read_text(), makers)]
     assert found == [], ("raw config reads outside stages/spec.py (read them in RunSpec.from_config, as a typed "
                          "field, and pass the spec):\n" + "\n".join(found))
 
@@ -173,11 +188,15 @@ def test_the_checker_catches_each_raw_read():
            "def outer(config):\n"
            "    def inner():\n"
            "        return config.to_dict()\n"
-           "    return inner\n")
-    assert raw_reads(src) == [
+           "    return inner\n"
+           "def sweep(config):\n"
+           "    cfg, d = spec_lib.seed_config(config, 1, 'b'), 2\n"
+           "    return cfg.stages, draw_config(cfg, 0, 1).draws\n")
+    assert raw_reads(src, frozenset({"seed_config", "draw_config"})) == [
         "3: c.grpo.steps", "6: a.evaluation", "7: 'x' in config", "7: config.get", "7: config['seed']",
         "7: getattr(config, 'seed')", "12: dict(**self.config)", "12: for ... in self.config",
-        "12: self.config.sketch.dim", "15: config.to_dict"]
+        "12: self.config.sketch.dim", "15: config.to_dict", "19: cfg.stages",
+        "19: draw_config(cfg, 0, 1).draws"]
 
 
 def test_passing_the_config_on_is_not_a_read():

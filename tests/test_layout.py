@@ -162,7 +162,7 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
 
     config, hf = fsdp_run
     devs = compile_stage.target_devices(config.compile.target)[0]
-    cfg = compile_stage.model_config(config)
+    cfg = compile_stage.model_config(RunSpec.from_config(config))
     mesh = RunSpec.from_config(config).layout.on(devs).mesh()  # what compile_stage builds
     run = compile_stage.AbstractRun.build(RunSpec.from_config(config).compile, cfg, mesh)
     reported = {pr.name: pr for pr in compile_stage.build_programs(RunSpec.from_config(config).compile, cfg, mesh)}
@@ -170,7 +170,7 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
     assert any("data" in s.spec for s in want.values())  # FSDP is on in what compile lowers
 
     # the sketch stage: its checkpoint loader and forced sketcher (sketch_stage)
-    loader = sketch.CheckpointLoader(config, str(hf))
+    loader = sketch.CheckpointLoader(RunSpec.from_config(config), str(hf))
     params = loader.params(str(hf))
     assert _flat_shardings(params) == want
     forced = targets.ForcedSketcher.from_options(loader.spec.forced, loader.graphdef, loader.model_config,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import ml_collections
@@ -506,6 +507,31 @@ class RunSpec:
                 ``compile.stages``. KeyError: an unregistered ``grpo.loss`` / ``compile.losses``.
         """
         return build(ConfigReads(config), platform)
+
+
+# ------------------------------------------------------------------------------------------------
+# Variants of a config: the sweep's per-seed runs (stages/sweep.py), made here, where keys are read
+# ------------------------------------------------------------------------------------------------
+def seed_config(config: ml_collections.ConfigDict, seed: int, base_dir: str) -> ml_collections.ConfigDict:
+    """A copy of ``config`` for one training seed of a sweep (SPEC §10.2): ``seed``, the run name with
+    its ``seed<N>`` renamed, ``stages`` = ``sweep.stages``, ``model.hf_dir`` (``base_dir``, the sweep's
+    shared base model, unless the config names one) and the pre-registered draw (-1: the seed's own)."""
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.seed = seed
+        c.run_name = re.sub(r"seed\d+", f"seed{seed}", config.run_name)
+        c.stages = config.sweep.stages
+        c.model.hf_dir = config.model.hf_dir or base_dir
+        c.draws.ckpt_seed = c.draws.gen_seed = -1
+    return c
+
+
+def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose ``draws`` stage makes the diagnostic draw (SPEC §10.2) of the checkpoint of
+    seed ``ckpt_seed`` with generation seed ``gen_seed``."""
+    c = config.copy_and_resolve_references()
+    c.draws.ckpt_seed, c.draws.gen_seed = int(ckpt_seed), int(gen_seed)
+    return c
 
 
 def keys_read(config: ml_collections.ConfigDict) -> frozenset[str]:
