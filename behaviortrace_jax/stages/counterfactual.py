@@ -73,7 +73,7 @@ def method_scores(spec: RunSpec, paths: RunLayout, rollout_ids: list[str],
     texts = contaminator.logged_texts(tok_lib.load_tokenizer(paths.sft_hf), records)
     matches = contaminator.pattern_matches(texts, spec.first_behavior.pattern)
     return step_method_scores(spec.scores, paths, rollout_ids, steps, pattern_matches=matches,
-                              per_rollout=spec.sketch_keys.in_run_rollouts, records=records)
+                              per_rollout=spec.step.in_run_rollouts, records=records)
 
 
 def split(value: str) -> list[str]:

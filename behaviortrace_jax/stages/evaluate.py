@@ -115,7 +115,7 @@ def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
                               step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
                               min_matched_pairs=ev.min_matched_pairs, rollouts_per_step=n_per_step)
     rows = list(rep.rows)
-    if spec.sketch_keys.in_run_rollouts:
+    if spec.step.in_run_rollouts:
         sd = next(s for s in rep.seeds if s.label == str(spec.seed))
         matches = contaminator.pattern_matches(texts, spec.first_behavior.pattern)
         scores = step_method_scores(spec.scores, paths, sd.rollout_ids, sd.rollout_steps, pattern_matches=matches,
@@ -281,7 +281,7 @@ def behavior_results(spec: RunSpec, paths: RunLayout,
     log = training_log_inputs(records, ids)
     texts = completion_texts(paths, records) if texts is None else texts
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    roll_sk = read_rollout_sketches(spec.scores, paths) if spec.sketch_keys.in_run_rollouts else None
+    roll_sk = read_rollout_sketches(spec.scores, paths) if spec.step.in_run_rollouts else None
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     nonzero = np.isin(steps, np.asarray(tables.nonzero_steps_from_norms(step_norms), np.int64))
     rows: list[formats.Row] = []

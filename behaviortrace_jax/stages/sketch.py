@@ -114,7 +114,7 @@ def continuation_targets(spec: RunSpec, paths: RunLayout, loader: CheckpointLoad
     options = loader.spec.sketch
     meta = dict(sketch_metadata(options, loader.model_config, "targets_continuation"),
                 checkpoint_steps=steps, **({} if beh.first else {"behavior": beh.id}))
-    t_store = open_store(options, paths.behavior_targets(beh.suffix), (len(steps), spec.sketch_keys.dim), 1, meta)
+    t_store = open_store(options, paths.behavior_targets(beh.suffix), (len(steps), spec.sketch.dim), 1, meta)
     stats_path = paths.behavior_target_stats(beh.suffix)
     stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
     probes = beh.probe_sets()[0]
@@ -137,7 +137,7 @@ def sketch_training_rollouts(spec: RunSpec, paths: RunLayout, loader: Checkpoint
         records = [rec for rec in records if rec.step < spec.schedule.window_end]
     elif spec.sketch_keys.rollout_scope != "all":
         raise ValueError(f"config.sketch.rollout_scope={spec.sketch_keys.rollout_scope!r}; expected 'early' or 'all'")
-    r, d = len(records), spec.sketch_keys.dim
+    r, d = len(records), spec.sketch.dim
     eos = tok_lib.mask_eos_ids(loader.tokenizer, loader.spec.rollouts.mask_eos)  # as the GRPO loss mask
     options = loader.spec.sketch
     meta = dict(sketch_metadata(options, loader.model_config, "checkpoint_rollout_sketches"),

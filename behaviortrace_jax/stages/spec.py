@@ -2,9 +2,15 @@
 
 Every stage builds ``RunSpec.from_config(config)`` once and hands its parts down: nothing below
 ``stages/`` (``io``, ``models``, ``behavior``, ``sketch``, ``train``, ``aot``, ``attribution``)
-reads a ConfigDict (``tests/test_spec.py``). The builder is the one reader of the config's keys:
+reads a ConfigDict (``tests/test_spec.py``), and no other module of ``stages/`` reads a raw config
+value (``tests/test_config_boundary.py``; ``stages/fingerprint.py``, which keys outputs by the config's
+own dotted keys, excepted). The builder is the one reader of the config's keys:
 each is read once, converted to its type and checked here, and an error names the key
-(``config.grpo.steps: must be > 0, got -1``).
+(``config.grpo.steps: must be > 0, got -1``). A quantity derived from several keys has its one home
+here or in the option object it belongs to: rollouts per step ``step.shapes.num_rollouts`` (B x G),
+the windows (:meth:`RunSpec.window_end`, ``schedule.window_steps()``), :attr:`RunSpec.ctx_max_new_tokens`,
+:meth:`RunSpec.draw_seeds`, :attr:`RunSpec.sft_lr`; the sweep's per-seed configs are made here too
+(:func:`seed_config`, :func:`draw_config`).
 
 The tree holds the option objects the library takes, each defined in the module that uses it:
 :class:`~behaviortrace_jax.models.loader.ModelOptions` (``model``),
@@ -50,6 +56,9 @@ from behaviortrace_jax.models.sharding import Layout
 from behaviortrace_jax.sketch import hash_families, hash_tables as tables
 from behaviortrace_jax.sketch.stores import SketchOptions
 from behaviortrace_jax.sketch.targets import ForcedSketchOptions
+from behaviortrace_jax.stages.spec_sections import (BaseKeys, CauseKeys, CompileKeys, CounterfactualKeys, DrawsKeys,  # noqa: F401
+                                                     GRPOKeys, InfoKeys, MetagradientKeys, SFTKeys, SketchKeys,
+                                                     SweepKeys, TargetsKeys)
 from behaviortrace_jax.train import grpo_loss, nonfinite
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec, StepShapes
 from behaviortrace_jax.train.replay import ReplayOptions
@@ -63,199 +72,6 @@ from behaviortrace_jax.train.train_state import OptimOptions
 # fingerprint check (stages/fingerprint.py, which reads the config as data) before any stage runs.
 TOP_LEVEL_KEYS = ("model.allow_download", "on_changed_config")
 FREE_FORM = ("behaviors",)  # subtrees of ids (config_schema.FREE_FORM), read whole
-
-
-# ------------------------------------------------------------------------------------------------
-# The stages' own sections: one field per key of configs/common.py (types from its defaults)
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class GRPOKeys:
-    """``config.grpo`` (SPEC §2.1; comments in configs/common.py)."""
-
-    steps: int
-    prompts_per_step: int
-    group_size: int
-    max_prompt_tokens: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    loss: str
-    clip_eps: float
-    kl_beta: float
-    inner_iterations: int
-    adv_std_floor: float
-    continue_sft_moments: bool
-    checkpoint_every: int
-    log_shard_size: int
-    on_nonfinite: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SketchKeys:
-    """``config.sketch`` (SPEC §3)."""
-
-    dim: int
-    seed: int
-    hash: str
-    kernel: str
-    chunk_size: int
-    fused: bool
-    in_run_rollouts: bool
-    in_run_tables: bool
-    rollout_checkpoints: str
-    rollout_scope: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTKeys:
-    """``config.sft`` (SPEC §1.7)."""
-
-    steps: int
-    batch_size: int
-    data: str
-    max_prompt_tokens: int
-    max_completion_tokens: int
-    lr: float
-    append_eos: bool
-    mixture_n_ordinary: int
-    stop_every: int
-    stop_min_probe_rate: float
-    stop_max_control_rate: float
-    eval_samples_per_prompt: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BaseKeys:
-    """``config.base`` (the tiny base model, TINY_CALIBRATION)."""
-
-    seed: int
-    corpus_size: int
-    n_terms: int
-    n_heldout: int
-    vocab_size: int
-    family: str
-    preset: str
-    num_layers: int
-    steps: int
-    batch_size: int
-    seq_len: int
-    lr: float
-    warmup_steps: int
-    end_lr_fraction: float
-    length_buckets: int
-    append_eos: bool
-    log_every: int
-    eval_samples_per_prompt: int
-    eval_max_new_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DrawsKeys:
-    """``config.draws`` (SPEC §5.6, §10.2)."""
-
-    target_step: int
-    group_size: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    n_repeats: int
-    ckpt_seed: int
-    gen_seed: int
-    token_level_max: int
-    save_sketches: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetsKeys:
-    """``config.targets`` (SPEC §5)."""
-
-    ctx_group_size: int
-    ctx_temperature: float
-    ctx_top_p: float
-    ctx_max_new_tokens: int
-    block_size: int
-    length_bucket: int
-    use_tables: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepKeys:
-    """``config.sweep`` (SPEC §10.2)."""
-
-    seeds: str
-    diagnostic_draws: str
-    stages: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileKeys:
-    """``config.compile`` (the ``compile`` stage)."""
-
-    target: str
-    model: str
-    num_layers: int
-    losses: str
-    both_sketch_variants: bool
-    stages: str
-    programs: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CounterfactualKeys:
-    """``config.counterfactual`` (the ``counterfactual`` stage)."""
-
-    k_fractions: str
-    methods: str
-    random_seeds: int
-    lds_subsets: int
-    lds_fractions: str
-    lds_small_subsets: int
-    measure: str
-    sampled: int
-    rates: bool
-    recompute_advantages: bool
-    topk_recomputed: bool
-    intervention: str
-    rollouts: str
-    causal: str
-    causal_units: str
-    causal_streams: int
-    causal_regenerated: str
-    causal_k: float
-    causal_interventions: str
-    measures: str
-    table_measures: str
-    plans: str
-    plan_subsets: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CauseKeys:
-    """``config.cause`` (the ``cause`` stage: the causal gate)."""
-
-    streams: int
-    measures: str
-    primary: str
-    measure_step: str
-    samples: int
-
-
-@dataclasses.dataclass(frozen=True)
-class MetagradientKeys:
-    """``config.metagradient`` (the ``metagradient`` stage)."""
-
-    advantages: str
-    checkpoint_every: int
-    remat: str
-
-
-@dataclasses.dataclass(frozen=True)
-class InfoKeys:
-    """``config.info`` (the ``info`` stage)."""
-
-    max_new_tokens: int
 
 
 # ------------------------------------------------------------------------------------------------
@@ -413,7 +229,12 @@ def check_model_positions(run: "RunSpec", stages: "tuple[str, ...] | None" = Non
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """The run's typed options (module docstring); build with :meth:`from_config`."""
+    """The run's typed options (module docstring); build with :meth:`from_config`.
+
+    Besides the option objects and the ``*Keys`` sections: ``seed``, ``run_name``, ``reference_dir``
+    (the paper's released files, the ``reproduce`` stage), ``stages`` (the config's ``stages``),
+    ``hf_dir`` / ``hf_id`` (``model.hf_dir`` / ``model.hf_id``).
+    """
 
     seed: int
     run_name: str
