@@ -176,13 +176,13 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
     forced = targets.ForcedSketcher.from_options(loader.spec.forced, loader.graphdef, loader.model_config,
                                                  loader.abstract, tok_lib.pad_id(loader.tokenizer), mesh=loader.mesh)
     # the draws stage: its loaded checkpoint, sampler and forced sketcher (draws._load_env)
-    env = draws._load_env(config, hf)
+    env = draws._load_env(RunSpec.from_config(config), hf)
     assert _flat_shardings(env.params) == want
     assert env.sampler.mesh == mesh
 
     g, tg = config.grpo, config.targets
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
-    ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
+    ctx_new = RunSpec.from_config(config).ctx_max_new_tokens  # targets.ctx_max_new_tokens, -1: draws'
     runs = {"target_sketcher": (forced, params, bucket(g.max_prompt_tokens + ctx_new)),
             "rollout_resketcher": (forced, params, bucket(g.max_prompt_tokens + g.max_new_tokens)),
             "draws_sketcher": (env.sketcher, env.params, bucket(g.max_prompt_tokens + config.draws.max_new_tokens))}
