@@ -30,6 +30,7 @@ leaves out: ``spec.TOP_LEVEL_KEYS``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import pathlib
 
 import pytest
@@ -214,3 +215,60 @@ def test_passing_the_config_on_is_not_a_read():
 def test_an_exempt_module_still_reads_the_config_as_data(name):
     # the exemption is kept only while the module needs it: drop it from EXEMPT when this fails
     assert raw_reads((STAGES / name).read_text()), f"{name} no longer reads the config; remove its exemption"
+
+
+# ------------------------------------------------------------------------------------------------
+# The sweep's per-seed configs, made at the boundary (stages/spec.py), as the sweep stage runs them
+# ------------------------------------------------------------------------------------------------
+def test_seed_and_draw_configs_are_copies_with_the_seed_keys_set():
+    from behaviortrace_jax.stages import spec as spec_lib
+    from behaviortrace_jax.stages.spec import RunSpec
+    from configs import tiny_sweep
+
+    c = tiny_sweep.get_config()
+    s = spec_lib.seed_config(c, 2, "/runs/base")
+    assert (s.seed, s.run_name, s.stages, s.model.hf_dir) == (2, "tiny__grpo__seed2", c.sweep.stages, "/runs/base")
+    assert (s.draws.ckpt_seed, s.draws.gen_seed) == (-1, -1) and (c.seed, c.run_name, c.stages) == (0, "tiny__grpo__seed0",
+                                                                                                       "sweep")
+    d = spec_lib.draw_config(s, 2, 102)
+    assert (d.draws.ckpt_seed, d.draws.gen_seed, s.draws.gen_seed) == (2, 102, -1)
+    assert RunSpec.from_config(d).draw_seeds() == (2, 102) and RunSpec.from_config(s).draw_seeds() == (2, 2)
+
+
+def test_the_sweep_runs_each_seeds_stages_from_its_spec(tmp_path, monkeypatch):
+    """The sweep stage with every stage it calls replaced by a recorder: per seed, the stages of
+    ``sweep.stages`` (read through the spec) on that seed's config, the diagnostic draw of its
+    checkpoint seed, then the aggregate over the seeds' summaries."""
+    from behaviortrace_jax.io.layout import RunLayout
+    from behaviortrace_jax.stages import registry, sweep
+    from behaviortrace_jax.stages.spec import RunSpec
+    from configs import tiny_sweep
+
+    c = tiny_sweep.get_config()
+    c.sweep.seeds, c.sweep.diagnostic_draws, c.sweep.stages = "0,1", "1:101", "grpo,draws,evaluate"
+    calls = []
+
+    def fake(name):
+        def stage(config, workdir):
+            s = RunSpec.from_config(config)
+            calls.append((name, s.seed, s.draw_seeds(), pathlib.Path(workdir).name))
+            if name == "evaluate":  # what the sweep copies and reads back
+                run = RunLayout(workdir)
+                run.release_seed(s.seed).mkdir(parents=True)
+                (run.release_seed(s.seed) / "x.json").write_text("{}")
+                run.summary.parent.mkdir(parents=True, exist_ok=True)
+                run.summary.write_text('{"seed": %d}' % s.seed)
+        return stage
+
+    registry.load_stages()
+    for name in ("base", "grpo", "draws", "evaluate"):
+        monkeypatch.setitem(registry.STAGES, name, fake(name))
+    monkeypatch.setattr(sweep.fingerprint, "recording", lambda *a: contextlib.nullcontext())
+    seen = {}
+    monkeypatch.setattr(sweep, "aggregate", lambda config, w, summaries: seen.update(summaries))
+    sweep.sweep_stage(c, str(tmp_path))
+    assert calls == [("base", 0, (0, 0), tmp_path.name),
+                     ("grpo", 0, (0, 0), "seed0"), ("draws", 0, (0, 0), "seed0"), ("evaluate", 0, (0, 0), "seed0"),
+                     ("grpo", 1, (1, 1), "seed1"), ("draws", 1, (1, 1), "seed1"), ("draws", 1, (1, 101), "seed1"),
+                     ("evaluate", 1, (1, 1), "seed1")]
+    assert seen == {0: {"seed": 0}, 1: {"seed": 1}} and (RunLayout(tmp_path).release_seed(1) / "x.json").is_file()
