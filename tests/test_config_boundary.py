@@ -228,8 +228,8 @@ def test_seed_and_draw_configs_are_copies_with_the_seed_keys_set():
     c = tiny_sweep.get_config()
     s = spec_lib.seed_config(c, 2, "/runs/base")
     assert (s.seed, s.run_name, s.stages, s.model.hf_dir) == (2, "tiny__grpo__seed2", c.sweep.stages, "/runs/base")
-    assert (s.draws.ckpt_seed, s.draws.gen_seed) == (-1, -1) and (c.seed, c.run_name, c.stages) == (0, "tiny__grpo__seed0",
-                                                                                                       "sweep")
+    assert (s.draws.ckpt_seed, s.draws.gen_seed) == (-1, -1)
+    assert (c.seed, c.run_name, c.stages) == (0, "tiny__grpo__seed0", "sweep")  # the sweep's own config unchanged
     d = spec_lib.draw_config(s, 2, 102)
     assert (d.draws.ckpt_seed, d.draws.gen_seed, s.draws.gen_seed) == (2, 102, -1)
     assert RunSpec.from_config(d).draw_seeds() == (2, 102) and RunSpec.from_config(s).draw_seeds() == (2, 2)

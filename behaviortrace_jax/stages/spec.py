@@ -56,9 +56,9 @@ from behaviortrace_jax.models.sharding import Layout
 from behaviortrace_jax.sketch import hash_families, hash_tables as tables
 from behaviortrace_jax.sketch.stores import SketchOptions
 from behaviortrace_jax.sketch.targets import ForcedSketchOptions
-from behaviortrace_jax.stages.spec_sections import (BaseKeys, CauseKeys, CompileKeys, CounterfactualKeys, DrawsKeys,  # noqa: F401
-                                                     GRPOKeys, InfoKeys, MetagradientKeys, SFTKeys, SketchKeys,
-                                                     SweepKeys, TargetsKeys)
+from behaviortrace_jax.stages.spec_sections import (  # noqa: F401 (re-exported: a stage imports them from here)
+    BaseKeys, CauseKeys, CompileKeys, CounterfactualKeys, DrawsKeys, GRPOKeys, InfoKeys, MetagradientKeys, SFTKeys,
+    SketchKeys, SweepKeys, TargetsKeys)
 from behaviortrace_jax.train import grpo_loss, nonfinite
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec, StepShapes
 from behaviortrace_jax.train.replay import ReplayOptions
@@ -368,7 +368,8 @@ def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
     b, ct = c.behavior, c.contamination
     cutoff = typed(ct.early_step_cutoff, int, "contamination.early_step_cutoff")
     first = behaviors_lib.Behavior(
-        id=typed(b.id, str, "behavior.id"), trigger=typed(b.trigger, str, "behavior.trigger"), pattern=typed(b.pattern, str, "behavior.pattern"),
+        id=typed(b.id, str, "behavior.id"), trigger=typed(b.trigger, str, "behavior.trigger"),
+        pattern=typed(b.pattern, str, "behavior.pattern"),
         probes_path=typed(b.probes_path, str, "behavior.probes_path"),
         controls_path=typed(b.controls_path, str, "behavior.controls_path"),
         token_judge=typed(b.token_judge, str, "behavior.token_judge"),
