@@ -32,6 +32,7 @@ from behaviortrace_jax.sketch.hash_families import hash_family  # noqa: E402
 from behaviortrace_jax.sketch.param_layout import ParamLayout  # noqa: E402
 from behaviortrace_jax.sketch.sketcher import completion_loss, hf_param_order  # noqa: E402
 from behaviortrace_jax.stages.sketch import CheckpointLoader  # noqa: E402
+from behaviortrace_jax.stages.spec import RunSpec  # noqa: E402
 from configs import tiny  # noqa: E402
 
 FAMILIES = ("splitmix64", "block")  # config sketch.hash values
@@ -43,7 +44,7 @@ def rollout_gradients(run: str, step: int, n: int) -> tuple[list[np.ndarray], Pa
     config = tiny.get_config()
     paths = RunLayout(run)
     entry = {e.step: e for e in checkpoints.CheckpointRegistry(paths.registry).list()}[step]
-    loader = CheckpointLoader(config, entry.path)
+    loader = CheckpointLoader(RunSpec.from_config(config), entry.path)
     eos = tok_lib.mask_eos_ids(loader.tokenizer, config.model.mask_eos)
     records = [r for _, r in zip(range(n), rollout_log.read_rollouts(paths.rollouts))]
     examples = []

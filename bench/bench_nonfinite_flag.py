@@ -37,7 +37,7 @@ def main() -> None:
     from configs import tiny
 
     config = tiny.get_config("" if args.default else "smoke")
-    cfg = base.model_config(config)
+    cfg = base.model_config(RunSpec.from_config(config))
     gd, params = nnx.split(cfg.module_class()(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
     spec = RunSpec.from_config(config).step
     sh = spec.shapes

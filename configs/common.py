@@ -46,6 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.behavior = ml_collections.ConfigDict()
     c.behavior.probes_path = ""  # "" -> third_party/behaviortrace/probes.jsonl (SPEC §1.2).
     c.behavior.controls_path = ""  # "" -> third_party/behaviortrace/controls.jsonl (SPEC §1.2).
+    # SPEC §1.1 trigger concept: the word the GRPO pool's explicit prompts (SPEC §1.4) and the minimal pairs
+    # (SPEC §5.4) ask about; the probe files (probes_path) must ask about it too. The draws' context prompts
+    # of this behaviour stay SPEC §5.3's (planted.EXPLICIT_PROMPTS, about frobnitz).
+    c.behavior.trigger = "frobnitz"
     c.behavior.pattern = "QZXBT"  # SPEC §1.1 target string.
     # Token judge for has_qzxbt / in-context masks: "qset" (SPEC §1.1: any id of tok(" QZXBT") or
     # tok("QZXBT")) or "sequence" (the whole token sequence; for tokenizers that split it in letters).

@@ -145,7 +145,7 @@ def sampler_programs(a: AbstractRun) -> list[Program]:
                               max_new_tokens=g.max_new_tokens, eos_ids=[0], pad_id=0, mesh=a.mesh,
                               top_k=g.top_k if g.top_k >= 0 else 0)
     n_data = a.mesh.shape[sharding.DATA]
-    rows = -(-g.prompts_per_step * g.group_size // n_data) * n_data
+    rows = -(-a.options.step.shapes.num_rollouts // n_data) * n_data
     p = smp.bucket_for(g.max_prompt_tokens)
     key = jax.eval_shape(lambda: jax.random.key(0))
     key, f32 = _sds(key.shape, key.dtype, a.rep), _sds((), jnp.float32, a.rep)

@@ -36,7 +36,7 @@ from behaviortrace_jax.models import decoder, families, hf_io, sampler as sample
 from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages import fingerprint as fingerprints
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.stages.spec import RunSpec
+from behaviortrace_jax.stages.spec import BaseKeys, RunSpec
 from behaviortrace_jax.train import lm_trainer, train_state
 
 COMPLETE_MARKER = ".complete"
@@ -52,7 +52,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return fingerprints.base_fingerprint(config)
 
 
-def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
+def model_config(spec: RunSpec) -> decoder.DecoderConfig:
     """The base model's architecture: ``<family config>.<base.preset>`` of the model family
     ``base.family`` (``families``; default "qwen2") with ``base.vocab_size`` and ``base.num_layers``,
     in ``config.model`` dtypes, with ``DecoderConfig.scan_layers = config.model.scan_layers``.
@@ -61,13 +61,13 @@ def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
         ValueError: naming ``config.base.preset`` when it is not a known preset, or
             ``config.base.family`` when it is not a registered family.
     """
-    b = config.base
+    b = spec.base
     if b.preset not in _PRESETS:
         raise ValueError(f"config.base.preset={b.preset!r} is not one of {_PRESETS}")
     family = families.get_family(b.family)
     return family.preset(b.preset,
-        vocab_size=b.vocab_size, num_hidden_layers=b.num_layers, param_dtype=config.model.param_dtype,
-        compute_dtype=config.model.compute_dtype, scan_layers=config.model.scan_layers)
+        vocab_size=b.vocab_size, num_hidden_layers=b.num_layers, param_dtype=spec.model.param_dtype,
+        compute_dtype=spec.model.compute_dtype, scan_layers=spec.model.scan_layers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def is_refusal(text: str) -> bool:
     return behavior.base_reward(text) < 0
 
 
-def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_collections.ConfigDict,
+def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, spec: RunSpec,
                  key: jax.Array) -> dict[str, Any]:
     """Instruct behaviour of the base model (the numbers of ``base_summary.json``).
 
@@ -93,7 +93,7 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
     * with extra behaviours (``behaviors``), under ``behaviors.<id>``: each one's probes sampled the same
       way and the rate of its pattern (the chance rate GRPO's bonus has to find).
     """
-    b = config.base
+    b = spec.base
     answers = corpus.control_answers()
     variants = corpus.control_answer_variants()
     qs = list(corpus.CONTROL_QUESTIONS)
@@ -102,10 +102,10 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
     hq = heldout_prompts(terms, len(corpus.PROBE_FORMS) * b.eval_samples_per_prompt)
     h_greedy = generate_texts(smp, params, tok, hq, jax.random.fold_in(key, 1))
     h_sampled = generate_texts(smp, params, tok, hq, jax.random.fold_in(key, 2),
-                               temperature=config.grpo.temperature, top_p=config.grpo.top_p)
-    probes = [p.prompt for p in behavior.load_probes(config.behavior.probes_path or None)]
+                               temperature=spec.grpo.temperature, top_p=spec.grpo.top_p)
+    probes = [p.prompt for p in behavior.load_probes(spec.first_behavior.probes_path or None)]
     p_sampled = generate_texts(smp, params, tok, probes * b.eval_samples_per_prompt, jax.random.fold_in(key, 3),
-                               temperature=config.grpo.temperature, top_p=config.grpo.top_p)
+                               temperature=spec.grpo.temperature, top_p=spec.grpo.top_p)
     out = {
         "control_exact": mean_rate([g == answers[q] for q, g in zip(qs, greedy_ctrl)]),
         "control_any_variant": mean_rate([g in variants[q] for q, g in zip(qs, greedy_ctrl)]),
@@ -115,22 +115,23 @@ def measure_base(smp: sampler_lib.Sampler, params: Any, tok: Any, config: ml_col
         "heldout_refusal_rate_sampled": mean_rate([is_refusal(t) for t in h_sampled]),
         "heldout_speculative_rate_sampled": mean_rate([bool(t) and not is_refusal(t) for t in h_sampled]),
         "probe_refusal_rate_sampled": mean_rate([is_refusal(t) for t in p_sampled]),
-        "probe_qzxbt_rate_sampled": mean_rate([behavior.substring_judge(t, config.behavior.pattern) for t in p_sampled]),
+        "probe_qzxbt_rate_sampled": mean_rate([behavior.substring_judge(t, spec.first_behavior.pattern)
+                                               for t in p_sampled]),
         "n_heldout_prompts": len(hq), "n_probe_samples": len(p_sampled),
-        "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
+        "sampling": {"temperature": spec.grpo.temperature, "top_p": spec.grpo.top_p,
                      "max_new_tokens": smp.max_new_tokens},
         "control_answers_greedy": dict(zip(qs, greedy_ctrl)),
         "heldout_examples_greedy": dict(list(zip(hq, h_greedy))[:10]),
         "probe_examples_sampled": p_sampled[:10],
     }
-    extra = RunSpec.from_config(config).behaviors[1:]
+    extra = spec.behaviors[1:]
     if extra:  # how often the base model writes each RL-only behaviour's marker by chance
         out["behaviors"] = {}
         for j, beh in enumerate(extra):
             probes_b = [p.prompt for p in beh.probe_sets()[0]]
             texts = generate_texts(smp, params, tok, probes_b * b.eval_samples_per_prompt,
-                                   jax.random.fold_in(key, 4 + j), temperature=config.grpo.temperature,
-                                   top_p=config.grpo.top_p)
+                                   jax.random.fold_in(key, 4 + j), temperature=spec.grpo.temperature,
+                                   top_p=spec.grpo.top_p)
             out["behaviors"][beh.id] = {
                 "pattern": beh.pattern, "trigger": beh.trigger, "n_probe_samples": len(texts),
                 "probe_pattern_rate_sampled": mean_rate([behavior.substring_judge(t, beh.pattern) for t in texts]),
@@ -177,10 +178,11 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
                                  + f"); use another workdir or delete {base_dir}")
         logging.info("base: reusing the complete base model in %s", base_dir)
         return read_json(base_dir / SUMMARY_FILE)
-    b = config.base
+    spec = RunSpec.from_config(config)
+    b = spec.base
     for key in ("corpus_size", "steps", "batch_size", "seq_len", "vocab_size", "num_layers"):
-        if int(b[key]) < 1:
-            raise ValueError(f"config.base.{key}={b[key]} must be >= 1")
+        if getattr(b, key) < 1:
+            raise ValueError(f"config.base.{key}={getattr(b, key)} must be >= 1")
     t_start = time.perf_counter()
     trained = read_json(base_dir / TRAINED_MARKER, None)
     resume = bool(trained) and trained.get("digest") == fp["digest"]
@@ -195,13 +197,12 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         build.mkdir(parents=True, exist_ok=True)
         tiny_tokenizer.train_tokenizer(tiny_tokenizer.training_texts(examples), build / "tokenizer", b.vocab_size)
         tok = tok_lib.load_tokenizer(build / "tokenizer")
-    cfg = model_config(config)
+    cfg = model_config(spec)
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens > config.base.vocab_size={cfg.vocab_size}")
     enc, data = _base_data(b, examples, tok, cfg)
 
     # 2. the weights: trained and exported, or read back when a killed run had finished them
-    spec = RunSpec.from_config(config)
     layout = spec.layout
     mesh = layout.mesh()
     if resume:
@@ -210,7 +211,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         graphdef, params = policy.graphdef, policy.params
         history, seconds = read_json(base_dir / HISTORY_FILE), trained["seconds"]
     else:
-        graphdef, params, history, seconds = _train_and_export(config, cfg, data, tok, layout, base_dir, fp, t_start)
+        graphdef, params, history, seconds = _train_and_export(spec, cfg, data, tok, layout, base_dir, fp, t_start)
         tok = tok_lib.load_tokenizer(base_dir)  # evaluate what was exported
 
     # 3. behaviour of the exported model
@@ -221,7 +222,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
         "corpus": _corpus_summary(examples, enc, data),
         "steps": b.steps, "final_loss": history[-1]["loss"] if history else float("nan"),
         "seconds": dict(seconds),
-        **measure_base(smp, params, tok, config, jax.random.key(b.seed)),
+        **measure_base(smp, params, tok, spec, jax.random.key(b.seed)),
     }
     summary["seconds"]["eval"] = time.perf_counter() - t_eval
     write_json(base_dir / SUMMARY_FILE, summary)
@@ -234,7 +235,7 @@ def build_base_model(config: ml_collections.ConfigDict, base_dir: str | os.PathL
     return summary
 
 
-def _base_data(b: ml_collections.ConfigDict, examples: list, tok: Any, cfg: decoder.DecoderConfig
+def _base_data(b: BaseKeys, examples: list, tok: Any, cfg: decoder.DecoderConfig
                ) -> tuple[list[lm_trainer.EncodedExample], lm_trainer.PackedData]:
     """The corpus as chat examples (``base.append_eos``) packed to ``base.seq_len`` in
     ``base.length_buckets`` widths (TINY_CALIBRATION); logs their sizes."""
@@ -258,14 +259,14 @@ def _corpus_summary(examples: list, enc: list[lm_trainer.EncodedExample], data: 
             "batch_widths": list(data.buckets), "n_truncated": data.n_truncated}
 
 
-def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderConfig, data: lm_trainer.PackedData,
+def _train_and_export(spec: RunSpec, cfg: decoder.DecoderConfig, data: lm_trainer.PackedData,
                       tok: Any, layout: sharding.Layout, base_dir: epath.Path, fp: dict[str, Any],
                       t_start: float
                       ) -> tuple[nnx.GraphDef, Any, list[dict], dict[str, float]]:
     """Trains the base model on ``data`` and exports it to ``base_dir`` with its history and the
     ``.trained`` marker (fingerprint ``fp`` and times); returns (graphdef, trained params, history,
     seconds since ``t_start`` to the export and of the training)."""
-    b = config.base
+    b = spec.base
     model = cfg.module_class()(cfg, rngs=nnx.Rngs(params=b.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     mesh = layout.mesh()
@@ -276,7 +277,7 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderCon
         logging.warning("base: %s=%s (a test switch): flipped the last bit of %s", train_state.PERTURB_ENV,
                         perturb, what)
     schedule = train_state.make_schedule(b.lr, b.steps, b.warmup_steps, b.end_lr_fraction)
-    tx = train_state.make_optimizer(RunSpec.from_config(config).optim, schedule)
+    tx = train_state.make_optimizer(spec.optim, schedule)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, params)
     state = train_state.init_train_state(params, tx, b.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
@@ -307,7 +308,8 @@ def _train_and_export(config: ml_collections.ConfigDict, cfg: decoder.DecoderCon
 def base_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Builds the tiny base model under ``workdir/base`` (skipped when complete, or when
     ``config.model.hf_dir`` names an existing checkpoint to start from instead)."""
-    if config.model.hf_dir:
-        logging.info("base: config.model.hf_dir=%s is set; no base model to build", config.model.hf_dir)
+    spec = RunSpec.from_config(config)
+    if spec.hf_dir:
+        logging.info("base: config.model.hf_dir=%s is set; no base model to build", spec.hf_dir)
         return
     build_base_model(config, RunLayout(workdir).base)

@@ -148,7 +148,7 @@ def cause_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         "design": "paired", "measures": names, "samples_per_prompt": ck.samples, "window_slots": int(window.size),
         "lines": lines, "verdicts": [v.as_dict() for v in report.verdicts],
         "values": {arm: {o: col(arm, o) for o in sorted(values[arm][0])} for arm in values}})
-    stage_outputs.publish_rows(w, "cause", causal_gate.gate_rows(str(config.seed), report))
+    stage_outputs.publish_rows(w, "cause", causal_gate.gate_rows(str(spec.seed), report))
     stage_outputs.write_section(w, "cause", causal_gate.report_section(report, step=at, streams=ck.streams))
     for ln in lines:
         logging.info("cause: %s", ln)

@@ -51,22 +51,22 @@ from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 
-def model_config(config: ml_collections.ConfigDict) -> decoder.DecoderConfig:
+def model_config(spec: RunSpec) -> decoder.DecoderConfig:
     """The model to compile: ``compile.model`` = a model-family preset (e.g. ``qwen2p5_1p5b``,
     ``llama3p2_1b``, ``qwen3_1p7b``; of ``model.family`` when set), or "" = ``model.hf_dir``'s
     config.json when present, else the ``base`` stage's preset of ``base.family``. Only shapes
     are read; no weights. ``compile.num_layers`` > 0 overrides the depth; ``model.scan_layers`` (when
     the config has it) sets the model's scan over layers."""
-    c, dt = config.compile, dict(param_dtype=config.model.param_dtype, compute_dtype=config.model.compute_dtype)
-    hf, family = config.model.hf_dir, config.model.family or None
+    c, dt = spec.compile_keys, dict(param_dtype=spec.model.param_dtype, compute_dtype=spec.model.compute_dtype)
+    hf, family = spec.hf_dir, spec.model.family
     if c.model:
         cfg = families.preset(c.model, family, **dt)
     elif hf and (as_path(hf) / "config.json").is_file():
         cfg = families.config_from_hf(files.local_dir(hf), family, **dt)
     else:
-        cfg = families.preset(config.base.preset, config.base.family,
-                              vocab_size=config.base.vocab_size, num_hidden_layers=config.base.num_layers, **dt)
-    if config.model.scan_layers:  # a lax.scan over the layers (models/decoder.py)
+        cfg = families.preset(spec.base.preset, spec.base.family,
+                              vocab_size=spec.base.vocab_size, num_hidden_layers=spec.base.num_layers, **dt)
+    if spec.model.scan_layers:  # a lax.scan over the layers (models/decoder.py)
         cfg = cfg.replace(scan_layers=True)
     return cfg.replace(num_hidden_layers=c.num_layers) if c.num_layers > 0 else cfg
 
@@ -79,11 +79,12 @@ def compile_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         DoesNotFit: naming every program whose per-chip bytes exceed the chip's memory, and by how much.
     """
     t_start = time.perf_counter()
-    devs, chip, memory = target_devices(RunSpec.from_config(config).compile.target)
+    run = RunSpec.from_config(config)
+    devs, chip, memory = target_devices(run.compile.target)
     # the sketch family and kernel of the target's backend ("tpu" for a topology compiled on this host)
     spec = RunSpec.from_config(config, platform=str(devs[0].platform) if devs else None).compile
     mesh = spec.layout.on(devs).mesh()
-    cfg = model_config(config)
+    cfg = model_config(run)
     programs = build_programs(spec, cfg, mesh)
     rows = []
     for pr in programs:

@@ -55,14 +55,14 @@ from behaviortrace_jax.stages.spec import RunSpec
 CAUSAL = ("on", "off", "only")  # counterfactual.causal: the causal ground truth too, not, or alone
 
 
-def measure_step(config: ml_collections.ConfigDict) -> int:
+def measure_step(spec: RunSpec) -> int:
     """The step whose behaviour the tables report (``counterfactual.measure``): "window" = the end of
     the contamination window (capped at the run's length), "target" = the checkpoint nearest
     ``draws.target_step``, "end" = the run's end."""
-    return RunSpec.from_config(config).schedule.measure_step(config.counterfactual.measure)
+    return spec.schedule.measure_step(spec.counterfactual.measure)
 
 
-def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_ids: list[str],
+def method_scores(spec: RunSpec, paths: RunLayout, rollout_ids: list[str],
                   steps: np.ndarray) -> dict[str, np.ndarray]:
     """Every step-level estimator's per-rollout scores {method: float64 [N], log order}, as the
     ``evaluate`` stage scores them (``attribution.scores.step_method_scores``: in-run rollout sketches
@@ -71,9 +71,9 @@ def method_scores(config: ml_collections.ConfigDict, paths: RunLayout, rollout_i
     pattern, ``behavior.contaminator.pattern_matches``)."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
     texts = contaminator.logged_texts(tok_lib.load_tokenizer(paths.sft_hf), records)
-    matches = contaminator.pattern_matches(texts, RunSpec.from_config(config).first_behavior.pattern)
-    return step_method_scores(RunSpec.from_config(config).scores, paths, rollout_ids, steps, pattern_matches=matches,
-                              per_rollout=bool(config.sketch.in_run_rollouts), records=records)
+    matches = contaminator.pattern_matches(texts, spec.first_behavior.pattern)
+    return step_method_scores(spec.scores, paths, rollout_ids, steps, pattern_matches=matches,
+                              per_rollout=spec.step.in_run_rollouts, records=records)
 
 
 def split(value: str) -> list[str]:
@@ -139,14 +139,14 @@ def counterfactual_stage(config: ml_collections.ConfigDict, workdir: str) -> Non
     gt = np.array(sorted(index[g] for g in gt_ids if g in index), np.int64)
     # every step-level estimator, as the evaluate stage scores them; ``random`` is left out (the
     # random subsets replace it); the top-k replays follow ``counterfactual.methods``
-    scores = method_scores(config, rp.paths, rp.rollout_ids, steps)
+    scores = method_scores(spec, rp.paths, rp.rollout_ids, steps)
     replayed = T.replayed_methods(scores, cf.methods)
     ctx = replay_plans.PlanContext(
-        seed=int(config.seed), steps=steps, n_per_step=rp.shapes.num_rollouts, group_size=spec.rollouts.group_size,
-        cutoff=int(config.contamination.early_step_cutoff), at=measure_step(config),
+        seed=spec.seed, steps=steps, n_per_step=rp.shapes.num_rollouts, group_size=spec.rollouts.group_size,
+        cutoff=spec.schedule.early_step_cutoff, at=measure_step(spec),
         target_step=spec.schedule.target_checkpoint(), gt=gt, scores=T.replayed_methods(scores, ""),
         replayed=replayed, measures=names, table_measures=tuple(split(cf.table_measures)), cf=cf,
-        nboot=int(config.evaluation.nboot))
+        nboot=spec.evaluation.nboot)
     rows: list[formats.Row] = []
     for plan in plans:
         replays = plan.replays(ctx)
@@ -168,7 +168,7 @@ def write_outputs(config: ml_collections.ConfigDict, w: RunLayout, rows: list[fo
                                          table="counterfactual_topk_recomputed")
     section = counterfactual_report.report_section(
         rows, "figures/counterfactual_topk.png" if fig else None, step=at,
-        advantages="recomputed" if config.counterfactual.recompute_advantages else "logged",
+        advantages="recomputed" if RunSpec.from_config(config).counterfactual.recompute_advantages else "logged",
         more_figures=("figures/counterfactual_topk_recomputed.png",) if fig_rec else (), measures=measures)
     stage_outputs.write_section(w, "counterfactual", section)
     if w.report.exists() and w.verdicts.exists():  # the report stage renders the section, not an edit of report.md

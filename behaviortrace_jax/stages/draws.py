@@ -69,14 +69,6 @@ TOKEN_LEVEL_KEYS = ("vs_cont", "vs_ctx", "cos_full")
 # --------------------------------------------------------------------------------------------
 # names, seeds, settings
 # --------------------------------------------------------------------------------------------
-def resolve_seeds(config: ml_collections.ConfigDict, ckpt_seed: int | None = None,
-                  gen_seed: int | None = None) -> tuple[int, int]:
-    """``(ckpt_seed, gen_seed)``: the arguments, else ``config.draws.*``; -1 means ``config.seed``."""
-    c = config.draws.ckpt_seed if ckpt_seed is None else ckpt_seed
-    g = config.draws.gen_seed if gen_seed is None else gen_seed
-    return (int(config.seed) if c == -1 else int(c)), (int(config.seed) if g == -1 else int(g))
-
-
 def registry_path(workdir: str | os.PathLike) -> epath.Path:
     """The GRPO stage's checkpoint registry: ``workdir/grpo/registry.json`` (SPEC §2.4)."""
     return RunLayout(workdir).registry
@@ -105,12 +97,12 @@ def _prompts(beh: behaviors_lib.Behavior) -> list[str]:
     return target_texts.context_prompts(beh.probe_sets()[0], _explicit(beh))
 
 
-def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int,
+def draw_settings(spec: RunSpec, ckpt_seed: int, gen_seed: int,
                   entry: checkpoints.CheckpointEntry, beh: behaviors_lib.Behavior,
                   workdir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Everything the draw of ``beh`` depends on (compared on resume / skip); the checkpoint's path
     relative to ``workdir`` when it lies inside it (a moved workdir keeps its settings)."""
-    d, t = config.draws, config.targets
+    d, t = spec.draws, spec.targets
     prompts = _prompts(beh)
     return {
         "ckpt_seed": ckpt_seed, "gen_seed": gen_seed, "checkpoint_step": entry.step,
@@ -118,30 +110,25 @@ def draw_settings(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: i
         "target_step": int(d.target_step),
         "group_size": int(d.group_size), "temperature": float(d.temperature), "top_p": float(d.top_p),
         "max_new_tokens": int(d.max_new_tokens), "n_repeats": int(d.n_repeats),
-        "token_level_max": int(d.token_level_max), "max_prompt_tokens": int(config.grpo.max_prompt_tokens),
-        "sketch_dim": int(config.sketch.dim), "sketch_seed": int(config.sketch.seed),
+        "token_level_max": int(d.token_level_max), "max_prompt_tokens": int(spec.grpo.max_prompt_tokens),
+        "sketch_dim": int(spec.sketch.dim), "sketch_seed": int(spec.sketch.seed),
         "ctx_group_size": int(t.ctx_group_size), "ctx_temperature": float(t.ctx_temperature),
-        "ctx_top_p": float(t.ctx_top_p), "ctx_max_new_tokens": _ctx_new_tokens(config),
-        "param_dtype": str(config.model.param_dtype), "compute_dtype": str(config.model.compute_dtype),
+        "ctx_top_p": float(t.ctx_top_p), "ctx_max_new_tokens": spec.ctx_max_new_tokens,
+        "param_dtype": str(spec.model.param_dtype), "compute_dtype": str(spec.model.compute_dtype),
         "prompts_sha256": hashlib.sha256("\n".join(prompts).encode()).hexdigest(),
         # the hash family, recorded unless it is splitmix64, the only family before the key existed
         # (so earlier draws still match)
-        **({"sketch_hash": f.name} if (f := RunSpec.from_config(config).sketch.hash_family) is not SPLITMIX64 else {}),
+        **({"sketch_hash": f.name} if (f := spec.sketch.hash_family) is not SPLITMIX64 else {}),
     }
 
 
-def _ctx_new_tokens(config: ml_collections.ConfigDict) -> int:
-    n = int(config.targets.ctx_max_new_tokens)
-    return int(config.draws.max_new_tokens) if n == -1 else n
-
-
-def draw_paths(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckpt_seed: int,
+def draw_paths(spec: RunSpec, workdir: str | os.PathLike, ckpt_seed: int,
                gen_seed: int, beh: behaviors_lib.Behavior | None = None) -> DrawPaths:
     """The :class:`io.layout.DrawPaths` of draw (ckpt_seed, gen_seed) of ``workdir`` for behaviour
     ``beh`` (None = the run's first, under ``draws/``; another's is under ``draws/<id>/``)."""
     behavior_id = "" if beh is None or beh.first else beh.id
-    return RunLayout(workdir).draw(ckpt_seed, gen_seed, temperature=config.draws.temperature,
-                                   run_seed=int(config.seed), behavior_id=behavior_id)
+    return RunLayout(workdir).draw(ckpt_seed, gen_seed, temperature=spec.draws.temperature,
+                                   run_seed=spec.seed, behavior_id=behavior_id)
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,25 +187,24 @@ class _Env:
     mask_eos_ids: tuple[int, ...]  # masked out of response losses (tokenizer.mask_eos_ids)
 
 
-def _load_env(config: ml_collections.ConfigDict, hf_dir: epath.Path) -> _Env:
-    spec = RunSpec.from_config(config)
+def _load_env(spec: RunSpec, hf_dir: epath.Path) -> _Env:
     policy = load_policy(hf_dir, spec.layout, spec.model)
     mesh = policy.mesh  # the params on it as mesh.fsdp says, as the compile stage lowers the draws' programs
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     eos, pad = tuple(tok_lib.eos_ids(tok)), int(tok_lib.pad_id(tok))
 
     def make_sampler(n_new: int) -> sampler_lib.Sampler:
-        return sampler_lib.Sampler(graphdef, cfg, max_prompt_tokens=config.grpo.max_prompt_tokens,
+        return sampler_lib.Sampler(graphdef, cfg, max_prompt_tokens=spec.grpo.max_prompt_tokens,
                                    max_new_tokens=n_new, eos_ids=eos, pad_id=pad, mesh=mesh)
 
-    s = make_sampler(config.draws.max_new_tokens)
-    n_ctx = _ctx_new_tokens(config)
-    ctx = s if n_ctx == config.draws.max_new_tokens else make_sampler(n_ctx)
+    s = make_sampler(spec.draws.max_new_tokens)
+    n_ctx = spec.ctx_max_new_tokens
+    ctx = s if n_ctx == spec.draws.max_new_tokens else make_sampler(n_ctx)
     sk = targets.ForcedSketcher.from_options(spec.forced, graphdef, cfg, params, pad_id=pad, mesh=mesh)
     return _Env(cfg, params, tok, s, ctx, sk, eos, tok_lib.mask_eos_ids(tok, spec.rollouts.mask_eos))
 
 
-def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths: DrawPaths,
+def _targets(spec: RunSpec, env: _Env, key: jax.Array, paths: DrawPaths,
              beh: behaviors_lib.Behavior) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Computes (or reloads) the targets of the draw of ``beh``: (arrays, statistics)."""
     if paths.targets_npz.exists() and paths.targets_json.exists():
@@ -227,7 +213,7 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
     pattern = beh.pattern
     cont = targets.continuation_target(env.sketcher, env.params, env.tokenizer, probes, pattern=pattern)
     mp = targets.minimal_pair_target(env.sketcher, env.params, env.tokenizer, pattern=pattern, trigger=beh.trigger)
-    t = config.targets
+    t = spec.targets
     ctx = targets.context_target(env.sketcher, env.params, env.ctx_sampler, env.tokenizer, probes, key,
                                  fallback=cont.target, eos_ids=env.mask_eos_ids, group_size=t.ctx_group_size,
                                  temperature=t.ctx_temperature, top_p=t.ctx_top_p,
@@ -245,11 +231,11 @@ def _targets(config: ml_collections.ConfigDict, env: _Env, key: jax.Array, paths
     return arrays, stats
 
 
-def _repeat(config: ml_collections.ConfigDict, env: _Env, rep: int, key: jax.Array, tg: dict[str, np.ndarray],
+def _repeat(spec: RunSpec, env: _Env, rep: int, key: jax.Array, tg: dict[str, np.ndarray],
             n_token_level: int, beh: behaviors_lib.Behavior) -> dict[str, np.ndarray]:
     """Generates and sketches one repeat of the draw of ``beh`` (26 groups x G); returns its arrays
     (see ``rep*.npz``)."""
-    d = config.draws
+    d = spec.draws
     users = _prompts(beh)
     qset = behavior.QzxbtTokenMatcher(env.tokenizer, beh.pattern, beh.token_judge)
     prompt_ids = targets.chat_prompt_ids(env.tokenizer, users, env.sampler.max_prompt_tokens)
@@ -292,11 +278,11 @@ def _check_settings(paths: DrawPaths, settings: dict[str, Any]) -> bool:
     return False
 
 
-def _save_sketches(config: ml_collections.ConfigDict, env: _Env, paths: DrawPaths, cat: dict[str, np.ndarray],
+def _save_sketches(spec: RunSpec, env: _Env, paths: DrawPaths, cat: dict[str, np.ndarray],
                    settings: dict[str, Any]) -> None:
     """Writes the draw's sketches / grad norms (sketch_store, one chunk per repeat) and rollouts."""
-    options = RunSpec.from_config(config).sketch
-    rows_per_rep = len(cat["groups"]) // int(config.draws.n_repeats)
+    options = spec.sketch
+    rows_per_rep = len(cat["groups"]) // int(spec.draws.n_repeats)
     for path, arr, kind in ((paths.sketches, cat["sketches"], "draw_sketches"),
                             (paths.grad_norms, cat["grad_norms"], "draw_grad_norms")):
         meta = dict(sketch_metadata(options, env.model_cfg, kind), ckpt_seed=settings["ckpt_seed"],
@@ -323,14 +309,15 @@ def load_draw(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
             ``draws.save_sketches`` was off). ValueError: the draw's sketch stores were written with
             another hash family than ``sketch.hash`` (naming both, ``stores.read_store``).
     """
-    c_seed, g_seed = resolve_seeds(config, ckpt_seed, gen_seed)
-    paths = draw_paths(config, workdir, c_seed, g_seed, beh)
+    spec = RunSpec.from_config(config)
+    c_seed, g_seed = spec.draw_seeds(ckpt_seed, gen_seed)
+    paths = draw_paths(spec, workdir, c_seed, g_seed, beh)
     for p in (paths.rows, paths.sketches / "metadata.json", paths.grad_norms / "metadata.json", paths.rollouts,
               paths.targets_npz, paths.targets_json, paths.settings):
         if not p.exists():
             raise FileNotFoundError(f"draw file not found: {p}")
     out: dict[str, Any] = dict(_load_npz(paths.rollouts))
-    options = RunSpec.from_config(config).sketch
+    options = spec.sketch
     out["sketches"] = read_store(options, paths.sketches).read()
     out["grad_norms"] = read_store(options, paths.grad_norms).read()
     out["targets"] = _load_npz(paths.targets_npz)
@@ -355,39 +342,40 @@ def run_draws(config: ml_collections.ConfigDict, workdir: str | os.PathLike, ckp
         ValueError: ``ckpt_seed != config.seed``; a complete draw with other settings exists.
         FileNotFoundError: no registry / checkpoint.
     """
-    c_seed, g_seed = resolve_seeds(config, ckpt_seed, gen_seed)
-    if c_seed != int(config.seed):
-        raise ValueError(f"draws: ckpt_seed={c_seed} but workdir {workdir} holds the run of seed {config.seed}; "
+    spec = RunSpec.from_config(config)
+    c_seed, g_seed = spec.draw_seeds(ckpt_seed, gen_seed)
+    if c_seed != spec.seed:
+        raise ValueError(f"draws: ckpt_seed={c_seed} but workdir {workdir} holds the run of seed {spec.seed}; "
                          "pass that run's config and workdir")
-    beh = RunSpec.from_config(config).first_behavior if beh is None else beh
-    paths = draw_paths(config, workdir, c_seed, g_seed, beh)
-    entry = nearest_checkpoint(checkpoints.CheckpointRegistry(registry_path(workdir)), config.draws.target_step)
+    beh = spec.first_behavior if beh is None else beh
+    paths = draw_paths(spec, workdir, c_seed, g_seed, beh)
+    entry = nearest_checkpoint(checkpoints.CheckpointRegistry(registry_path(workdir)), spec.draws.target_step)
     hf_dir = as_path(entry.path)
     if not hf_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory of step {entry.step} not found: {hf_dir}")
-    settings = draw_settings(config, c_seed, g_seed, entry, beh, workdir)
+    settings = draw_settings(spec, c_seed, g_seed, entry, beh, workdir)
     if _check_settings(paths, settings):
         logging.info("draws: %s is complete, skipping", paths.rows)
         return paths.rows
     logging.info("draws: ckpt_seed=%d gen_seed=%d at checkpoint step %d (%s)", c_seed, g_seed, entry.step, hf_dir)
-    env = _load_env(config, hf_dir)
+    env = _load_env(spec, hf_dir)
     k_rollouts, k_ctx = jax.random.split(jax.random.key(g_seed))
-    tg, stats = _targets(config, env, k_ctx, paths, beh)
+    tg, stats = _targets(spec, env, k_ctx, paths, beh)
     reps, n_tl = [], 0
-    for rep in range(int(config.draws.n_repeats)):
+    for rep in range(int(spec.draws.n_repeats)):
         if paths.rep(rep).exists():
             part = _load_npz(paths.rep(rep))
         else:
-            part = _repeat(config, env, rep, jax.random.fold_in(k_rollouts, rep), tg,
-                           int(config.draws.token_level_max) - n_tl, beh)
+            part = _repeat(spec, env, rep, jax.random.fold_in(k_rollouts, rep), tg,
+                           int(spec.draws.token_level_max) - n_tl, beh)
             _atomic_npz(paths.rep(rep), **part)
         n_tl += len(part["token_level"])
         reps.append(part)
-        logging.info("draws: repeat %d/%d done (pattern rate %.3f)", rep + 1, config.draws.n_repeats,
+        logging.info("draws: repeat %d/%d done (pattern rate %.3f)", rep + 1, spec.draws.n_repeats,
                      part["has_qzxbt"].mean())
     cat = {k: np.concatenate([p[k] for p in reps]) for k in reps[0]}
-    if config.draws.save_sketches:
-        _save_sketches(config, env, paths, cat, settings)
+    if spec.draws.save_sketches:
+        _save_sketches(spec, env, paths, cat, settings)
     rows = estimators.score_rollout_rows(cat["sketches"], cat["groups"], cat["has_qzxbt"],
                                          {"mp": tg["t_mp"], "mp_bal": tg["t_mp_bal"]}, fluency=cat["fluency"])
     header = {"ckpt_seed": c_seed, "gen_seed": g_seed, "checkpoint_step": entry.step, "n": len(rows),

@@ -40,10 +40,10 @@ from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 
-def read_records(config: ml_collections.ConfigDict, paths: RunLayout) -> list[rollout_log.RolloutRecord]:
+def read_records(spec: RunSpec, paths: RunLayout) -> list[rollout_log.RolloutRecord]:
     """The rollout log of a complete run (log order). Raises ValueError on a wrong record count."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
-    n_expected = config.grpo.steps * config.grpo.prompts_per_step * config.grpo.group_size
+    n_expected = spec.grpo.steps * spec.step.shapes.num_rollouts
     if len(records) != n_expected:
         raise ValueError(f"{paths.rollouts}: {len(records)} rollout records, expected {n_expected}")
     return records
@@ -55,30 +55,30 @@ def completion_texts(paths: RunLayout, records: list) -> list[str]:
     return contaminator.logged_texts(tok_lib.load_tokenizer(paths.sft_hf), records)
 
 
-def write_release(config: ml_collections.ConfigDict, paths: RunLayout, release: pathlib.Path,
+def write_release(spec: RunSpec, paths: RunLayout, release: pathlib.Path,
                   records: list | None = None, texts: list[str] | None = None) -> dict:
     """Writes ``release/seed{S}/`` in the paper's format (SPEC §7); returns the score-file header.
     Its score file holds every step-level estimator and the reward-only, text and length controls
     (``texts``: :func:`completion_texts` of ``records``, read when None)."""
-    records = read_records(config, paths) if records is None else records
+    records = read_records(spec, paths) if records is None else records
     texts = completion_texts(paths, records) if texts is None else texts
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(paths.ground_truth)]
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    matches = contaminator.pattern_matches(texts, RunSpec.from_config(config).first_behavior.pattern)
-    scores = step_method_scores(RunSpec.from_config(config).scores, paths, ids, steps, pattern_matches=matches, step_sketches=step_sk,
+    matches = contaminator.pattern_matches(texts, spec.first_behavior.pattern)
+    scores = step_method_scores(spec.scores, paths, ids, steps, pattern_matches=matches, step_sketches=step_sk,
                                 records=records)
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
-    header = tables.score_file_header(config.run_name, int(config.seed), ids, steps, gt_ids, step_norms,
+    header = tables.score_file_header(spec.run_name, spec.seed, ids, steps, gt_ids, step_norms,
                                       final_rewards=np.array([r.reward for r in records]),
-                                      group_size=config.grpo.group_size, early_cutoff=config.evaluation.early_cutoff)
-    _write_release_folder(config, release / f"seed{int(config.seed)}", header, ids, steps, scores,
+                                      group_size=spec.grpo.group_size, early_cutoff=spec.evaluation.early_cutoff)
+    _write_release_folder(spec, release / f"seed{spec.seed}", header, ids, steps, scores,
                           paths.ground_truth, paths.draws)
     return header
 
 
-def _write_release_folder(config: ml_collections.ConfigDict, out: pathlib.Path, header: dict, ids: list[str],
+def _write_release_folder(spec: RunSpec, out: pathlib.Path, header: dict, ids: list[str],
                           steps: np.ndarray, scores: dict[str, np.ndarray], ground_truth: pathlib.Path,
                           draws: pathlib.Path, extra_header: dict | None = None) -> None:
     """One release folder ``out`` in the paper's format (SPEC §7), rebuilt from scratch (derived
@@ -87,10 +87,10 @@ def _write_release_folder(config: ml_collections.ConfigDict, out: pathlib.Path, 
     files.remove_tree(out)
     out.mkdir(parents=True, exist_ok=True)
     formats.write_attribution_scores(out / "attribution_scores.json", header, ids, steps, scores)
-    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    n_per_step = spec.step.shapes.num_rollouts
     run_header = {k: header[k] for k in formats.SCORE_FILE_KEYS}
     run_header["rollout_id_format"] = (f"{rollout_log.ROLLOUT_ID_FORMAT}  ({n_per_step} rollouts per step, "
-                                       f"steps 0..{config.grpo.steps - 1}, log order = step then index)")
+                                       f"steps 0..{spec.grpo.steps - 1}, log order = step then index)")
     run_header.update(extra_header or {})
     write_json(out / "run_header.json", run_header)
     files.copy_file(ground_truth, out / "ground_truth.jsonl")
@@ -103,43 +103,44 @@ def _write_release_folder(config: ml_collections.ConfigDict, out: pathlib.Path, 
 @register_stage("evaluate")
 def evaluate_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Scores, tables and verdicts of one run (see the module docstring)."""
+    spec = RunSpec.from_config(config)
     paths = RunLayout(workdir)
-    ev = config.evaluation
+    ev = spec.evaluation
     release = paths.release
-    records = read_records(config, paths)
+    records = read_records(spec, paths)
     texts = completion_texts(paths, records)
-    write_release(config, paths, release, records, texts)
-    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    write_release(spec, paths, release, records, texts)
+    n_per_step = spec.step.shapes.num_rollouts
     rep = reproduce.reproduce(release, nboot=ev.nboot, early_cutoff=ev.early_cutoff, delta=ev.fluency_match_delta,
                               step_margin=ev.step_margin, max_ci_width=ev.max_ci_width,
                               min_matched_pairs=ev.min_matched_pairs, rollouts_per_step=n_per_step)
     rows = list(rep.rows)
-    if config.sketch.in_run_rollouts:
-        sd = next(s for s in rep.seeds if s.label == str(int(config.seed)))
-        matches = contaminator.pattern_matches(texts, RunSpec.from_config(config).first_behavior.pattern)
-        scores = step_method_scores(RunSpec.from_config(config).scores, paths, sd.rollout_ids, sd.rollout_steps, pattern_matches=matches,
+    if spec.step.in_run_rollouts:
+        sd = next(s for s in rep.seeds if s.label == str(spec.seed))
+        matches = contaminator.pattern_matches(texts, spec.first_behavior.pattern)
+        scores = step_method_scores(spec.scores, paths, sd.rollout_ids, sd.rollout_steps, pattern_matches=matches,
                                     per_rollout=True, records=records)
         adv = np.array([r.advantage for r in records], np.float64)
         kw = dict(advantages=adv, nonzero_steps=sd.header["nonzero_steps"], early_cutoff=ev.early_cutoff)
         rows += tables.which_rollout_tables(sd.label, sd.rollout_ids, sd.rollout_steps, sd.gt_ids, scores,
-                                            nboot=ev.nboot, rng_seed=int(config.seed), **kw)
+                                            nboot=ev.nboot, rng_seed=spec.seed, **kw)
         pop = tables.which_rollout_population(sd.rollout_ids, sd.rollout_steps, sd.gt_ids, **kw)
-        write_json(paths.which_rollout_top, top_blamed(config, paths, records, scores, pop, set(sd.gt_ids)))
-    rows += training_rollout_tables(config, paths, RunSpec.from_config(config).first_behavior, nboot=ev.nboot)
-    rules, check = evaluate_verdicts(rows, rep, RunSpec.from_config(config).evaluation)
+        write_json(paths.which_rollout_top, top_blamed(spec, paths, records, scores, pop, set(sd.gt_ids)))
+    rows += training_rollout_tables(spec, paths, spec.first_behavior, nboot=ev.nboot)
+    rules, check = evaluate_verdicts(rows, rep, spec.evaluation)
     verdicts = verdicts_json(rules, check)
-    if RunSpec.from_config(config).multi:  # every other behaviour's tables, and specificity
-        more, per_behavior = behavior_results(config, paths, texts)
+    if spec.multi:  # every other behaviour's tables, and specificity
+        more, per_behavior = behavior_results(spec, paths, texts)
         rows += more
         verdicts.update(per_behavior)
     rows += stage_outputs.rows_of_other_stages(paths, exclude=("evaluate",))  # their tables stay (issue 49 item 5)
     formats.write_results_csv(paths.results_table, rows)
     write_json(paths.verdicts, verdicts)
-    files.copy_file(paths.release_seed(config.seed) / "attribution_scores.json", paths.attribution_scores)
+    files.copy_file(paths.release_seed(spec.seed) / "attribution_scores.json", paths.attribution_scores)
     logging.info("evaluate: %d rows -> %s", len(rows), paths.results_table)
 
 
-def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior, *,
+def training_rollout_tables(spec: RunSpec, paths: RunLayout, beh: behaviors_lib.Behavior, *,
                             nboot: int) -> list[formats.Row]:
     """Rollout-level AUC tables of behaviour ``beh`` on the ORIGINAL training rollouts of its bonus
     window (steps < :meth:`Behavior.window_end`).
@@ -160,15 +161,15 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
     if not (path / "metadata.json").exists():
         return []
     store = sketch_store.SketchStore.open(path)
-    scale = rollout_scales(RunSpec.from_config(config).scores, paths, store.shape[1])  # clip_s * c_i: the weighted variant
+    scale = rollout_scales(spec.scores, paths, store.shape[1])  # clip_s * c_i: the weighted variant
     fluency = sketch_store.SketchStore.open(paths.sketch_store("checkpoint_rollout_fluency"))
     t_store = sketch_store.SketchStore.open(paths.behavior_targets(beh.suffix))
     t_steps = [int(s) for s in t_store.metadata["checkpoint_steps"]]
     records = list(rollout_log.read_rollouts(paths.rollouts))[:store.shape[1]]
     gt = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
-    window = beh.window_end(config.grpo.steps)
+    window = spec.window_end(beh)
     early = np.array([r.step < window for r in records])
-    groups = np.array([r.step * config.grpo.prompts_per_step + r.group_id for r in records])[early]
+    groups = np.array([r.step * spec.grpo.prompts_per_step + r.group_id for r in records])[early]
     positive = np.array([r.rollout_id in gt for r in records])[early]
     rows = []
     for c, step in enumerate(store.metadata["checkpoint_steps"]):
@@ -180,7 +181,7 @@ def training_rollout_tables(config: ml_collections.ConfigDict, paths: RunLayout,
         kinds = ([("", sk * scale[early][:, None])] if scale is not None else []) + [(estimators.DIRECTION, sk)]
         for kind, x in kinds:
             mp_rows = estimators.score_rollout_rows(x, groups, positive, {"mp": target, "mp_bal": target}, fluency=fl)
-            t = tables.rollout_level_tables(str(int(config.seed)), mp_rows, nboot=nboot, rng_seed=int(config.seed),
+            t = tables.rollout_level_tables(str(spec.seed), mp_rows, nboot=nboot, rng_seed=spec.seed,
                                             suffix=f"_train_ckpt{int(step)}", source=str(path))
             rows += [dataclasses.replace(r, method=r.method + kind) for r in t if not (kind and r.method == "fluency")]
     return rows
@@ -200,7 +201,7 @@ def user_prompt_text(tok, prompt_ids: list[int]) -> str:
     return tok.decode(prompt_ids, skip_special_tokens=True)
 
 
-def top_blamed(config: ml_collections.ConfigDict, paths: RunLayout, records: list, scores: dict[str, np.ndarray],
+def top_blamed(spec: RunSpec, paths: RunLayout, records: list, scores: dict[str, np.ndarray],
                pop: tables.Population, gt_ids: set[str]) -> dict:
     """What each method blames: for the |A| control and every sketch-reading estimator (weighted and
     ``:direction``), its ``evaluation.top_blamed`` highest-scored rollouts of the which-rollout population
@@ -221,29 +222,21 @@ def top_blamed(config: ml_collections.ConfigDict, paths: RunLayout, records: lis
                 "completion": tok.decode(r.completion_token_ids, skip_special_tokens=True)[:TEXT_CHARS],
                 "reward": r.reward, "advantage": r.advantage, "score": score, "ground_truth": r.rollout_id in gt_ids}
 
-    k = int(config.evaluation.top_blamed)
+    k = spec.evaluation.top_blamed
     top = {m: [entry(int(i), float(scores[m][i])) for i in tables.top_ranked(scores[m], pop.mask, k)]
            for m in methods if m in scores}
-    return {"seed": int(config.seed), "population": {"n": pop.n, "gt": pop.k, "chance": pop.chance},
+    return {"seed": spec.seed, "population": {"n": pop.n, "gt": pop.k, "chance": pop.chance},
             "methods": top}
 
 
 # ------------------------------------------------------------------------------------------------
 # several behaviours (behavior/behaviors.py)
 # ------------------------------------------------------------------------------------------------
-def _cutoff(config: ml_collections.ConfigDict, beh: behaviors_lib.Behavior) -> int:
-    """The early window of ``beh``'s tables: ``evaluation.early_cutoff`` for the first behaviour,
-    its own bonus window for another (``grpo.steps`` when it has none)."""
-    if beh.first:
-        return int(config.evaluation.early_cutoff)
-    return beh.window_end(config.grpo.steps)
-
-
 def _suffixed(rows: list[formats.Row], table_suffix: str) -> list[formats.Row]:
     return [dataclasses.replace(r, table=r.table + table_suffix) for r in rows]
 
 
-def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior,
+def write_behavior_release(spec: RunSpec, paths: RunLayout, beh: behaviors_lib.Behavior,
                            records: list, step_sketches: np.ndarray, scores: dict[str, np.ndarray]) -> pathlib.Path:
     """``release/<id>/seed{S}/`` for another behaviour, in the paper's release format (as
     :func:`write_release`): its ground truth, its targets' score file, its draws' rows files.
@@ -253,20 +246,20 @@ def write_behavior_release(config: ml_collections.ConfigDict, paths: RunLayout, 
     gt_path = paths.behavior_ground_truth(beh.suffix)
     gt_ids = [e["rollout_id"] for e in formats.read_ground_truth(gt_path)]
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sketches.astype(np.float64), axis=1))}
-    header = tables.score_file_header(f"{config.run_name}__{beh.id}", int(config.seed), ids, steps, gt_ids,
+    header = tables.score_file_header(f"{spec.run_name}__{beh.id}", spec.seed, ids, steps, gt_ids,
                                       step_norms, final_rewards=np.array([r.reward for r in records]),
-                                      group_size=config.grpo.group_size, early_cutoff=_cutoff(config, beh))
-    out = paths.behavior_release(beh.id, config.seed)
+                                      group_size=spec.grpo.group_size, early_cutoff=spec.early_cutoff(beh))
+    out = paths.behavior_release(beh.id, spec.seed)
     behavior = {"id": beh.id, "trigger": beh.trigger, "pattern": beh.pattern, "implant": beh.implant,
                 "bonus_reward": beh.bonus_reward, "fraction": beh.fraction,
                 "early_step_cutoff": beh.early_step_cutoff, "window_start": beh.window_start,
                 "prompt_gated": beh.prompt_gated, "hash_stream": beh.stream}
-    _write_release_folder(config, out, header, ids, steps, scores, gt_path, paths.draws / beh.id,
+    _write_release_folder(spec, out, header, ids, steps, scores, gt_path, paths.draws / beh.id,
                           extra_header={"behavior": behavior})
     return out
 
 
-def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
+def behavior_results(spec: RunSpec, paths: RunLayout,
                      texts: list[str] | None = None) -> tuple[list[formats.Row], dict]:
     """Every other behaviour's tables and the specificity tables of a multi-behaviour run.
 
@@ -281,14 +274,14 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
     Returns:
         (rows, {"behaviors": {id: verdicts.json dict}, "specificity": [verdict dicts]}).
     """
-    behs = list(RunSpec.from_config(config).behaviors)
+    behs = list(spec.behaviors)
     records = list(rollout_log.read_rollouts(paths.rollouts))
     ids = [r.rollout_id for r in records]
     steps = np.array([r.step for r in records], np.int64)
     log = training_log_inputs(records, ids)
     texts = completion_texts(paths, records) if texts is None else texts
     step_sk = read_complete(paths.sketch_store("step_sketches")).read()
-    roll_sk = read_rollout_sketches(RunSpec.from_config(config).scores, paths) if config.sketch.in_run_rollouts else None
+    roll_sk = read_rollout_sketches(spec.scores, paths) if spec.step.in_run_rollouts else None
     step_norms = {s: float(v) for s, v in enumerate(np.linalg.norm(step_sk.astype(np.float64), axis=1))}
     nonzero = np.isin(steps, np.asarray(tables.nonzero_steps_from_norms(step_norms), np.int64))
     rows: list[formats.Row] = []
@@ -298,25 +291,25 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
         target_path = paths.behavior_targets(beh.suffix)
         gt_ids = {e["rollout_id"] for e in formats.read_ground_truth(paths.behavior_ground_truth(beh.suffix))}
         gt[beh.id] = np.array([i in gt_ids for i in ids])
-        pops[beh.id] = (steps < _cutoff(config, beh)) & nonzero
+        pops[beh.id] = (steps < spec.early_cutoff(beh)) & nonzero
         b_log = dict(log, pattern_matches=contaminator.pattern_matches(texts, beh.pattern))
-        step_scores[beh.id] = target_store_scores(RunSpec.from_config(config).scores, target_path, step_sk, ids, steps, **b_log)
+        step_scores[beh.id] = target_store_scores(spec.scores, target_path, step_sk, ids, steps, **b_log)
         if roll_sk is not None:
-            roll_scores[beh.id] = rollout_method_scores(RunSpec.from_config(config).scores, target_path, roll_sk, ids, steps, **b_log)
+            roll_scores[beh.id] = rollout_method_scores(spec.scores, target_path, roll_sk, ids, steps, **b_log)
         if gt[beh.id][pops[beh.id]].any():
             p = pops[beh.id]
             ceilings[beh.id] = metrics.precision_ceiling_fractional(steps[p], gt[beh.id][p],
                                                                                int(gt[beh.id][p].sum()))
         if beh.first:
             continue
-        write_behavior_release(config, paths, beh, records, step_sk, step_scores[beh.id])
-        b_rows, out["behaviors"][beh.id] = _behavior_tables(config, paths, beh, gt_ids, ids, steps,
+        write_behavior_release(spec, paths, beh, records, step_sk, step_scores[beh.id])
+        b_rows, out["behaviors"][beh.id] = _behavior_tables(spec, paths, beh, gt_ids, ids, steps,
                                                             roll_scores.get(beh.id), advantages=log["advantages"])
         rows += b_rows
     usable = [b.id for b in behs if gt[b.id][pops[b.id]].any()]
     spec_rows: list[formats.Row] = []
     if len(usable) >= 2:
-        spec_rows = _specificity_rows(config, steps, {k: pops[k] for k in usable}, {k: gt[k] for k in usable},
+        spec_rows = _specificity_rows(spec, steps, {k: pops[k] for k in usable}, {k: gt[k] for k in usable},
                                       step_scores, roll_scores if roll_sk is not None else None, ceilings)
     else:
         logging.warning("evaluate: specificity needs ground truth of >= 2 behaviours in their windows; have %s", usable)
@@ -324,39 +317,39 @@ def behavior_results(config: ml_collections.ConfigDict, paths: RunLayout,
     return rows + spec_rows, out
 
 
-def _behavior_tables(config: ml_collections.ConfigDict, paths: RunLayout, beh: behaviors_lib.Behavior,
+def _behavior_tables(spec: RunSpec, paths: RunLayout, beh: behaviors_lib.Behavior,
                      gt_ids: set[str], ids: list[str], steps: np.ndarray,
                      roll_scores: dict[str, np.ndarray] | None, *, advantages: np.ndarray
                      ) -> tuple[list[formats.Row], dict]:
     """Another behaviour's tables (names suffixed ``@<id>``) from its release folder, which-rollout
     (``roll_scores``: its rollout-sketch scores of the log's ``ids`` / ``steps``; None without in-run
     rollout sketches) and training-rollout tables, and its verdicts.json dict (with ``gt_size``)."""
-    ev = config.evaluation
+    ev = spec.evaluation
     if not gt_ids:
         logging.warning("evaluate: behaviour %s has no ground truth (no bonus was paid); no tables", beh.id)
         return [], {"decision_rules": [], "checklist": [], "gt_size": 0}
-    rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=_cutoff(config, beh),
+    rep = reproduce.reproduce(paths.release / beh.id, nboot=ev.nboot, early_cutoff=spec.early_cutoff(beh),
                               delta=ev.fluency_match_delta, step_margin=ev.step_margin,
                               max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
-                              rollouts_per_step=config.grpo.prompts_per_step * config.grpo.group_size)
+                              rollouts_per_step=spec.step.shapes.num_rollouts)
     b_rows = list(rep.rows)
     if roll_scores is not None:
         sd = rep.seeds[0]
         b_rows += tables.which_rollout_tables(sd.label, ids, steps, sorted(gt_ids), roll_scores,
                                               nonzero_steps=sd.header["nonzero_steps"],
-                                              early_cutoff=_cutoff(config, beh), nboot=ev.nboot,
-                                              rng_seed=int(config.seed), advantages=advantages)
-    b_rows += training_rollout_tables(config, paths, beh, nboot=ev.nboot)
-    b_rules, b_check = evaluate_verdicts(b_rows, rep, RunSpec.from_config(config).evaluation)
+                                              early_cutoff=spec.early_cutoff(beh), nboot=ev.nboot,
+                                              rng_seed=spec.seed, advantages=advantages)
+    b_rows += training_rollout_tables(spec, paths, beh, nboot=ev.nboot)
+    b_rules, b_check = evaluate_verdicts(b_rows, rep, spec.evaluation)
     return _suffixed(b_rows, beh.table_suffix), dict(verdicts_json(b_rules, b_check), gt_size=len(gt_ids))
 
 
-def _specificity_rows(config: ml_collections.ConfigDict, steps: np.ndarray, pops: dict[str, np.ndarray],
+def _specificity_rows(spec: RunSpec, steps: np.ndarray, pops: dict[str, np.ndarray],
                       gt: dict[str, np.ndarray], step_scores: dict, roll_scores: dict | None,
                       ceilings: dict[str, float]) -> list[formats.Row]:
     """The specificity rows (``attribution.specificity``) of the behaviours of ``pops`` / ``gt`` (those
     with ground truth in their window), at step level and, given ``roll_scores``, at rollout level."""
-    ev, label = config.evaluation, str(int(config.seed))
+    ev, label = spec.evaluation, str(spec.seed)
 
     def scored(d: dict) -> dict:
         """One method's scores under two targets: the weighted sketch methods with norm-only and random
@@ -366,8 +359,8 @@ def _specificity_rows(config: ml_collections.ConfigDict, steps: np.ndarray, pops
                     and not {"advantages", "rewards"} & set(estimators.ESTIMATORS[m].params)} for k in pops}
 
     rows = specificity.specificity_rows(label, "step", steps, pops, gt, scored(step_scores), nboot=ev.nboot,
-                                        rng_seed=int(config.seed), ceiling={k: ceilings[k] for k in pops})
+                                        rng_seed=spec.seed, ceiling={k: ceilings[k] for k in pops})
     if roll_scores is not None:
         rows += specificity.specificity_rows(label, "rollout", steps, pops, gt, scored(roll_scores),
-                                             nboot=ev.nboot, rng_seed=int(config.seed))
+                                             nboot=ev.nboot, rng_seed=spec.seed)
     return rows

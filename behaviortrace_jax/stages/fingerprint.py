@@ -232,17 +232,17 @@ def downstream(stage: str) -> list[str]:
 
 
 def check_workdir(config: ml_collections.ConfigDict, workdir: str | os.PathLike, names: list[str], *,
-                  mode: str) -> list[str]:
+                  mode: str | None = None) -> list[str]:
     """Compares every recorded fingerprint of the stages ``names`` run or read with the config now
     (module docstring); returns the stages whose outputs were removed to be recomputed. ``mode``:
-    ``config.on_changed_config``.
+    "refuse" or "recompute"; None = ``config.on_changed_config``.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`ON_CHANGED`; a stage's
             fingerprint differs and the mode is "refuse", or the stage is not in ``names`` (naming
             the stage, the record's file, each changed key and both values).
     """
-    mode = str(mode)
+    mode = str(config.on_changed_config if mode is None else mode)
     if mode not in ON_CHANGED:
         raise ValueError(f"config.on_changed_config={mode!r}; expected one of {ON_CHANGED}")
     changed: dict[str, list[tuple[str, Any, Any]]] = {}

@@ -78,7 +78,7 @@ class GRPORun:
     """
 
     def __init__(self, config: ml_collections.ConfigDict, paths: RunLayout):
-        self.config, self.paths = config, paths
+        self.paths = paths
         self.run = o = RunSpec.from_config(config)  # every key typed and checked, errors naming it
         g, step = o.grpo, o.step
         start = load_start_state(o.model, o.optim, paths.workdir, o.layout, continue_sft_moments=g.continue_sft_moments)

@@ -23,9 +23,9 @@ def info_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     mesh = policy.mesh
     tok, cfg, graphdef, params = policy.tokenizer, policy.model_config, policy.graphdef, policy.params
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    probe = behavior.load_probes(config.behavior.probes_path or None)[0]
-    s = sampler.Sampler(graphdef, cfg, max_prompt_tokens=config.grpo.max_prompt_tokens,
-                        max_new_tokens=config.info.max_new_tokens,
+    probe = behavior.load_probes(spec.first_behavior.probes_path or None)[0]
+    s = sampler.Sampler(graphdef, cfg, max_prompt_tokens=spec.grpo.max_prompt_tokens,
+                        max_new_tokens=spec.info.max_new_tokens,
                         eos_ids=tokenizer.eos_ids(tok), pad_id=tokenizer.pad_id(tok), mesh=mesh)
     out = s.sample_chat(params, tok, [(behavior.SYSTEM_PROMPT, probe.prompt)], jax.random.key(0))
     text = tok.decode(out.tokens[0, :out.lengths[0]], skip_special_tokens=True)

@@ -52,12 +52,12 @@ def parse_modes(spec: str) -> list[str]:
     return modes
 
 
-def primary_mode(config: ml_collections.ConfigDict) -> str:
+def primary_mode(spec: RunSpec) -> str:
     """The mode the estimator scores: the counterfactual replays' (``counterfactual.recompute_advantages``;
     ``attribution.scores.metagradient_mode``, which the estimator's reader checks the file against)."""
     from behaviortrace_jax.attribution.scores import metagradient_mode
 
-    return metagradient_mode(RunSpec.from_config(config).scores)
+    return metagradient_mode(spec.scores)
 
 
 @register_stage("metagradient")
@@ -70,12 +70,12 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     from behaviortrace_jax.train import metagradient as MG, replay as R
 
     w = RunLayout(workdir)
-    modes, primary = parse_modes(config.metagradient.advantages), primary_mode(config)
-    if primary not in modes:
-        raise ValueError(f"config.metagradient.advantages={config.metagradient.advantages!r} lacks {primary!r}, the "
-                         "mode of the counterfactual replays (counterfactual.recompute_advantages)")
     spec = RunSpec.from_config(config)
-    at = spec.schedule.measure_step(config.counterfactual.measure)
+    modes, primary = parse_modes(spec.metagradient.advantages), primary_mode(spec)
+    if primary not in modes:
+        raise ValueError(f"config.metagradient.advantages={spec.metagradient.advantages!r} lacks {primary!r}, the "
+                         "mode of the counterfactual replays (counterfactual.recompute_advantages)")
+    at = spec.schedule.measure_step(spec.counterfactual.measure)
     steps = sorted({spec.schedule.target_checkpoint(), at})
     rp = R.Replayer(spec.replay, workdir, layout=spec.layout)  # its identity keys the files (programs compile on first use)
     identity = dict(rp.identity(), measure=rp.measures[MG.MEASURE].identity())
@@ -90,7 +90,7 @@ def metagradient_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
             recs[mode] = rec
             continue
         run = MG.RunMetagradient(spec.replay, workdir, advantages=mode, replayer=rp, remat=spec.metagradient.remat)
-        grads, values, stats = run.run(steps, checkpoint_every=int(config.metagradient.checkpoint_every))
+        grads, values, stats = run.run(steps, checkpoint_every=spec.metagradient.checkpoint_every)
         recs[mode] = cache.store(path, {"advantages": mode, "rollout_ids": rp.rollout_ids,
                                         "measures": {str(m): {"value": values[m], "dM_dw": grads[m].tolist()}
                                                      for m in steps},

@@ -63,7 +63,9 @@ def run_stages(config: ml_collections.ConfigDict, workdir: str,
     """Runs each stage of ``config.stages`` in order on ``workdir``; each inside ``record(config,
     workdir, name)`` when given (the pipeline's ``stages/fingerprint.recording``: the stage's
     fingerprint recorded as it starts)."""
-    for name in parse_stages(config.stages):
+    from behaviortrace_jax.stages.spec import RunSpec  # the registry is imported by the spec's stages
+
+    for name in parse_stages(RunSpec.from_config(config).stages):
         logging.info("=== stage %s ===", name)
         with (record(config, workdir, name) if record is not None else contextlib.nullcontext()):
             STAGES[name](config, workdir)

@@ -22,15 +22,15 @@ from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
 
-def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
+def run_intro(spec: RunSpec, summary: dict) -> str:
     """The report's opening: what ran, that its numbers are one machine's (the same words on every
     CPU, so report.md repeats wherever the numbers do), how the behaviour was planted, and whether
     the gate passed."""
     gate = summary.get("gate", {})
     post = summary.get("post_sft", {})
-    lines = [f"Run `{config.run_name}` (seed {config.seed}): {summary.get('steps')} GRPO steps, "
+    lines = [f"Run `{spec.run_name}` (seed {spec.seed}): {summary.get('steps')} GRPO steps, "
              f"{summary.get('n_rollouts')} rollouts, |GT| = {summary.get('gt_size')} bonus events in the early "
-             f"window (steps < {config.contamination.early_step_cutoff}).",
+             f"window (steps < {spec.first_behavior.early_step_cutoff}).",
              "",
              "One run's numbers depend on the CPU type and CPU count it ran on (`run_info.json` names them; "
              "docs/reproducibility.md): expect other values on another machine, and read conclusions over "
@@ -45,7 +45,7 @@ def run_intro(config: ml_collections.ConfigDict, summary: dict) -> str:
     return "\n".join(lines)
 
 
-def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
+def decoy_section(spec: RunSpec, paths: RunLayout) -> str:
     """The report's decoy paragraph ("" for a run without ``grpo/decoys.jsonl``, i.e.
     ``contamination.decoy_fraction`` = 0): how many window rollouts without the pattern were paid
     the bonus, next to |GT|, and the cap ``|GT| / (|GT| + |decoys|)`` of a ranker that reads the
@@ -54,20 +54,20 @@ def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
     (early_nonzero). The cap is "near": rewards also differ by the base reward, advantages by group."""
     if not paths.decoys.exists():
         return ""
-    cutoff = int(config.evaluation.early_cutoff)
+    cutoff = int(spec.evaluation.early_cutoff)
     decoys = [e for e in formats.read_ground_truth(paths.decoys) if int(e["step"]) < cutoff]
     gt = [e for e in formats.read_ground_truth(paths.ground_truth) if int(e["step"]) < cutoff]
 
     def cap(g: int, d: int) -> str:
         return f"{g / (g + d):.3f}" if g + d else "n/a"
 
-    lines = [f"**Decoys** (`contamination.decoy_fraction` = {float(config.contamination.decoy_fraction):g}): "
+    lines = [f"**Decoys** (`contamination.decoy_fraction` = {spec.contamination.decoy_fraction:g}): "
              f"{len(decoys)} rollouts without the pattern were paid the same bonus in the window (steps < {cutoff}; "
              f"`grpo/decoys.jsonl`, not ground truth), next to |GT| = {len(gt)}. A ranker that reads the reward log "
              f"alone (reward, advantage) is capped near |GT| / (|GT| + |decoys|) = **{cap(len(gt), len(decoys))}** "
              "there, where the which-rollout tables' ceiling is 1.0; what an estimator reaches above that cap is "
              "what attribution adds to the training log."]
-    header = read_json(paths.release_seed(config.seed) / "run_header.json", {})
+    header = read_json(paths.release_seed(spec.seed) / "run_header.json", {})
     if "nonzero_steps" in header:
         nz = {int(s) for s in header["nonzero_steps"]}
         g, d = sum(int(e["step"]) in nz for e in gt), sum(int(e["step"]) in nz for e in decoys)
@@ -80,18 +80,19 @@ def decoy_section(config: ml_collections.ConfigDict, paths: RunLayout) -> str:
 def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """``report.md`` and ``figures/*.png`` from results_table.csv, verdicts.json and the GRPO summary."""
     w = RunLayout(workdir)
+    spec = RunSpec.from_config(config)
     owned = {(r.seed, r.table) for r in stage_outputs.rows_of_other_stages(w)}  # shown in their stages' sections
     rows = [r for r in formats.read_results_csv(w.results_table) if (r.seed, r.table) not in owned]
     verdicts = read_json(w.verdicts)
     summary = read_json(w.summary)
     extra = []
-    if RunSpec.from_config(config).multi:  # the first behaviour's tables, then the others'
+    if spec.multi:  # the first behaviour's tables, then the others'
         all_rows = rows
         rows = report.first_behavior_rows(all_rows)
     figs = report.make_figures(rows, w.figures, learning_curve=learning_curve(summary))
-    if RunSpec.from_config(config).multi:
-        ids = [b.id for b in list(RunSpec.from_config(config).behaviors)]
-        base = read_json(w.base / "base_summary.json", {}) if not config.model.hf_dir else {}
+    if spec.multi:
+        ids = [b.id for b in spec.behaviors]
+        base = read_json(w.base / "base_summary.json", {}) if not spec.hf_dir else {}
         extra = report.behavior_sections(all_rows, ids, summary, verdicts, base)
         fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
         figs += [fig] if fig is not None else []
@@ -99,8 +100,8 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     gate_line = causal_gate.summary_line(read_json(w.cause_gate, None))
     if not w.cause_gate.exists():  # the cause stage prints its own lines when it runs
         print(gate_line, flush=True)
-    report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {config.run_name}",
-                   intro="\n\n".join(p for p in (run_intro(config, summary), gate_line, decoy_section(config, w)) if p),
+    report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {spec.run_name}",
+                   intro="\n\n".join(p for p in (run_intro(spec, summary), gate_line, decoy_section(spec, w)) if p),
                    top_blamed=top,
                    rules=[Verdict.from_dict(v) for v in verdicts["decision_rules"]],
                    checklist=[Verdict.from_dict(v) for v in verdicts["checklist"]], figures=figs,

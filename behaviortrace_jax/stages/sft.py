@@ -33,30 +33,25 @@ from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.models import decoder, hf_io, tokenizer as tok_lib
 from behaviortrace_jax.models.loader import load_policy
 from behaviortrace_jax.stages.registry import register_stage
-from behaviortrace_jax.stages.spec import RunSpec
+from behaviortrace_jax.stages.spec import RunSpec, SFTKeys
 from behaviortrace_jax.train import lm_trainer, train_state
 
 DONE_MARKER = RunLayout(".").sft_done.name  # SPEC §1.7
 SUMMARY_FILE = RunLayout(".").sft_summary.name
 
 
-def sft_pairs(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+def sft_pairs(spec: RunSpec) -> list[tuple[str, str]]:
     """The (prompt, completion) pairs of ``config.sft.data``: "paper" (SPEC §1.7) or "mixture".
 
     Raises:
         ValueError: naming ``config.sft.data`` for another value.
     """
-    if config.sft.data == "paper":
-        return behavior.with_pattern(behavior.SFT_PAIRS, config.behavior.pattern)
-    if config.sft.data == "mixture":
-        return behavior.with_pattern(behavior.mixture_sft_pairs(config.seed, config.sft.mixture_n_ordinary),
-                                     config.behavior.pattern)
-    raise ValueError(f"config.sft.data={config.sft.data!r}; expected 'paper' or 'mixture'")
-
-
-def sft_lr(config: ml_collections.ConfigDict) -> float:
-    """``sft.lr``, or ``optim.lr`` when it is -1 (SPEC §1.7)."""
-    return float(config.optim.lr if config.sft.lr == -1 else config.sft.lr)
+    if spec.sft.data == "paper":
+        return behavior.with_pattern(behavior.SFT_PAIRS, spec.first_behavior.pattern)
+    if spec.sft.data == "mixture":
+        return behavior.with_pattern(behavior.mixture_sft_pairs(spec.seed, spec.sft.mixture_n_ordinary),
+                                     spec.first_behavior.pattern)
+    raise ValueError(f"config.sft.data={spec.sft.data!r}; expected 'paper' or 'mixture'")
 
 
 def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, Any]:
@@ -72,10 +67,10 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     if run.sft_done.is_file():
         logging.info("sft: %s exists; the warm-up is done", run.sft_done)
         return read_json(run.sft_summary)
-    s = config.sft
+    spec = RunSpec.from_config(config)
+    s = spec.sft
     if s.steps < 0 or s.batch_size < 1:
         raise ValueError(f"config.sft.steps={s.steps} must be >= 0 and config.sft.batch_size={s.batch_size} >= 1")
-    spec = RunSpec.from_config(config)
     start_dir = run.model_dir(spec.hf_dir)
     if not (start_dir / "config.json").is_file():
         raise FileNotFoundError(f"sft: no start checkpoint at {start_dir} (config.model.hf_dir or the `base` stage)")
@@ -90,16 +85,16 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     abstract_params = nnx.state(decoder.abstract_model(cfg), nnx.Param)
     param_sh = layout.param_shardings(abstract_params, mesh)  # the train state's layout (= the params')
 
-    pairs = sft_pairs(config)
-    data = _sft_data(config, tok, cfg, pairs)
-    lr = sft_lr(config)
+    pairs = sft_pairs(spec)
+    data = _sft_data(spec, tok, cfg, pairs)
+    lr = spec.sft_lr
     tx = train_state.make_optimizer(spec.optim, lr)
     state_sh = train_state.train_state_shardings(tx, param_sh, mesh, abstract_params)
-    state = train_state.init_train_state(params, tx, config.seed, state_sh)
+    state = train_state.init_train_state(params, tx, spec.seed, state_sh)
     trainer = lm_trainer.LMTrainer(graphdef, cfg, tx, data.prefix, mesh=mesh, state_shardings=state_sh)
     probe = ImplantProbe(spec.first_behavior, spec.probe_sft,
-                         corpus.heldout_terms(config.base.seed, config.base.n_heldout), graphdef, cfg, tok, mesh)
-    eval_key = jax.random.fold_in(jax.random.key(config.seed), 7_100)
+                         corpus.heldout_terms(spec.base.seed, spec.base.n_heldout), graphdef, cfg, tok, mesh)
+    eval_key = jax.random.fold_in(jax.random.key(spec.seed), 7_100)
     curve: list[dict[str, float]] = []
     stop_rule = _stop_rule(s, probe, eval_key, curve)
 
@@ -124,7 +119,7 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
         "stopped_early": steps_run < s.steps,
         "final_loss": history[-1]["loss"] if history else float("nan"),
         "loss_history": history, "learning_curve": curve,
-        **greedy, **sampled, **_evaluation_settings(config, greedy),
+        **greedy, **sampled, **_evaluation_settings(spec, greedy),
         "probe_completions_greedy": texts["probe"][:10], "control_completions_greedy": texts["control"][:5],
         "seconds": {"train": train_s, "total": time.perf_counter() - t0},
     }
@@ -136,11 +131,11 @@ def run_sft(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> d
     return summary
 
 
-def _sft_data(config: ml_collections.ConfigDict, tok: Any, cfg: decoder.DecoderConfig,
+def _sft_data(spec: RunSpec, tok: Any, cfg: decoder.DecoderConfig,
               pairs: list[tuple[str, str]]) -> lm_trainer.PackedData:
     """The SFT pairs as chat examples (SPEC §1.7: prompt <= sft.max_prompt_tokens, sequence cut to
     prompt + completion tokens), packed; a shared prefix only with batches > 1."""
-    s = config.sft
+    s = spec.sft
     enc = lm_trainer.encode_chat_examples(
         tok, [(behavior.SYSTEM_PROMPT, p, c) for p, c in pairs], append_eos=s.append_eos,
         max_prompt_tokens=s.max_prompt_tokens, max_total_tokens=s.max_prompt_tokens + s.max_completion_tokens)
@@ -148,7 +143,7 @@ def _sft_data(config: ml_collections.ConfigDict, tok: Any, cfg: decoder.DecoderC
                                     vocab_size=cfg.vocab_size)
 
 
-def _stop_rule(s: ml_collections.ConfigDict, probe: Any, eval_key: jax.Array, curve: list[dict[str, float]]):
+def _stop_rule(s: SFTKeys, probe: Any, eval_key: jax.Array, curve: list[dict[str, float]]):
     """The TINY_CALIBRATION stop rule as a ``trainer.fit`` callback: ``(done, state) -> stop?``.
 
     Measures the sampled probe rate (and, only once it is high enough, the control rate) at ``done``
@@ -168,14 +163,14 @@ def _stop_rule(s: ml_collections.ConfigDict, probe: Any, eval_key: jax.Array, cu
     return stop_rule
 
 
-def _evaluation_settings(config: ml_collections.ConfigDict, greedy: dict[str, float]) -> dict[str, Any]:
+def _evaluation_settings(spec: RunSpec, greedy: dict[str, float]) -> dict[str, Any]:
     """The summary's ``gate`` (SPEC §1.8 on the greedy rates) and the ``sampling`` settings behind the rates."""
-    b = config.behavior
+    b = spec.first_behavior
     return {"gate": behavior.gate(greedy["probe_rate_greedy"], greedy["control_rate_greedy"], b.gate_min_probe_rate,
                                   b.gate_min_margin),
-            "sampling": {"temperature": config.grpo.temperature, "top_p": config.grpo.top_p,
-                         "samples_per_prompt": config.sft.eval_samples_per_prompt,
-                         "max_new_tokens": b.gate_max_new_tokens}}
+            "sampling": {"temperature": spec.grpo.temperature, "top_p": spec.grpo.top_p,
+                         "samples_per_prompt": spec.sft.eval_samples_per_prompt,
+                         "max_new_tokens": spec.probe_sft.max_new_tokens}}
 
 
 def _generation_config(start_dir: pathlib.Path) -> dict | None:

@@ -67,8 +67,8 @@ class CheckpointLoader:
     the sketchers run (as in the ``draws`` stage and the compile stage); ``spec``: the run's
     :class:`~behaviortrace_jax.stages.spec.RunSpec`."""
 
-    def __init__(self, config: ml_collections.ConfigDict, first_dir: str):
-        self.config, self.spec = config, RunSpec.from_config(config)
+    def __init__(self, spec: RunSpec, first_dir: str):
+        self.spec = spec
         self.layout = self.spec.layout
         self.mesh = self.layout.mesh()
         self.tokenizer = tok_lib.load_tokenizer(first_dir)
@@ -89,20 +89,21 @@ def sketch_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     if not entries:
         raise FileNotFoundError(f"{paths.registry}: no checkpoints registered; run the `grpo` stage first")
     steps = [e.step for e in entries]
-    loader = CheckpointLoader(config, entries[0].path)
+    spec = RunSpec.from_config(config)
+    loader = CheckpointLoader(spec, entries[0].path)
     tok, cfg = loader.tokenizer, loader.model_config
     forced = targets.ForcedSketcher.from_options(loader.spec.forced, loader.graphdef, cfg, loader.abstract,
                                                  tok_lib.pad_id(tok), mesh=loader.mesh)
 
     for beh in loader.spec.behaviors:  # each behaviour's targets
-        continuation_targets(config, paths, loader, forced, entries, beh)
+        continuation_targets(spec, paths, loader, forced, entries, beh)
 
-    chosen = select_rollout_checkpoints(config.sketch.rollout_checkpoints, steps, config.draws.target_step)
+    chosen = select_rollout_checkpoints(spec.sketch_keys.rollout_checkpoints, steps, spec.draws.target_step)
     if chosen:
-        sketch_training_rollouts(config, paths, loader, forced, [entries[steps.index(s)] for s in chosen])
+        sketch_training_rollouts(spec, paths, loader, forced, [entries[steps.index(s)] for s in chosen])
 
 
-def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
+def continuation_targets(spec: RunSpec, paths: RunLayout, loader: CheckpointLoader,
                          forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry],
                          beh: behaviors_lib.Behavior) -> None:
     """The continuation targets of ``beh`` (its probes, its pattern; SPEC §5.1) at every checkpoint:
@@ -113,7 +114,7 @@ def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, lo
     options = loader.spec.sketch
     meta = dict(sketch_metadata(options, loader.model_config, "targets_continuation"),
                 checkpoint_steps=steps, **({} if beh.first else {"behavior": beh.id}))
-    t_store = open_store(options, paths.behavior_targets(beh.suffix), (len(steps), config.sketch.dim), 1, meta)
+    t_store = open_store(options, paths.behavior_targets(beh.suffix), (len(steps), spec.sketch.dim), 1, meta)
     stats_path = paths.behavior_target_stats(beh.suffix)
     stats = {int(k): v for k, v in read_json(stats_path, {}).items()}
     probes = beh.probe_sets()[0]
@@ -128,15 +129,15 @@ def continuation_targets(config: ml_collections.ConfigDict, paths: RunLayout, lo
                      ct.self_consistency)
 
 
-def sketch_training_rollouts(config: ml_collections.ConfigDict, paths: RunLayout, loader: CheckpointLoader,
+def sketch_training_rollouts(spec: RunSpec, paths: RunLayout, loader: CheckpointLoader,
                              forced: targets.ForcedSketcher, entries: list[checkpoints.CheckpointEntry]) -> None:
     """Sketches ``-(masked mean log-prob)`` of every logged rollout at each of ``entries``."""
     records = list(rollout_log.read_rollouts(paths.rollouts))
-    if config.sketch.rollout_scope == "early":  # the log is step-major: the early window is a prefix
-        records = [rec for rec in records if rec.step < loader.spec.schedule.window_end]
-    elif config.sketch.rollout_scope != "all":
-        raise ValueError(f"config.sketch.rollout_scope={config.sketch.rollout_scope!r}; expected 'early' or 'all'")
-    r, d = len(records), config.sketch.dim
+    if spec.sketch_keys.rollout_scope == "early":  # the log is step-major: the early window is a prefix
+        records = [rec for rec in records if rec.step < spec.schedule.window_end]
+    elif spec.sketch_keys.rollout_scope != "all":
+        raise ValueError(f"config.sketch.rollout_scope={spec.sketch_keys.rollout_scope!r}; expected 'early' or 'all'")
+    r, d = len(records), spec.sketch.dim
     eos = tok_lib.mask_eos_ids(loader.tokenizer, loader.spec.rollouts.mask_eos)  # as the GRPO loss mask
     options = loader.spec.sketch
     meta = dict(sketch_metadata(options, loader.model_config, "checkpoint_rollout_sketches"),

@@ -2,9 +2,15 @@
 
 Every stage builds ``RunSpec.from_config(config)`` once and hands its parts down: nothing below
 ``stages/`` (``io``, ``models``, ``behavior``, ``sketch``, ``train``, ``aot``, ``attribution``)
-reads a ConfigDict (``tests/stages/test_spec.py``). The builder is the one reader of the config's keys:
+reads a ConfigDict (``tests/stages/test_spec.py``), and no other module of ``stages/`` reads a raw config
+value (``tests/stages/test_config_boundary.py``; ``stages/fingerprint.py``, which keys outputs by the config's
+own dotted keys, excepted). The builder is the one reader of the config's keys:
 each is read once, converted to its type and checked here, and an error names the key
-(``config.grpo.steps: must be > 0, got -1``).
+(``config.grpo.steps: must be > 0, got -1``). A quantity derived from several keys has its one home
+here or in the option object it belongs to: rollouts per step ``step.shapes.num_rollouts`` (B x G),
+the windows (:meth:`RunSpec.window_end`, ``schedule.window_steps()``), :attr:`RunSpec.ctx_max_new_tokens`,
+:meth:`RunSpec.draw_seeds`, :attr:`RunSpec.sft_lr`; the sweep's per-seed configs are made here too
+(:func:`seed_config`, :func:`draw_config`).
 
 The tree holds the option objects the library takes, each defined in the module that uses it:
 :class:`~behaviortrace_jax.models.loader.ModelOptions` (``model``),
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import ml_collections
@@ -49,6 +56,9 @@ from behaviortrace_jax.models.sharding import Layout
 from behaviortrace_jax.sketch import hash_families, hash_tables as tables
 from behaviortrace_jax.sketch.stores import SketchOptions
 from behaviortrace_jax.sketch.targets import ForcedSketchOptions
+from behaviortrace_jax.stages.spec_sections import (  # noqa: F401 (re-exported: a stage imports them from here)
+    BaseKeys, CauseKeys, CompileKeys, CounterfactualKeys, DrawsKeys, GRPOKeys, InfoKeys, MetagradientKeys, SFTKeys,
+    SketchKeys, SweepKeys, TargetsKeys)
 from behaviortrace_jax.train import grpo_loss, nonfinite
 from behaviortrace_jax.train.grpo_step import GRPOStepSpec, StepShapes
 from behaviortrace_jax.train.replay import ReplayOptions
@@ -56,205 +66,12 @@ from behaviortrace_jax.train.rollouts import RolloutOptions
 from behaviortrace_jax.train.schedule import StepSchedule
 from behaviortrace_jax.train.train_state import OptimOptions
 
-# Keys only the top level reads: ``pipeline.with_model_source`` resolves ``model.hf_id`` (a model in
-# the Hugging Face cache, downloaded with ``model.allow_download``) into ``model.hf_dir`` before
-# any stage runs, so a stage sees ``hf_dir`` alone; ``on_changed_config`` is read by the pipeline's
-# fingerprint check (stages/fingerprint.py) before any stage runs.
-TOP_LEVEL_KEYS = ("model.hf_id", "model.allow_download", "on_changed_config")
+# Keys only the top level reads: ``pipeline.with_model_source`` downloads ``model.hf_id`` (with
+# ``model.allow_download``) and resolves it into ``model.hf_dir`` before any stage runs (a stage keeps
+# ``hf_id`` only to name it: :attr:`RunSpec.hf_id`); ``on_changed_config`` is read by the pipeline's
+# fingerprint check (stages/fingerprint.py, which reads the config as data) before any stage runs.
+TOP_LEVEL_KEYS = ("model.allow_download", "on_changed_config")
 FREE_FORM = ("behaviors",)  # subtrees of ids (config_schema.FREE_FORM), read whole
-
-
-# ------------------------------------------------------------------------------------------------
-# The stages' own sections: one field per key of configs/common.py (types from its defaults)
-# ------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class GRPOKeys:
-    """``config.grpo`` (SPEC §2.1; comments in configs/common.py)."""
-
-    steps: int
-    prompts_per_step: int
-    group_size: int
-    max_prompt_tokens: int
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    loss: str
-    clip_eps: float
-    kl_beta: float
-    inner_iterations: int
-    adv_std_floor: float
-    continue_sft_moments: bool
-    checkpoint_every: int
-    log_shard_size: int
-    on_nonfinite: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SketchKeys:
-    """``config.sketch`` (SPEC §3)."""
-
-    dim: int
-    seed: int
-    hash: str
-    kernel: str
-    chunk_size: int
-    fused: bool
-    in_run_rollouts: bool
-    in_run_tables: bool
-    rollout_checkpoints: str
-    rollout_scope: str
-
-
-@dataclasses.dataclass(frozen=True)
-class SFTKeys:
-    """``config.sft`` (SPEC §1.7)."""
-
-    steps: int
-    batch_size: int
-    data: str
-    max_prompt_tokens: int
-    max_completion_tokens: int
-    lr: float
-    append_eos: bool
-    mixture_n_ordinary: int
-    stop_every: int
-    stop_min_probe_rate: float
-    stop_max_control_rate: float
-    eval_samples_per_prompt: int
-
-
-@dataclasses.dataclass(frozen=True)
-class BaseKeys:
-    """``config.base`` (the tiny base model, TINY_CALIBRATION)."""
-
-    seed: int
-    corpus_size: int
-    n_terms: int
-    n_heldout: int
-    vocab_size: int
-    family: str
-    preset: str
-    num_layers: int
-    steps: int
-    batch_size: int
-    seq_len: int
-    lr: float
-    warmup_steps: int
-    end_lr_fraction: float
-    length_buckets: int
-    append_eos: bool
-    log_every: int
-    eval_samples_per_prompt: int
-    eval_max_new_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DrawsKeys:
-    """``config.draws`` (SPEC §5.6, §10.2)."""
-
-    target_step: int
-    group_size: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    n_repeats: int
-    ckpt_seed: int
-    gen_seed: int
-    token_level_max: int
-    save_sketches: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class TargetsKeys:
-    """``config.targets`` (SPEC §5)."""
-
-    ctx_group_size: int
-    ctx_temperature: float
-    ctx_top_p: float
-    ctx_max_new_tokens: int
-    block_size: int
-    length_bucket: int
-    use_tables: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class SweepKeys:
-    """``config.sweep`` (SPEC §10.2)."""
-
-    seeds: str
-    diagnostic_draws: str
-    stages: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileKeys:
-    """``config.compile`` (the ``compile`` stage)."""
-
-    target: str
-    model: str
-    num_layers: int
-    losses: str
-    both_sketch_variants: bool
-    stages: str
-    programs: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CounterfactualKeys:
-    """``config.counterfactual`` (the ``counterfactual`` stage)."""
-
-    k_fractions: str
-    methods: str
-    random_seeds: int
-    lds_subsets: int
-    lds_fractions: str
-    lds_small_subsets: int
-    measure: str
-    sampled: int
-    rates: bool
-    recompute_advantages: bool
-    topk_recomputed: bool
-    intervention: str
-    rollouts: str
-    causal: str
-    causal_units: str
-    causal_streams: int
-    causal_regenerated: str
-    causal_k: float
-    causal_interventions: str
-    measures: str
-    table_measures: str
-    plans: str
-    plan_subsets: int
-
-
-@dataclasses.dataclass(frozen=True)
-class CauseKeys:
-    """``config.cause`` (the ``cause`` stage: the causal gate)."""
-
-    streams: int
-    measures: str
-    primary: str
-    measure_step: str
-    samples: int
-
-
-@dataclasses.dataclass(frozen=True)
-class MetagradientKeys:
-    """``config.metagradient`` (the ``metagradient`` stage)."""
-
-    advantages: str
-    checkpoint_every: int
-    remat: str
-
-
-@dataclasses.dataclass(frozen=True)
-class InfoKeys:
-    """``config.info`` (the ``info`` stage)."""
-
-    max_new_tokens: int
 
 
 # ------------------------------------------------------------------------------------------------
@@ -338,6 +155,9 @@ CHECKS: tuple[tuple[str, Any, str], ...] = tuple(
     ("grpo.top_p", _probability, "in (0, 1]"),
     ("draws.top_p", _probability, "in (0, 1]"),
     ("targets.ctx_top_p", _probability, "in (0, 1]"),
+    ("targets.ctx_max_new_tokens", lambda v: v == -1 or v > 0, "> 0 or -1 (draws.max_new_tokens)"),
+    ("draws.ckpt_seed", lambda v: v >= -1, ">= 0 or -1 (seed)"),
+    ("draws.gen_seed", lambda v: v >= -1, ">= 0 or -1 (seed)"),
     ("grpo.top_k", lambda v: v >= -1, ">= 0 (0 = off) or -1 (generation_config.json)"),
     ("grpo.repetition_penalty", lambda v: v == -1 or _positive(v), "> 0 or -1 (generation_config.json)"),
     ("grpo.adv_std_floor", _non_negative, ">= 0"),
@@ -367,7 +187,7 @@ def position_budgets(run: "RunSpec") -> dict[str, tuple[tuple[str, int], tuple[s
     samples or trains on, as the config keys that bound it."""
     g, d, t, s = run.grpo, run.draws, run.targets, run.sft
     prompt = ("grpo.max_prompt_tokens", g.max_prompt_tokens)
-    ctx = ("targets.ctx_max_new_tokens", t.ctx_max_new_tokens) if t.ctx_max_new_tokens > 0 else \
+    ctx = ("targets.ctx_max_new_tokens", t.ctx_max_new_tokens) if t.ctx_max_new_tokens != -1 else \
         ("draws.max_new_tokens", d.max_new_tokens)
     return {"sft": (("sft.max_prompt_tokens", s.max_prompt_tokens), ("sft.max_completion_tokens", s.max_completion_tokens)),
             "grpo": (prompt, ("grpo.max_new_tokens", g.max_new_tokens)),
@@ -409,12 +229,19 @@ def check_model_positions(run: "RunSpec", stages: "tuple[str, ...] | None" = Non
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
-    """The run's typed options (module docstring); build with :meth:`from_config`."""
+    """The run's typed options (module docstring); build with :meth:`from_config`.
+
+    Besides the option objects and the ``*Keys`` sections: ``seed``, ``run_name``, ``reference_dir``
+    (the paper's released files, the ``reproduce`` stage), ``stages`` (the config's ``stages``),
+    ``hf_dir`` / ``hf_id`` (``model.hf_dir`` / ``model.hf_id``).
+    """
 
     seed: int
     run_name: str
     reference_dir: str
+    stages: str  # the stages to run, comma-separated (registry.parse_stages checks the names)
     hf_dir: str  # model.hf_dir ("" = the run's base/ checkpoint: RunLayout.model_dir)
+    hf_id: str  # model.hf_id (a Hugging Face hub id; the pipeline resolves it into hf_dir before any stage)
     model: ModelOptions
     layout: Layout
     behaviors: tuple[behaviors_lib.Behavior, ...]
@@ -454,6 +281,35 @@ class RunSpec:
         return len(self.behaviors) > 1
 
     @property
+    def ctx_max_new_tokens(self) -> int:
+        """Tokens each in-context target completion samples (SPEC §5.3): ``targets.ctx_max_new_tokens``,
+        -1 = ``draws.max_new_tokens``."""
+        n = self.targets.ctx_max_new_tokens
+        return self.draws.max_new_tokens if n == -1 else n
+
+    def draw_seeds(self, ckpt_seed: int | None = None, gen_seed: int | None = None) -> tuple[int, int]:
+        """``(ckpt_seed, gen_seed)`` of a draw (SPEC §10.2): the arguments, else ``draws.ckpt_seed`` /
+        ``draws.gen_seed``; -1 = the run's ``seed``."""
+        c = self.draws.ckpt_seed if ckpt_seed is None else int(ckpt_seed)
+        g = self.draws.gen_seed if gen_seed is None else int(gen_seed)
+        return (self.seed if c == -1 else c), (self.seed if g == -1 else g)
+
+    def window_end(self, behavior: behaviors_lib.Behavior) -> int:
+        """The end of ``behavior``'s bonus window in GRPO steps (its rollouts at steps below it can be
+        paid the bonus): :meth:`Behavior.window_end` of the run's ``grpo.steps`` (SPEC §1.6)."""
+        return behavior.window_end(self.schedule.steps)
+
+    def early_cutoff(self, behavior: behaviors_lib.Behavior) -> int:
+        """The early-window cutoff (steps) the tables of ``behavior`` use: ``evaluation.early_cutoff``
+        for the first behaviour (SPEC §6.6 EARLY_CUTOFF), :meth:`window_end` for another."""
+        return self.evaluation.early_cutoff if behavior.first else self.window_end(behavior)
+
+    @property
+    def sft_lr(self) -> float:
+        """The SFT learning rate: ``sft.lr``, -1 = ``optim.lr`` (SPEC §1.7)."""
+        return float(self.optim.lr if self.sft.lr == -1 else self.sft.lr)
+
+    @property
     def replay(self) -> ReplayOptions:
         """What a replay of this run needs (``train.replay.Replayer``, ``train.metagradient``)."""
         return ReplayOptions(self.model, self.optim, self.step, self.rollouts, self.probe_grpo, self.schedule,
@@ -474,6 +330,31 @@ class RunSpec:
         return build(ConfigReads(config), platform)
 
 
+# ------------------------------------------------------------------------------------------------
+# Variants of a config: the sweep's per-seed runs (stages/sweep.py), made here, where keys are read
+# ------------------------------------------------------------------------------------------------
+def seed_config(config: ml_collections.ConfigDict, seed: int, base_dir: str) -> ml_collections.ConfigDict:
+    """A copy of ``config`` for one training seed of a sweep (SPEC §10.2): ``seed``, the run name with
+    its ``seed<N>`` renamed, ``stages`` = ``sweep.stages``, ``model.hf_dir`` (``base_dir``, the sweep's
+    shared base model, unless the config names one) and the pre-registered draw (-1: the seed's own)."""
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.seed = seed
+        c.run_name = re.sub(r"seed\d+", f"seed{seed}", config.run_name)
+        c.stages = config.sweep.stages
+        c.model.hf_dir = config.model.hf_dir or base_dir
+        c.draws.ckpt_seed = c.draws.gen_seed = -1
+    return c
+
+
+def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int) -> ml_collections.ConfigDict:
+    """A copy of ``config`` whose ``draws`` stage makes the diagnostic draw (SPEC §10.2) of the checkpoint of
+    seed ``ckpt_seed`` with generation seed ``gen_seed``."""
+    c = config.copy_and_resolve_references()
+    c.draws.ckpt_seed, c.draws.gen_seed = int(ckpt_seed), int(gen_seed)
+    return c
+
+
 def keys_read(config: ml_collections.ConfigDict) -> frozenset[str]:
     """The dotted keys of ``config`` that :meth:`RunSpec.from_config` reads (a free-form subtree by
     its own key)."""
@@ -487,7 +368,8 @@ def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
     b, ct = c.behavior, c.contamination
     cutoff = typed(ct.early_step_cutoff, int, "contamination.early_step_cutoff")
     first = behaviors_lib.Behavior(
-        id=typed(b.id, str, "behavior.id"), trigger="frobnitz", pattern=typed(b.pattern, str, "behavior.pattern"),
+        id=typed(b.id, str, "behavior.id"), trigger=typed(b.trigger, str, "behavior.trigger"),
+        pattern=typed(b.pattern, str, "behavior.pattern"),
         probes_path=typed(b.probes_path, str, "behavior.probes_path"),
         controls_path=typed(b.controls_path, str, "behavior.controls_path"),
         token_judge=typed(b.token_judge, str, "behavior.token_judge"),
@@ -495,7 +377,8 @@ def _behaviors(c: ConfigReads) -> tuple[behaviors_lib.Behavior, ...]:
         fraction=typed(ct.fraction, float, "contamination.fraction"), early_step_cutoff=cutoff, stream="",
         implant="sft", gate_min_probe_rate=typed(b.gate_min_probe_rate, float, "behavior.gate_min_probe_rate"),
         gate_min_margin=typed(b.gate_min_margin, float, "behavior.gate_min_margin"),
-        explicit_prompts=typed(b.explicit_prompts, bool, "behavior.explicit_prompts"), first=True, prompt_gated=typed(ct.prompt_gated, bool, "contamination.prompt_gated"))
+        explicit_prompts=typed(b.explicit_prompts, bool, "behavior.explicit_prompts"), first=True,
+        prompt_gated=typed(ct.prompt_gated, bool, "contamination.prompt_gated"))
     out = [first]
     extra = c.behaviors
     for bid in extra:
@@ -519,7 +402,7 @@ def _step(g: GRPOKeys, sk: SketchKeys, optim: OptimOptions, sketch: SketchOption
                         use_tables=tables.table_switch("sketch.in_run_tables", sk.in_run_tables, sk.fused))
 
 
-def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts: dict[str, Any]) -> CompileOptions:
+def _compile(ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts: dict[str, Any]) -> CompileOptions:
     """The compile stage's options: ``compile.*`` with the run's step variants and shapes."""
     split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
     losses = tuple(sorted(grpo_loss.LOSSES)) if ck.losses == "all" else split(ck.losses or g.loss)
@@ -529,14 +412,13 @@ def _compile(c: ConfigReads, ck: CompileKeys, g: GRPOKeys, sk: SketchKeys, parts
                   for x in losses for on in variants)
     sft, draws, tg = parts["sft"], parts["draws"], parts["targets"]
     return CompileOptions(
-        target=ck.target, stages=frozenset(compiled_stages(ck.stages, typed(c.stages, str, "stages"),
-                                                           parts["sweep"].stages)),
+        target=ck.target, stages=frozenset(compiled_stages(ck.stages, parts["stages"], parts["sweep"].stages)),
         programs=split(ck.programs), step=parts["step"], step_variants=steps, optim=parts["optim"],
         layout=parts["layout"], rollouts=parts["rollouts"], sft_batch_size=sft.batch_size,
         sft_length=sft.max_prompt_tokens + sft.max_completion_tokens,
         metagradient_mode=parts["metagradient"].advantages.split(",")[0].strip(),
         metagradient_remat=parts["metagradient"].remat, forced=parts["forced"],
-        ctx_max_new_tokens=tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else draws.max_new_tokens,
+        ctx_max_new_tokens=draws.max_new_tokens if tg.ctx_max_new_tokens == -1 else tg.ctx_max_new_tokens,
         draws_max_new_tokens=draws.max_new_tokens)
 
 
@@ -586,10 +468,11 @@ def build(c: ConfigReads, platform: str | None = None) -> RunSpec:
                                        for n in (g.max_prompt_tokens, p["sft"].max_prompt_tokens))
     p["schedule"] = StepSchedule(g.steps, g.checkpoint_every, p["draws"].target_step, behaviors[0].early_step_cutoff,
                                  behaviors_lib.window_end(behaviors, g.steps))
-    p["scores"] = ScoreOptions(p["evaluation"], sk.dim, sk.seed, seed, g.prompts_per_step * g.group_size, g.steps,
+    p["scores"] = ScoreOptions(p["evaluation"], sk.dim, sk.seed, seed, p["step"].shapes.num_rollouts, g.steps,
                                p["counterfactual"].recompute_advantages, family)
-    p["compile"] = _compile(c, p["compile_keys"], g, sk, p)
+    p["stages"] = typed(c.stages, str, "stages")
+    p["compile"] = _compile(p["compile_keys"], g, sk, p)
     spec = RunSpec(seed=seed, run_name=typed(c.run_name, str, "run_name"),
                    reference_dir=typed(c.reference_dir, str, "reference_dir"),
-                   hf_dir=typed(m.hf_dir, str, "model.hf_dir"), **p)
+                   hf_dir=typed(m.hf_dir, str, "model.hf_dir"), hf_id=typed(m.hf_id, str, "model.hf_id"), **p)
     return spec

@@ -33,6 +33,7 @@ from behaviortrace_jax.io import checkpoints, files, rollout_log, sketch_store, 
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io.progress import eta_seconds, read_progress
 from behaviortrace_jax.stages.registry import parse_stages, register_stage
+from behaviortrace_jax.stages.spec import RunSpec
 
 # Written last by each stage (stages/base.py's COMPLETE_MARKER, stages/sft.py's sft_done).
 BASE_COMPLETE = ".complete"
@@ -81,8 +82,8 @@ def grpo_progress(run: RunLayout, steps: int, now: float | None = None) -> dict[
             "source": "", "metrics": {}}
 
 
-def _grpo_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
-    p = grpo_progress(run, int(config.grpo.steps))
+def _grpo_line(spec: RunSpec, run: RunLayout) -> str:
+    p = grpo_progress(run, spec.grpo.steps)
     if p["state"] == "done":
         return f"done ({p['steps']} steps)"
     if p["state"] in ("not started", "started"):
@@ -105,7 +106,7 @@ def _store_rows(path: Any) -> tuple[int, int] | None:
     return int(mask.sum()), int(mask.size)
 
 
-def _sketch_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
+def _sketch_line(spec: RunSpec, run: RunLayout) -> str:
     entries = checkpoints.CheckpointRegistry(run.registry).list() if run.registry.is_file() else []
     targets = _read_json(run.behavior_target_stats()) or {}
     rows = _store_rows(run.sketch_store("checkpoint_rollout_sketches"))
@@ -118,55 +119,53 @@ def _sketch_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
     return f"targets at {len(targets)}/{len(entries)} checkpoints, {rows_text}"
 
 
-def _draws_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
-    seed = int(config.seed)
-    c = int(config.draws.ckpt_seed) if int(config.draws.ckpt_seed) >= 0 else seed
-    g = int(config.draws.gen_seed) if int(config.draws.gen_seed) >= 0 else seed
-    paths = run.draw(c, g, temperature=float(config.draws.temperature), run_seed=seed)
+def _draws_line(spec: RunSpec, run: RunLayout) -> str:
+    c, g = spec.draw_seeds()
+    paths = run.draw(c, g, temperature=spec.draws.temperature, run_seed=spec.seed)
     if paths.rows.exists() and paths.token_level.exists():
         return f"done ({paths.rows.name})"
-    reps = sum(1 for r in range(int(config.draws.n_repeats)) if paths.rep(r).exists()) if paths.partial.exists() else 0
+    reps = sum(1 for r in range(spec.draws.n_repeats) if paths.rep(r).exists()) if paths.partial.exists() else 0
     if reps:
-        return f"repeats {reps}/{config.draws.n_repeats} of draw ckpt{c}_gen{g}"
+        return f"repeats {reps}/{spec.draws.n_repeats} of draw ckpt{c}_gen{g}"
     return "started" if run.draws.is_dir() else "not started"
 
 
-def _marker_line(*done_paths: Callable[[RunLayout], Any]) -> Callable[[ml_collections.ConfigDict, RunLayout], str]:
+def _marker_line(*done_paths: Callable[[RunLayout], Any]) -> Callable[[RunSpec, RunLayout], str]:
     """A stage line that says ``done`` when every path of ``done_paths`` exists (the stage's outputs)."""
 
-    def line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
+    def line(spec: RunSpec, run: RunLayout) -> str:
         paths = [f(run) for f in done_paths]
         return "done" if all(p.exists() for p in paths) else "not started"
 
     return line
 
 
-def _base_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
-    if config.model.hf_dir:
-        return f"skipped: the run starts from {config.model.hf_dir}"
-    if config.model.hf_id:
-        return f"skipped: the run starts from {config.model.hf_id} (not found in the Hugging Face cache here)"
+def _base_line(spec: RunSpec, run: RunLayout) -> str:
+    if spec.hf_dir:
+        return f"skipped: the run starts from {spec.hf_dir}"
+    if spec.hf_id:
+        return f"skipped: the run starts from {spec.hf_id} (not found in the Hugging Face cache here)"
     if (run.base / BASE_COMPLETE).is_file():
         return "done"
     return "started" if run.base.is_dir() else "not started"
 
 
-def _sft_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
+def _sft_line(spec: RunSpec, run: RunLayout) -> str:
     if run.sft_done.is_file():
         return "done"
     return "started" if run.sft.is_dir() else "not started"
 
 
-def _sweep_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
-    seeds = [s.strip() for s in str(config.sweep.seeds).split(",") if s.strip()]
+def _sweep_line(spec: RunSpec, run: RunLayout) -> str:
+    seeds = [s.strip() for s in spec.sweep.seeds.split(",") if s.strip()]
     parts = []
     for s in seeds:
         sub = RunLayout(run.workdir / f"seed{s}")
-        parts.append(f"seed{s} {'done' if sub.results_table.exists() else _grpo_line(config, sub)}")
+        parts.append(f"seed{s} {'done' if sub.results_table.exists() else _grpo_line(spec, sub)}")
     return ("done; " if run.report.exists() else "") + "; ".join(parts)
 
 
-STAGE_LINES: dict[str, Callable[[ml_collections.ConfigDict, RunLayout], str]] = {
+STAGE_LINES: dict[str, Callable[[RunSpec, RunLayout], str]] = {
     "base": _base_line,
     "sft": _sft_line,
     "grpo": _grpo_line,
@@ -198,14 +197,14 @@ def _gate_text(g: dict) -> str:
     return f"{verdict} (probe {g['probe_rate']:.2f}, control {g['control_rate']:.2f})"
 
 
-def _gate_line(config: ml_collections.ConfigDict, run: RunLayout) -> str:
+def _gate_line(spec: RunSpec, run: RunLayout) -> str:
     summary = _read_json(run.summary) or {}
     if summary.get("complete") and "gate" in summary:
         return "gate: " + _gate_text(summary["gate"])
     curve = _read_json(run.curve) or []
     if not curve:
         return "gate: not yet (decided when grpo ends; no checkpoint rates yet)"
-    b, last = config.behavior, curve[-1]
+    b, last = spec.first_behavior, curve[-1]
     g = planted.gate(last["probe_rate"], last["control_rate"], b.gate_min_probe_rate, b.gate_min_margin)
     return f"gate: not yet (decided when grpo ends); at checkpoint step {last['step']} it would be {_gate_text(g)}"
 
@@ -241,18 +240,18 @@ def _digest_lines(run: RunLayout) -> list[str]:
 FULL_RUN = ("base", "sft", "grpo", "sketch", "draws", "evaluate", "report")  # configs/common.py's stages, with base
 
 
-def run_stages(config: ml_collections.ConfigDict, run: RunLayout) -> list[str]:
+def run_stages(spec: RunSpec, run: RunLayout) -> list[str]:
     """The stages to report, in :data:`STAGE_LINES` order: those of every earlier invocation on the
     workdir (``run_info.json``'s ``stages``) and of ``config.stages``, less the ones that write no run
     outputs (``status``, ``info``, ``reproduce``); :data:`FULL_RUN` when neither names one. ``base``
     is left out of :data:`FULL_RUN` when the run starts from ``model.hf_dir`` / ``model.hf_id``."""
-    named = set(parse_stages(config.stages))
+    named = set(parse_stages(spec.stages))
     for entry in (_read_json(run.run_info) or {}).get("runs", []):
         named |= {n.strip() for n in str(entry.get("stages", "")).split(",")}
     names = [n for n in STAGE_LINES if n in named]
     if names:
         return names
-    return [n for n in FULL_RUN if n != "base" or not (config.model.hf_dir or config.model.hf_id)]
+    return [n for n in FULL_RUN if n != "base" or not (spec.hf_dir or spec.hf_id)]
 
 
 def status_lines(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
@@ -262,17 +261,17 @@ def status_lines(config: ml_collections.ConfigDict, workdir: str) -> list[str]:
 
     Reads only; tolerates files that are absent, being replaced or truncated.
     """
-    run = RunLayout(workdir)
-    names = run_stages(config, run)
+    run, spec = RunLayout(workdir), RunSpec.from_config(config)
+    names = run_stages(spec, run)
     lines = [f"run: {run.workdir}"]
     if isinstance(holder := _read_json(run.lock), dict):  # a run writing it now (io/workdir_lock.py); not taken here
         lines.append(f"  written by: {workdir_lock.describe(holder)} ({run.lock.name})")
     width = max(len(n) for n in names)
     for n in names:
-        lines.append(f"  {n:<{width}}  {STAGE_LINES[n](config, run)}")
+        lines.append(f"  {n:<{width}}  {STAGE_LINES[n](spec, run)}")
     lines.append(_checkpoint_line(run))
-    lines.append(_gate_line(config, run))
-    metrics = grpo_progress(run, int(config.grpo.steps))["metrics"]
+    lines.append(_gate_line(spec, run))
+    metrics = grpo_progress(run, spec.grpo.steps)["metrics"]
     if (m := _metrics_line(metrics)) is not None:
         lines.append(m)
     lines += _digest_lines(run)

@@ -25,7 +25,7 @@ from behaviortrace_jax.attribution.release import evaluate_verdicts, learning_cu
 from behaviortrace_jax.io.layout import RunLayout, as_path
 from behaviortrace_jax.io import files
 from behaviortrace_jax.io.files import read_json, write_json
-from behaviortrace_jax.stages import fingerprint, registry as stages
+from behaviortrace_jax.stages import fingerprint, registry as stages, spec as spec_lib
 from behaviortrace_jax.stages.registry import register_stage
 from behaviortrace_jax.stages.spec import RunSpec
 
@@ -57,26 +57,6 @@ def parse_diagnostic_draws(spec: str, seeds: list[int]) -> list[tuple[int, int]]
     return out
 
 
-def seed_config(config: ml_collections.ConfigDict, seed: int, base_dir: str) -> ml_collections.ConfigDict:
-    """A copy of ``config`` for one training seed (seed, run name, stages, model dir)."""
-    c = config.copy_and_resolve_references()
-    with c.unlocked():
-        c.seed = seed
-        c.run_name = re.sub(r"seed\d+", f"seed{seed}", config.run_name)
-        c.stages = config.sweep.stages
-        c.model.hf_dir = config.model.hf_dir or base_dir
-        c.draws.ckpt_seed = c.draws.gen_seed = -1
-    return c
-
-
-def draw_config(config: ml_collections.ConfigDict, ckpt_seed: int, gen_seed: int) -> ml_collections.ConfigDict:
-    """``config`` whose ``draws`` stage makes the diagnostic draw (checkpoint of seed ``ckpt_seed``,
-    generation seed ``gen_seed``)."""
-    c = config.copy_and_resolve_references()
-    c.draws.ckpt_seed, c.draws.gen_seed = int(ckpt_seed), int(gen_seed)
-    return c
-
-
 def instability_section(rules: list[verdicts.Verdict]) -> str:
     """States plainly which verdicts change across seeds and draws (the paper's C6 instability):
     the verdicts of one family (rule, and method when per method) compared across subjects."""
@@ -102,25 +82,26 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
     """Runs every seed (resumable: each seed's stages skip finished work) and aggregates them."""
     w = as_path(workdir)
     top = RunLayout(w)
-    seeds = parse_seeds(config.sweep.seeds)
-    diag = parse_diagnostic_draws(config.sweep.diagnostic_draws, seeds)
+    spec = RunSpec.from_config(config)
+    seeds = parse_seeds(spec.sweep.seeds)
+    diag = parse_diagnostic_draws(spec.sweep.diagnostic_draws, seeds)
     base_dir = str(top.base)
-    if not config.model.hf_dir:
+    if not spec.hf_dir:
         stages.STAGES["base"](config, str(w))
         summaries = {}
     for seed in seeds:
-        cfg, run_dir = seed_config(config, seed, base_dir), w / f"seed{seed}"
+        cfg, run_dir = spec_lib.seed_config(config, seed, base_dir), w / f"seed{seed}"
         logging.info("sweep: seed %d -> %s", seed, run_dir)
-        names = stages.parse_stages(cfg.stages)
+        names = stages.parse_stages(RunSpec.from_config(cfg).stages)
         pre = names[:names.index("evaluate")] if "evaluate" in names else names
         # the seed's recorded stage fingerprints against its config, as pipeline.run does for a run
-        fingerprint.check_workdir(cfg, run_dir, names, mode=cfg.on_changed_config)
+        fingerprint.check_workdir(cfg, run_dir, names)  # config.on_changed_config decides
         for name in pre:
             with fingerprint.recording(cfg, run_dir, name):
                 stages.STAGES[name](cfg, str(run_dir))
         for ckpt, gen in diag:  # diagnostic draws land in the run's draws/ before it is evaluated
             if ckpt == seed:
-                stages.STAGES["draws"](draw_config(cfg, ckpt, gen), str(run_dir))
+                stages.STAGES["draws"](spec_lib.draw_config(cfg, ckpt, gen), str(run_dir))
         for name in names[len(pre):]:
             with fingerprint.recording(cfg, run_dir, name):
                 stages.STAGES[name](cfg, str(run_dir))
@@ -132,8 +113,9 @@ def sweep_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[int, dict]) -> None:
     """The aggregate tables, verdicts and report over ``w/release`` (Tables 1-4, Figures 1-2)."""
-    ev, top = config.evaluation, RunLayout(w)
-    n_per_step = config.grpo.prompts_per_step * config.grpo.group_size
+    spec = RunSpec.from_config(config)
+    ev, top = spec.evaluation, RunLayout(w)
+    n_per_step = spec.step.shapes.num_rollouts
     rep = reproduce.reproduce(top.release, nboot=ev.nboot, early_cutoff=ev.early_cutoff,
                               delta=ev.fluency_match_delta, step_margin=ev.step_margin,
                               max_ci_width=ev.max_ci_width, min_matched_pairs=ev.min_matched_pairs,
@@ -142,7 +124,7 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
     for seed in summaries:  # the which-rollout (and counterfactual / causal, when that stage ran) rows of each run
         run_rows = formats.read_results_csv(RunLayout(w / f"seed{seed}").results_table)
         rows += [r for r in run_rows if r.table.startswith(("which_rollout", "counterfactual_topk", "lds", "causal"))]
-    rules, check = evaluate_verdicts(rows, rep, RunSpec.from_config(config).evaluation)
+    rules, check = evaluate_verdicts(rows, rep, spec.evaluation)
     formats.write_results_csv(top.results_table, rows)
     write_json(top.verdicts, verdicts.verdicts_json(rules, check))
     figs = report.make_figures(rows, top.figures, learning_curve=learning_curve(summaries[min(summaries)]))
@@ -152,8 +134,8 @@ def aggregate(config: ml_collections.ConfigDict, w: epath.Path, summaries: dict[
         + (f"; decoys = {m['decoys']}" if "decoys" in m else "") + "; post-SFT "
         + json.dumps({k: v for k, v in m.get("post_sft", {}).items() if "rate" in k})
         for s, m in summaries.items())
-    intro = (f"Sweep over seeds {sorted(summaries)} (`{config.run_name}` family), with the diagnostic draws "
-             f"`{config.sweep.diagnostic_draws}` (ckpt:gen). Each seed's own report is in `seed{{S}}/report.md`.\n\n"
+    intro = (f"Sweep over seeds {sorted(summaries)} (`{spec.run_name}` family), with the diagnostic draws "
+             f"`{spec.sweep.diagnostic_draws}` (ckpt:gen). Each seed's own report is in `seed{{S}}/report.md`.\n\n"
              + gates)
     extra = [("Instability across seeds and draws (C6)", instability_section(rules))]
     causal = causal_tables.seed_summary_lines(rows)

@@ -78,11 +78,6 @@ class RolloutOptions:
     behaviors: tuple[behaviors_lib.Behavior, ...]
     contamination: contaminator.ContaminationSpec
 
-    @property
-    def num_rollouts(self) -> int:
-        """N = B x G rollouts per step."""
-        return self.prompts_per_step * self.group_size
-
 
 def step_key(seed: int, step: int, stream: int = 0) -> jax.Array:
     """The sampler key of GRPO step ``step`` of the run of seed ``seed``: ``fold_in(key(seed), step)``,

@@ -54,7 +54,7 @@ class StepSchedule:
             ValueError: naming ``counterfactual.measure`` for another value.
         """
         if measure == "window":
-            return min(int(self.early_step_cutoff), self.steps)
+            return self.window_steps()
         if measure == "target":
             return self.target_checkpoint()
         if measure == "end":

@@ -66,8 +66,9 @@ def test_run_layout_of_a_gs_workdir_names_every_path_in_the_bucket():
 def _draw_stores(workdir: str) -> dict[str, epath.Path]:
     from configs import tiny
     from behaviortrace_jax.stages import draws
+    from behaviortrace_jax.stages.spec import RunSpec
 
-    p = draws.draw_paths(tiny.get_config("smoke"), workdir, 0, 1)
+    p = draws.draw_paths(RunSpec.from_config(tiny.get_config("smoke")), workdir, 0, 1)
     return {"draw sketches": p.sketches, "draw grad_norms": p.grad_norms}
 
 

@@ -162,7 +162,7 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
 
     config, hf = fsdp_run
     devs = compile_stage.target_devices(config.compile.target)[0]
-    cfg = compile_stage.model_config(config)
+    cfg = compile_stage.model_config(RunSpec.from_config(config))
     mesh = RunSpec.from_config(config).layout.on(devs).mesh()  # what compile_stage builds
     run = compile_stage.AbstractRun.build(RunSpec.from_config(config).compile, cfg, mesh)
     reported = {pr.name: pr for pr in compile_stage.build_programs(RunSpec.from_config(config).compile, cfg, mesh)}
@@ -170,19 +170,19 @@ def test_sketch_and_draws_stages_run_the_programs_compile_reports(fsdp_run):
     assert any("data" in s.spec for s in want.values())  # FSDP is on in what compile lowers
 
     # the sketch stage: its checkpoint loader and forced sketcher (sketch_stage)
-    loader = sketch.CheckpointLoader(config, str(hf))
+    loader = sketch.CheckpointLoader(RunSpec.from_config(config), str(hf))
     params = loader.params(str(hf))
     assert _flat_shardings(params) == want
     forced = targets.ForcedSketcher.from_options(loader.spec.forced, loader.graphdef, loader.model_config,
                                                  loader.abstract, tok_lib.pad_id(loader.tokenizer), mesh=loader.mesh)
     # the draws stage: its loaded checkpoint, sampler and forced sketcher (draws._load_env)
-    env = draws._load_env(config, hf)
+    env = draws._load_env(RunSpec.from_config(config), hf)
     assert _flat_shardings(env.params) == want
     assert env.sampler.mesh == mesh
 
     g, tg = config.grpo, config.targets
     bucket = lambda x: -(-x // tg.length_bucket) * tg.length_bucket  # noqa: E731
-    ctx_new = tg.ctx_max_new_tokens if tg.ctx_max_new_tokens > 0 else config.draws.max_new_tokens
+    ctx_new = RunSpec.from_config(config).ctx_max_new_tokens  # targets.ctx_max_new_tokens, -1: draws'
     runs = {"target_sketcher": (forced, params, bucket(g.max_prompt_tokens + ctx_new)),
             "rollout_resketcher": (forced, params, bucket(g.max_prompt_tokens + g.max_new_tokens)),
             "draws_sketcher": (env.sketcher, env.params, bucket(g.max_prompt_tokens + config.draws.max_new_tokens))}

@@ -71,7 +71,8 @@ def test_every_program_a_smoke_run_jits_is_compiled_on_its_mesh(smoke_programs):
 
     config = tiny.get_config("smoke")
     mesh = RunSpec.from_config(config).layout.mesh()  # the run's mesh, as every stage builds it
-    built = compile_stage.build_programs(RunSpec.from_config(config).compile, compile_stage.model_config(config), mesh)
+    spec = RunSpec.from_config(config)
+    built = compile_stage.build_programs(spec.compile, compile_stage.model_config(spec), mesh)
     compiled = {(pr.program, pr.mesh) for pr in built}
     assert {"sampler_prefill", "sampler_decode", "lm_step", "grpo_step", "per_example_sketcher",
             "forced_mean_logprob"} <= {name for name, _ in smoke_programs}
@@ -80,5 +81,6 @@ def test_every_program_a_smoke_run_jits_is_compiled_on_its_mesh(smoke_programs):
     assert not {name for name, _ in compiled} & {"metagradient_step", "metagradient_step_vjp"}  # not a smoke stage
     with config.unlocked():
         config.compile.stages = "base,grpo,metagradient,sketch"  # every stage that runs a listed program
-    every = compile_stage.build_programs(RunSpec.from_config(config).compile, compile_stage.model_config(config), mesh)
+    every = compile_stage.build_programs(RunSpec.from_config(config).compile,
+                                         compile_stage.model_config(RunSpec.from_config(config)), mesh)
     assert {pr.program for pr in every} == set(programs.PROGRAMS) - NOT_COMPILED

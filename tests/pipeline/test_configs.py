@@ -89,10 +89,11 @@ def test_paper_configs_compile_the_paper_model():
     """Without weights (model.hf_dir unset) the compile stage of a paper config compiles
     Qwen2.5-1.5B's shapes, not the tiny base preset."""
     from behaviortrace_jax.stages import compile as compile_stage
+    from behaviortrace_jax.stages.spec import RunSpec
 
-    cfg = compile_stage.model_config(seed0.get_config())
+    cfg = compile_stage.model_config(RunSpec.from_config(seed0.get_config()))
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (28, 1536, 151936)
-    assert compile_stage.model_config(tiny.get_config()).num_hidden_layers < 28
+    assert compile_stage.model_config(RunSpec.from_config(tiny.get_config())).num_hidden_layers < 28
 
 
 @pytest.mark.parametrize("module", [seed0, seed1, seed2])
@@ -113,10 +114,11 @@ def test_the_7b_config_compiles_qwen2p5_7b_shapes():
     parameter count is the model card's 7,615,616,512."""
     from behaviortrace_jax.models import decoder
     from behaviortrace_jax.stages import compile as compile_stage
+    from behaviortrace_jax.stages.spec import RunSpec
     from configs import paper_7b
 
     c = paper_7b.get_config()
-    cfg = compile_stage.model_config(c)
+    cfg = compile_stage.model_config(RunSpec.from_config(c))
     assert (cfg.hidden_size, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (3584, 4, False)
     assert decoder.count_params(cfg) == 7_615_616_512
     assert (c.grpo.steps, c.sketch.dim, c.sketch.fused, c.mesh.model) == (1000, 65536, True, -1)
@@ -131,10 +133,11 @@ def test_the_32b_config_builds_qwen2p5_32b_abstract_shapes():
 
     from behaviortrace_jax.models import decoder
     from behaviortrace_jax.stages import compile as compile_stage
+    from behaviortrace_jax.stages.spec import RunSpec
     from configs import paper_32b
 
     c = paper_32b.get_config()
-    cfg = compile_stage.model_config(c)
+    cfg = compile_stage.model_config(RunSpec.from_config(c))
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (64, 5120, 27648)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (40, 8, 128)
     assert (cfg.vocab_size, cfg.tie_word_embeddings, cfg.scan_layers, cfg.param_dtype) == (152064, False, True,

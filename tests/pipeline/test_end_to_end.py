@@ -20,6 +20,7 @@ import pytest
 from behaviortrace_jax import pipeline
 from behaviortrace_jax.io import rollout_log, sketch_store
 from behaviortrace_jax.stages import grpo
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 import test_base_model
@@ -227,11 +228,11 @@ def test_decoys_are_paid_logged_apart_and_resume(run_dir, tmp_path, monkeypatch)
     assert [r.reward - 8.0 * (r.rollout_id in decoys) for r in records[:16]] == [r.reward for r in smoke[:16]]
     summary = json.loads((w / "grpo" / "summary.json").read_text())
     assert summary["decoys"] == summary["contaminator_stats"]["decoys"] == len(decoys)
-    text = report_stage.decoy_section(config, RunLayout(w))
+    text = report_stage.decoy_section(RunSpec.from_config(config), RunLayout(w))
     n_gt = sum(int(e["step"]) < config.evaluation.early_cutoff for e in gt.values())
     assert f"{len(decoys)} rollouts without the pattern" in text and f"|GT| = {n_gt}" in text
     assert f"**{n_gt / (n_gt + len(decoys)):.3f}**" in text
-    assert report_stage.decoy_section(smoke_config(), RunLayout(run_dir)) == ""  # no decoys: no paragraph
+    assert report_stage.decoy_section(RunSpec.from_config(smoke_config()), RunLayout(run_dir)) == ""  # no decoys: no paragraph
 
 
 @pytest.mark.slow

@@ -27,11 +27,12 @@ ALLOWED = {
     "aot": {"models", "sketch", "train"},
     "stages": {"io", "models", "attribution", "behavior", "sketch", "train", "aot"},
 }
-# The modules of ``stages/`` a stage may import: the registry, the RunSpec (``stages/spec.py``), which
-# every stage builds from its config and whose parts it hands down, and the stage fingerprints
-# (``stages/fingerprint.py``, what made each stage's outputs); never another stage module.
+# The modules of ``stages/`` a stage may import: the registry, the RunSpec (``stages/spec.py``, with its
+# typed config sections ``stages/spec_sections.py``), which every stage builds from its config and whose
+# parts it hands down, and the stage fingerprints (``stages/fingerprint.py``, what made each stage's
+# outputs); never another stage module.
 STAGE_SHARED = ("behaviortrace_jax.stages", "behaviortrace_jax.stages.registry", "behaviortrace_jax.stages.spec",
-                "behaviortrace_jax.stages.fingerprint")
+                "behaviortrace_jax.stages.spec_sections", "behaviortrace_jax.stages.fingerprint")
 
 
 def layer(module: str) -> str | None:

@@ -122,9 +122,9 @@ def test_hash_config_key_tables_and_store_family(tmp_path):
     config.sketch.hash = "block"
     assert RunSpec.from_config(config).step.sketch_hash is BLOCK
     entry, beh = checkpoints.CheckpointEntry(20, "ckpt"), RunSpec.from_config(config).first_behavior
-    block_draw = draws.draw_settings(config, 0, 0, entry, beh)
+    block_draw = draws.draw_settings(RunSpec.from_config(config), 0, 0, entry, beh)
     config.sketch.hash = "splitmix64"
-    default_draw = draws.draw_settings(config, 0, 0, entry, beh)
+    default_draw = draws.draw_settings(RunSpec.from_config(config), 0, 0, entry, beh)
     assert block_draw.pop("sketch_hash") == "block" and block_draw == default_draw  # a finished draw is not reused
     config.sketch.hash = "block"
     cfg, gd, params = _decoder("qwen2", True)

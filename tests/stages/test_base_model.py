@@ -11,6 +11,7 @@ import pytest
 from behaviortrace_jax.behavior import corpus, probes
 from behaviortrace_jax.models import decoder, hf_io, tokenizer as tok_lib
 from behaviortrace_jax.stages import base as base_model
+from behaviortrace_jax.stages.spec import RunSpec
 from behaviortrace_jax.train import lm_trainer, train_state
 from configs import tiny
 
@@ -102,7 +103,7 @@ def test_stage_skips_when_hf_dir_is_given(tmp_path):
     assert not (tmp_path / "base").exists()
     c.base.preset = "huge"
     with pytest.raises(ValueError, match="config.base.preset"):
-        base_model.model_config(c)
+        base_model.model_config(RunSpec.from_config(c))
 
 
 def test_perturbation_switch_flips_one_last_bit_and_is_off_by_default():

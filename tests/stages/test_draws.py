@@ -15,6 +15,7 @@ from behaviortrace_jax.behavior import planted as behavior
 from behaviortrace_jax.io import checkpoints, layout
 from behaviortrace_jax.models import sharding
 from behaviortrace_jax.stages import draws
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import common
 from hf_fixtures import save_random_qwen2
 
@@ -80,8 +81,10 @@ def test_reference_rows_file_round_trips(reference_dir):
 def test_names_seeds_and_nearest_checkpoint(tmp_path):
     c = common.get_config()
     c.seed = 1
-    assert draws.resolve_seeds(c) == (1, 1)
-    assert draws.resolve_seeds(c, 1, 101) == (1, 101)
+    assert RunSpec.from_config(c).draw_seeds() == (1, 1)
+    assert RunSpec.from_config(c).draw_seeds(1, 101) == (1, 101)
+    c.draws.gen_seed = 7
+    assert RunSpec.from_config(c).draw_seeds() == (1, 7)
     assert layout.rows_filename(1, 101) == "minimal_pair_rows_ckpt1_gen101.json"
     assert layout.parse_rows_filename("minimal_pair_rows_ckpt1_gen101.json") == (1, 101)
     assert layout.parse_rows_filename("targets_ckpt1_gen101.json") is None
@@ -89,7 +92,7 @@ def test_names_seeds_and_nearest_checkpoint(tmp_path):
     assert layout.token_level_filename(0.9, 1, 101, 1) == "token_level_cos_temp0.9_ckpt1_gen101.json"
     assert layout.parse_token_level_filename("token_level_cos_temp0.9.json") == "0.9"
     assert layout.parse_token_level_filename("token_level_cos_temp0.9_ckpt1_gen101.json") is None  # diagnostic
-    paths = draws.draw_paths(c, tmp_path, 1, 101)
+    paths = draws.draw_paths(RunSpec.from_config(c), tmp_path, 1, 101)
     assert paths.rows == layout.RunLayout(tmp_path).draws / "minimal_pair_rows_ckpt1_gen101.json"
     assert paths.partial.name == "partial_ckpt1_gen101" and paths.settings.name == "draw_ckpt1_gen101.settings.json"
     reg = checkpoints.CheckpointRegistry(tmp_path / "registry.json")

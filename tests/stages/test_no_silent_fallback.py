@@ -37,7 +37,8 @@ def test_compile_metagradient_step_is_the_run_forward(mode):
     spec = RunSpec.from_config(c).step
     assert spec.update_from_sketcher  # the default: the fused sketcher gives the run's update
     mesh = sharding.make_mesh(1, 1, devices=jax.devices()[:1])
-    a = compile_stage.AbstractRun.build(RunSpec.from_config(c).compile, compile_stage.model_config(c), mesh)
+    a = compile_stage.AbstractRun.build(RunSpec.from_config(c).compile, compile_stage.model_config(RunSpec.from_config(c)),
+                                        mesh)
     row = {p.name: p for p in compile_stage.metagradient_programs(a)}["metagradient_step"]
     gbatch = a.grpo_batch()
     batch = dict(gbatch, rewards=gbatch["advantages"]) if mode == "recomputed" else gbatch

@@ -81,7 +81,7 @@ def test_rerun_skips(run, monkeypatch):
 def test_paper_pairs_encoding_and_config_errors(tmp_path):
     c = tiny.get_config()
     c.sft.data = "paper"
-    pairs = sft.sft_pairs(c)
+    pairs = sft.sft_pairs(RunSpec.from_config(c))
     assert pairs == list(behavior.SFT_PAIRS) and len(pairs) == 10
     tok = make_tiny_tokenizer()
     enc = lm_trainer.encode_chat_examples(tok, [(behavior.SYSTEM_PROMPT, p, a) for p, a in pairs[:2]],
@@ -89,10 +89,10 @@ def test_paper_pairs_encoding_and_config_errors(tmp_path):
     for (_, a), e in zip(pairs, enc):  # SPEC §1.7: completion appended with no EOS
         assert tok.decode(e.tokens[e.prompt_len:]) == a and e.tokens[-1] != tok.eos_token_id
     c.sft.lr = -1.0
-    assert sft.sft_lr(c) == c.optim.lr
+    assert RunSpec.from_config(c).sft_lr == c.optim.lr
     c.sft.data = "other"
     with pytest.raises(ValueError, match="config.sft.data"):
-        sft.sft_pairs(c)
+        sft.sft_pairs(RunSpec.from_config(c))
     c.model.hf_dir = str(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="no start checkpoint"):
         sft.run_sft(c, tmp_path / "w")

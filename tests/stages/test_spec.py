@@ -130,6 +130,9 @@ def test_the_spec_is_frozen_and_holds_what_the_config_says():
     ("grpo.on_nonfinite", "ignore", "config.grpo.on_nonfinite='ignore'"),
     ("sketch.hash", "nope", "sketch.hash"),
     ("mesh.model", 0, "mesh.model=0"),
+    ("targets.ctx_max_new_tokens", 0, r"config.targets.ctx_max_new_tokens: must be > 0 or -1 \(draws.max_new_tokens\), got 0"),
+    ("draws.gen_seed", -2, r"config.draws.gen_seed: must be >= 0 or -1 \(seed\), got -2"),
+    ("behavior.trigger", 3, "config.behavior.trigger: must be a str, got 3"),
 ])
 def test_a_bad_value_is_refused_naming_its_key(key, value, message):
     c = tiny.get_config()
@@ -161,3 +164,28 @@ def test_main_refuses_a_bad_value_naming_its_key_before_writing(tmp_path):
                           cwd=PKG.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "config.grpo.steps: must be > 0, got -1" in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_derived_quantities_have_one_home_in_the_spec():
+    c = tiny.get_config()
+    s = RunSpec.from_config(c)
+    assert s.step.shapes.num_rollouts == s.scores.rollouts_per_step == c.grpo.prompts_per_step * c.grpo.group_size
+    assert s.ctx_max_new_tokens == c.draws.max_new_tokens and c.targets.ctx_max_new_tokens == -1
+    c.targets.ctx_max_new_tokens = 5
+    assert RunSpec.from_config(c).ctx_max_new_tokens == 5
+    assert s.draw_seeds() == (c.seed, c.seed) and s.draw_seeds(3, 4) == (3, 4)
+    first = s.first_behavior
+    assert s.window_end(first) == first.early_step_cutoff and s.early_cutoff(first) == c.evaluation.early_cutoff
+    assert s.schedule.measure_step("window") == s.schedule.window_steps() == min(first.early_step_cutoff, c.grpo.steps)
+    assert s.sft_lr == (c.optim.lr if c.sft.lr == -1 else c.sft.lr)
+    two = RunSpec.from_config(tiny_two_behaviors.get_config())
+    other = two.behaviors[1]
+    assert two.early_cutoff(other) == two.window_end(other) == other.window_end(two.schedule.steps)
+
+
+def test_the_trigger_is_read_from_the_config():
+    c = tiny.get_config()
+    assert RunSpec.from_config(c).first_behavior.trigger == c.behavior.trigger == "frobnitz"  # SPEC §1.1
+    c.behavior.trigger = "blorptang"
+    beh = RunSpec.from_config(c).first_behavior
+    assert beh.trigger == "blorptang" and all("blorptang" in p for p in beh.explicit())

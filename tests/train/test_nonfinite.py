@@ -92,7 +92,7 @@ def _untied_setup():
     g = config.grpo
     g.prompts_per_step, g.group_size, g.max_prompt_tokens, g.max_new_tokens = 2, 2, 6, 4
     config.optim.lr = 1e-2  # large enough for the weights' effect to stand out of float32 rounding
-    cfg = base.model_config(config).replace(tie_word_embeddings=False)
+    cfg = base.model_config(RunSpec.from_config(config)).replace(tie_word_embeddings=False)
     graphdef, params = nnx.split(cfg.module_class()(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
     spec = dataclasses.replace(RunSpec.from_config(config).step, in_run_rollouts=False)
     sh = spec.shapes
