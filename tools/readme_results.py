@@ -53,7 +53,8 @@ class Campaign:
     relative to the repository: a ``results_table.csv`` or a stage's ``results_rows.csv``);
     ``record`` (its dated record under ``docs/records/``); ``kind`` (a key of :data:`KINDS`);
     ``seeds`` (the seed labels to show, in order; empty = every seed of the file's rows of that
-    kind, in file order); ``note`` (a sentence for the caption, e.g. what was not saved).
+    kind, in file order); ``note`` (a sentence for the caption, e.g. what was not saved);
+    ``measures`` (``causal_gate`` only: the measure outputs shown, in file order; empty = all).
     """
 
     label: str
@@ -62,6 +63,7 @@ class Campaign:
     kind: str
     seeds: tuple[str, ...] = ()
     note: str = ""
+    measures: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -216,7 +218,8 @@ def render_causal_gate(columns: list[tuple[Campaign, Table, str]]) -> list[str]:
     lines = ["| run | measure | Δ [95 % CI] | noise floor sd | MDE | Δ / sd | status | streams |",
              "|---|---|---|---|---|---|---|---|"]
     for campaign, rows, seed in columns:
-        for table in dict.fromkeys(t for s, t, _ in rows if s == seed and GATE.match(t)):
+        for table in dict.fromkeys(t for s, t, _ in rows if s == seed and GATE.match(t)
+                                   and (not campaign.measures or GATE.match(t).group(1) in campaign.measures)):
             need = ("delta", "baseline-sd", "mde", "delta-over-sd", "acted")
             missing = [m for m in need if (seed, table, m) not in rows]
             if missing:

@@ -82,6 +82,10 @@ def test_the_gate_renders_from_the_cause_stage_rows(tool, tmp_path):
             f"{g(probe.floor.sd)} | {g(probe.mde)} | {g(probe.delta_over_sd)} | acted | 3 |") in block
     assert f"| tiny causal, seed 1 | logp_margin | {g(margin.effect.delta)} [" in block
     assert "| not detected | 3 |" in block
+    # a campaign may show some measures only
+    only = tool.render_block([tool.Campaign("tiny causal", "causal/cause_rows.csv", "docs/records/y.md", "causal_gate",
+                                            measures=("probe_rate",))], repo=tmp_path)
+    assert "probe_rate (primary)" in only and "logp_margin" not in only
     # a gate table without one of its rows is named
     rows = [r for r in formats.read_results_csv(path) if not (r.seed == "1" and r.method == "mde")]
     formats.write_results_csv(path, rows)
