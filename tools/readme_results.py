@@ -78,10 +78,10 @@ CAMPAIGNS: tuple[Campaign, ...] = (
     Campaign("calibrated default", "docs/records/2026-12-07-causal-gate-three-seeds/cause_rows.csv",
              "docs/records/2026-12-07-causal-gate-three-seeds.md", "causal_gate",
              measures=("probe_rate", "leakage_rate", "logp_margin")),
-    Campaign("default", "docs/records/tiny_sweep/results_table.csv",
+    Campaign("pre-calibration default", "docs/records/tiny_sweep/results_table.csv",
              "docs/records/2026-12-04-tiny-sweep-and-decoys-three-seeds.md", "which_rollout",
              note="seeds 1 and 2 of the default were not saved: their numbers are in the record"),
-    Campaign("decoys", "docs/records/tiny_decoys/results_table.csv",
+    Campaign("pre-calibration decoys", "docs/records/tiny_decoys/results_table.csv",
              "docs/records/2026-12-04-tiny-sweep-and-decoys-three-seeds.md", "which_rollout"),
 )
 
