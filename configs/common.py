@@ -236,7 +236,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.lds_fractions = "0.01,0.05,0.1,0.5"
     c.counterfactual.lds_small_subsets = 16  # Subsets replayed per drop fraction other than 0.5 (one replay each).
     c.counterfactual.measure = "window"  # Behaviour step of the tables: "window" (end of the contamination window;
-    # the replay stops there), "target" (the checkpoint nearest draws.target_step) or "end" of the run.
+    # the replay stops there), "target" (the checkpoint nearest draws.target_step), "end" of the run, or a step number.
     c.counterfactual.sampled = 4  # Sampled rates: completions per probe/control prompt (GRPO temperature, fixed key); 0 = off.
     c.counterfactual.rates = True  # Also measure greedy probe/control rates (SPEC §1.8) at each measured step.
     c.counterfactual.recompute_advantages = False  # Recompute group baselines without removed rollouts
@@ -246,7 +246,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.intervention = "remove"  # Top-k / LDS replays: "remove" (weight 0) or "withhold-bonus" (the bonus withheld, advantages recomputed).
     c.counterfactual.rollouts = "fixed"  # "fixed" (logged rollouts) or "regenerated" (sampled from the replayed policy).
     c.counterfactual.causal = "on"  # Causal ground truth (single-unit replays, causal_* tables): "on", "off", "only".
-    c.counterfactual.causal_units = "steps"  # Causal units: "steps" (window steps) or "groups" (GRPO groups).
+    # Causal units: "steps" (window steps), "groups" (GRPO groups) or "blocks" (causal_block_steps consecutive steps;
+    # units sized by power: tools/unit_designs.py says which a run's noise floor resolves).
+    c.counterfactual.causal_units = "steps"
+    c.counterfactual.causal_block_steps = 10  # Steps per unit of causal_units = "blocks".
     c.counterfactual.causal_streams = 2  # Sampler streams of the regenerated causal replays (their CI; stream 0 = the run's keys).
     # What the regenerated tracks replay: "units" (every unit's branches, ~at**2 / 2 regenerated steps per
     # stream and intervention) or "label" (only the withhold-all-GT / withhold-all-bonuses checks, ~3 x at steps).
@@ -263,6 +266,9 @@ def get_config() -> ml_collections.ConfigDict:
     # `causal` picks leave-top-k-out and single-unit.
     c.counterfactual.plans = ""
     c.counterfactual.plan_subsets = 16  # Random unit subsets of the datamodels plan (its least-squares fit).
+    # Track of the datamodels / factorial plans: "fixed" (logged rollouts) or "regenerated" (each replay samples its
+    # rollouts on its own sampler stream, so the fit averages training noise out; the baseline on stream 0).
+    c.counterfactual.plan_rollouts = "fixed"
 
     # --- the causal gate (the `cause` stage: in configs/tiny.py's stages; add it after grpo elsewhere) ---
     # Did the planted cause act? The run's no-intervention baseline against withholding every bonus of the

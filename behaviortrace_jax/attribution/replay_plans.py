@@ -30,7 +30,7 @@ from behaviortrace_jax.attribution import causal as causal_tables, counterfactua
 from behaviortrace_jax.attribution import replay_estimators as E
 from behaviortrace_jax.io.replay_request import ReplayRequest, Track
 
-UNITS = ("steps", "groups")
+UNITS = ("steps", "groups", "blocks")
 REGENERATED = ("units", "label")  # counterfactual.causal_regenerated: what the regenerated tracks replay
 ALL_GT, ALL_BONUSES = "withhold-all-gt", "withhold-all-bonuses"
 PRIMARY_MEASURE = "logp_margin"  # tables of this measure keep their plain names
@@ -38,19 +38,29 @@ PRIMARY_MEASURE = "logp_margin"  # tables of this measure keep their plain names
 
 @dataclasses.dataclass(frozen=True)
 class Units:
-    """The causal units: ``names`` (``s<step>`` or ``s<step>g<group>``; row labels), ``rollouts``
-    (int64 index arrays, log order), ``steps`` (each unit's step)."""
+    """The causal units: ``names`` (``s<step>``, ``s<step>g<group>`` or ``s<first>-<last>`` for a
+    block; row labels), ``rollouts`` (int64 index arrays, log order), ``steps`` (each unit's first
+    step)."""
 
     names: list[str]
     rollouts: list[np.ndarray]
     steps: list[int]
 
 
-def causal_units(window_steps: int, group_size: int, n_per_step: int, kind: str) -> Units:
+def causal_units(window_steps: int, group_size: int, n_per_step: int, kind: str, block_steps: int = 10) -> Units:
     """The window's units (steps < ``window_steps``) of ``kind`` (``counterfactual.causal_units``);
-    a group is ``group_size`` rollouts. Raises ValueError naming the key for an unknown kind."""
+    a group is ``group_size`` rollouts, a block ``block_steps`` consecutive steps (the last block may
+    be shorter; units sized by power: ``attribution/unit_designs.py``). Raises ValueError naming the
+    key for an unknown kind or ``block_steps < 1``."""
     if kind not in UNITS:
         raise ValueError(f"counterfactual.causal_units={kind!r}; expected one of {UNITS}")
+    if kind == "blocks":
+        if int(block_steps) < 1:
+            raise ValueError(f"counterfactual.causal_block_steps={block_steps}: must be >= 1")
+        b, w = int(block_steps), int(window_steps)
+        firsts = list(range(0, w, b))
+        return Units([f"s{a}-{min(a + b, w) - 1}" for a in firsts],
+                     [np.arange(a * n_per_step, min(a + b, w) * n_per_step, dtype=np.int64) for a in firsts], firsts)
     names, rollouts, steps, g = [], [], [], int(group_size)
     for s in range(int(window_steps)):
         per = [(f"s{s}", s * n_per_step, (s + 1) * n_per_step)] if kind == "steps" else [
@@ -115,7 +125,8 @@ class PlanContext:
 
     def units(self) -> Units:
         """The causal units of the window capped at the measure step."""
-        return causal_units(min(self.cutoff, self.at), self.group_size, self.n_per_step, self.cf.causal_units)
+        return causal_units(min(self.cutoff, self.at), self.group_size, self.n_per_step, self.cf.causal_units,
+                            self.cf.causal_block_steps)
 
     def request(self, track: Track, intervention: str | None = None, target=(), *, advantages: str = "logged",
                 measure_steps: Sequence[int] | None = None, start_step: int = 0) -> ReplayRequest:
@@ -311,12 +322,25 @@ class SingleUnit(ReplayPlan):
 
 
 class _SubsetDesign(ReplayPlan):
-    """A design over the units on the main fixed track: replay r intervenes on the units with
-    ``design[r, u] > 0`` (``counterfactual.intervention``); subclasses give the design and the
-    estimator. Rows: ``<name>_effect_<iv>_fixed`` per unit and the ``causal_spearman`` /
-    ``causal_p@k`` rows of every method against the estimated effects (suffix ``<name>_<iv>_fixed``)."""
+    """A design over the units: replay r intervenes on the units with ``design[r, u] > 0``
+    (``counterfactual.intervention``); subclasses give the design and the estimator. Track
+    (``counterfactual.plan_rollouts``): "fixed" replays the logged rollouts (the baseline on the same
+    track); "regenerated" samples every replay's rollouts from its replayed policy, replay r on its
+    own sampler stream r + 1 (training noise independent between replays, so the least-squares fit
+    averages it out: ``attribution/unit_designs.py``), the baseline on stream 0 (the run's keys; the
+    fit's intercept absorbs it). Rows: ``<name>_effect_<iv>_<mode>`` per unit and the
+    ``causal_spearman`` / ``causal_p@k`` rows of every method against the estimated effects (suffix
+    ``<name>_<iv>_<mode>``)."""
 
     table = ""
+
+    @staticmethod
+    def track(ctx: PlanContext, r: int | None) -> Track:
+        """Replay r's track (None: the baseline's). Raises ValueError naming the key for another mode."""
+        mode = ctx.cf.plan_rollouts
+        if mode not in ("fixed", "regenerated"):
+            raise ValueError(f"counterfactual.plan_rollouts={mode!r}; expected one of ('fixed', 'regenerated')")
+        return Track() if mode == "fixed" else Track("regenerated", 0 if r is None else r + 1)
 
     def design(self, ctx: PlanContext, units: int) -> np.ndarray:
         raise NotImplementedError
@@ -327,10 +351,10 @@ class _SubsetDesign(ReplayPlan):
     def replays(self, ctx: PlanContext) -> list[PlannedReplay]:
         units = ctx.units()
         x = self.design(ctx, len(units.names))
-        out = [PlannedReplay(ctx.request(Track()), "baseline")]
+        out = [PlannedReplay(ctx.request(self.track(ctx, None)), "baseline")]
         for r in range(x.shape[0]):
             target = np.concatenate([units.rollouts[u] for u in np.flatnonzero(x[r] > 0)] or [np.zeros(0, np.int64)])
-            out.append(PlannedReplay(ctx.request(Track(), ctx.cf.intervention, target), "subset", draw=r))
+            out.append(PlannedReplay(ctx.request(self.track(ctx, r), ctx.cf.intervention, target), "subset", draw=r))
         return out
 
     def rows(self, ctx: PlanContext, replays: list[PlannedReplay], value: Values) -> list[formats.Row]:
@@ -338,12 +362,13 @@ class _SubsetDesign(ReplayPlan):
         x = self.design(ctx, len(units.names))
         base = next(r for r in replays if r.role == "baseline")
         subs = sorted((r for r in replays if r.role == "subset"), key=lambda r: r.draw)
-        rows, suffix = [], f"{self.table}_{ctx.cf.intervention}_fixed"
+        mode = ctx.cf.plan_rollouts
+        rows, suffix = [], f"{self.table}_{ctx.cf.intervention}_{mode}"
         for out in ctx.table_measures:
             b = value(base, out)
             vals = np.array([b if value(r, out) is None else value(r, out) for r in subs], np.float64)
             beta = self.estimate(b, x, vals)
-            rows += [formats.Row(ctx.label, measure_table(f"{self.table}_effect_{ctx.cf.intervention}_fixed", out), name,
+            rows += [formats.Row(ctx.label, measure_table(f"{self.table}_effect_{ctx.cf.intervention}_{mode}", out), name,
                                  float(v), n=len(subs)) for name, v in zip(units.names, beta)]
             per_unit = {m: causal_tables.unit_scores(s, units.rollouts) for m, s in ctx.scores.items()}
             k = max(1, int(round(float(ctx.cf.causal_k) * len(units.names))))

@@ -84,11 +84,15 @@ def split(value: str) -> list[str]:
 def recorded_measures(cf) -> tuple[tuple[str, ...], dict]:
     """``(measure names, settings)`` every replay records: ``logp_margin``, ``logp_probe``,
     ``logp_control``, ``greedy_rate`` (``counterfactual.rates``), ``sampled_rate``
-    (``counterfactual.sampled`` > 0 completions per prompt) and ``counterfactual.measures``."""
+    (``counterfactual.sampled`` > 0 completions per prompt) and ``counterfactual.measures``; the
+    sampled measures among these (``sampled_rate``, ``probe-rate``, ``leakage``) take
+    ``counterfactual.sampled`` completions per prompt when it is > 0."""
     names = ["logp_margin", "logp_probe", "logp_control"] + (["greedy_rate"] if cf.rates else [])
     names += ["sampled_rate"] if cf.sampled else []
-    settings = {"sampled_rate": {"samples": int(cf.sampled)}} if cf.sampled else {}
-    return tuple(dict.fromkeys(names + split(cf.measures))), settings
+    names = list(dict.fromkeys(names + split(cf.measures)))
+    settings = {n: {"samples": int(cf.sampled)} for n in ("sampled_rate", "probe-rate", "leakage")
+                if cf.sampled and n in names}
+    return tuple(names), settings
 
 
 def stage_plans(cf) -> list[str]:
@@ -106,6 +110,8 @@ def check_options(cf) -> None:
     from behaviortrace_jax.train import interventions
 
     for key, value, allowed in (("rollouts", cf.rollouts, ("fixed", "regenerated")),
+                                ("plan_rollouts", cf.plan_rollouts, ("fixed", "regenerated")),
+                                ("causal_units", cf.causal_units, replay_plans.UNITS),
                                 ("causal_regenerated", cf.causal_regenerated, replay_plans.REGENERATED)):
         if value not in allowed:
             raise ValueError(f"config.counterfactual.{key}={value!r}; expected one of {allowed}")

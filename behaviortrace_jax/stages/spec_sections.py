@@ -163,6 +163,7 @@ class CounterfactualKeys:
     rollouts: str
     causal: str
     causal_units: str
+    causal_block_steps: int
     causal_streams: int
     causal_regenerated: str
     causal_k: float
@@ -171,6 +172,7 @@ class CounterfactualKeys:
     table_measures: str
     plans: str
     plan_subsets: int
+    plan_rollouts: str
 
 
 @dataclasses.dataclass(frozen=True)

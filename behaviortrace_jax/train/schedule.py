@@ -48,7 +48,8 @@ class StepSchedule:
     def measure_step(self, measure: str) -> int:
         """The step whose behaviour the counterfactual tables report (``counterfactual.measure``):
         "window" = the end of the contamination window (``early_step_cutoff``, capped at the run's
-        length), "target" = :meth:`target_checkpoint`, "end" = the run's end.
+        length), "target" = :meth:`target_checkpoint`, "end" = the run's end, or a step number
+        1..steps (e.g. "80": after the window's momentum has decayed).
 
         Raises:
             ValueError: naming ``counterfactual.measure`` for another value.
@@ -59,7 +60,10 @@ class StepSchedule:
             return self.target_checkpoint()
         if measure == "end":
             return self.steps
-        raise ValueError(f"counterfactual.measure: {measure!r}; expected 'window', 'target' or 'end'")
+        if str(measure).isdigit() and 1 <= int(measure) <= self.steps:
+            return int(measure)
+        raise ValueError(f"counterfactual.measure: {measure!r}; expected 'window', 'target', 'end' or a step in "
+                         f"1..{self.steps}")
 
     def window_steps(self) -> int:
         """The steps of the first behaviour's window that the run reached: ``min(early_step_cutoff, steps)``."""

@@ -175,6 +175,16 @@ def test_units_and_tracks():
     assert len(groups.names) == 16 and groups.names[5] == "s1g1" and groups.rollouts[5].tolist() == [20, 21, 22, 23]
     with pytest.raises(ValueError, match="causal_units"):
         P.causal_units(cut, g, 16, "rollouts")
+    # blocks of consecutive steps, the last one shorter (units sized by power)
+    blocks = P.causal_units(10, g, 16, "blocks", block_steps=4)
+    assert blocks.names == ["s0-3", "s4-7", "s8-9"] and blocks.steps == [0, 4, 8]
+    assert blocks.rollouts[1].tolist() == list(range(64, 128)) and blocks.rollouts[2].tolist() == list(range(128, 160))
+    with pytest.raises(ValueError, match="causal_block_steps=0"):
+        P.causal_units(10, g, 16, "blocks", block_steps=0)
+    # a numbered measure step (after the window's momentum), checked against the run's length
+    assert spec.schedule.measure_step("5") == 5
+    with pytest.raises(ValueError, match="counterfactual.measure: '99'"):
+        spec.schedule.measure_step("99")
     assert P.tracks("fixed", 3) == [Track()]
     assert P.tracks("regenerated", 2) == [Track(), Track("regenerated", 0), Track("regenerated", 1)]
 

@@ -133,3 +133,24 @@ def test_subset_plans_recover_additive_unit_effects_from_their_replays(name):
     got = [rows[(f"{name}_effect_remove_fixed", f"s{u}")].value for u in range(4)]
     np.testing.assert_allclose(got, effect, atol=1e-9)
     assert rows[(f"causal_spearman_{name}_remove_fixed", "exact")].value == pytest.approx(1.0)
+    assert {r.request.track for r in reps} == {Track()}
+    # regenerated: replay r on its own sampler stream r + 1, the baseline on stream 0; blocks of 2 steps
+    ctx = dataclasses.replace(ctx, cf=dataclasses.replace(cf, plan_rollouts="regenerated", causal_units="blocks",
+                                                          causal_block_steps=2))
+    reps = plan.replays(ctx)
+    base = [r for r in reps if r.role == "baseline"]
+    assert [r.request.track for r in base] == [Track("regenerated", 0)]
+    assert [r.request.track for r in reps if r.role == "subset"] == [Track("regenerated", r.draw + 1) for r in reps
+                                                                       if r.role == "subset"]
+    block = np.array([effect[0] + effect[1], effect[2] + effect[3]])
+
+    def block_value(item, out):  # blocks s0-1 and s2-3: 4 slots each
+        units = sorted({i // 4 for i in item.request.target})
+        return 3.0 - float(block[units].sum())
+
+    rows = {(r.table, r.method): r for r in plan.rows(ctx, reps, block_value)}
+    got = [rows[(f"{name}_effect_remove_regenerated", u)].value for u in ("s0-1", "s2-3")]
+    np.testing.assert_allclose(got, block, atol=1e-9)
+    ctx = dataclasses.replace(ctx, cf=dataclasses.replace(cf, plan_rollouts="logged"))
+    with pytest.raises(ValueError, match="counterfactual.plan_rollouts='logged'"):
+        plan.replays(ctx)
