@@ -246,6 +246,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.counterfactual.intervention = "remove"  # Top-k / LDS replays: "remove" (weight 0) or "withhold-bonus" (the bonus withheld, advantages recomputed).
     c.counterfactual.rollouts = "fixed"  # "fixed" (logged rollouts) or "regenerated" (sampled from the replayed policy).
     c.counterfactual.causal = "on"  # Causal ground truth (single-unit replays, causal_* tables): "on", "off", "only".
+    c.counterfactual.topk = True  # The leave-top-k-out and LDS plan (unless causal = "only"); False: only `plans` and single-unit.
     # Causal units: "steps" (window steps), "groups" (GRPO groups) or "blocks" (causal_block_steps consecutive steps;
     # units sized by power: tools/unit_designs.py says which a run's noise floor resolves).
     c.counterfactual.causal_units = "steps"

@@ -96,11 +96,15 @@ def recorded_measures(cf) -> tuple[tuple[str, ...], dict]:
 
 
 def stage_plans(cf) -> list[str]:
-    """The plans the stage runs: ``leave-top-k-out`` and ``single-unit`` as ``counterfactual.causal``
-    says, then ``counterfactual.plans``. Raises ValueError naming the key for a bad value."""
+    """The plans the stage runs: ``leave-top-k-out`` (unless ``counterfactual.causal = "only"`` or
+    ``counterfactual.topk`` is False) and ``single-unit`` as ``counterfactual.causal`` says, then
+    ``counterfactual.plans``. Raises ValueError naming the key for a bad value or no plan at all."""
     if cf.causal not in CAUSAL:
         raise ValueError(f"config.counterfactual.causal={cf.causal!r}; expected one of {CAUSAL}")
-    names = (["leave-top-k-out"] if cf.causal != "only" else []) + (["single-unit"] if cf.causal != "off" else [])
+    names = (["leave-top-k-out"] if cf.causal != "only" and cf.topk else []) + (
+        ["single-unit"] if cf.causal != "off" else [])
+    if not names and not split(cf.plans):
+        raise ValueError("config.counterfactual: no replay plan (causal='off', topk=False and plans='')")
     return list(dict.fromkeys(names + split(cf.plans)))
 
 

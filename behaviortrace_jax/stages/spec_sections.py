@@ -162,6 +162,7 @@ class CounterfactualKeys:
     intervention: str
     rollouts: str
     causal: str
+    topk: bool
     causal_units: str
     causal_block_steps: int
     causal_streams: int

@@ -154,3 +154,19 @@ def test_subset_plans_recover_additive_unit_effects_from_their_replays(name):
     ctx = dataclasses.replace(ctx, cf=dataclasses.replace(cf, plan_rollouts="logged"))
     with pytest.raises(ValueError, match="counterfactual.plan_rollouts='logged'"):
         plan.replays(ctx)
+
+
+def test_the_stage_runs_the_plans_the_config_names():
+    """``counterfactual.causal`` / ``topk`` / ``plans`` choose the stage's plans; no plan at all is refused."""
+    import dataclasses
+
+    from behaviortrace_jax.stages import counterfactual as CF
+    from behaviortrace_jax.stages.spec import RunSpec
+    from configs import tiny
+
+    cf = RunSpec.from_config(tiny.get_config("smoke")).counterfactual
+    assert CF.stage_plans(cf) == ["leave-top-k-out", "single-unit"]
+    assert CF.stage_plans(dataclasses.replace(cf, causal="only", plans="datamodels")) == ["single-unit", "datamodels"]
+    assert CF.stage_plans(dataclasses.replace(cf, causal="off", topk=False, plans="datamodels")) == ["datamodels"]
+    with pytest.raises(ValueError, match="no replay plan"):
+        CF.stage_plans(dataclasses.replace(cf, causal="off", topk=False, plans=""))
