@@ -12,7 +12,7 @@ from configs import common
 
 
 def get_config(variant: str = ""):
-    """The tiny default; ``variant="smoke"`` (``--config=configs/tiny.py:smoke``) shrinks it to seconds."""
+    """The tiny default; ``variant="smoke"`` (``--config=configs/tiny.py:smoke``) shrinks it to a minute or two."""
     if variant not in ("", "smoke"):
         raise ValueError(f"configs/tiny.py: unknown variant {variant!r}; known: '' (default), 'smoke'")
     c = common.get_config()
@@ -75,7 +75,7 @@ def shrink_to_smoke(c):
     b.seq_len, b.warmup_steps, b.log_every, b.length_buckets = 200, 1, 2, 1
     b.eval_samples_per_prompt, b.eval_max_new_tokens = 1, 2
     # The gate has no power at this size (one layer, pattern "e", 6 steps): the smoke run skips it, and
-    # tests/test_cause_stage.py runs the stage on the smoke run with its own streams.
+    # tests/stages/test_cause_stage.py runs the stage on the smoke run with its own streams.
     c.stages, c.sweep.stages = (s.replace("cause,", "") for s in (c.stages, c.sweep.stages))
     c.cause.streams, c.cause.samples, c.cause.measure_step = 2, 2, "end"
     # The paper's pool and AdamW carry, so the smoke digests (tests/cpu_digests.json, several CPU types) still hold.

@@ -96,8 +96,8 @@ def markdown(table: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", required=True, help="NAME=WORKDIR (repeat; the first is the reference)")
-    ap.add_argument("--min-sd", type=float, default=5.0)
-    ap.add_argument("--max-control", type=float, default=0.1)
+    ap.add_argument("--min-sd", type=float, default=5.0, help="the criterion's Δ in noise-floor sd of the primary measure")
+    ap.add_argument("--max-control", type=float, default=0.1, help="the criterion's largest mean sampled control rate")
     args = ap.parse_args(argv)
     runs = []
     for r in args.run:

@@ -11,7 +11,7 @@ hand-written and left alone. A campaign is one entry of :data:`CAMPAIGNS`: its s
 results-table schema, SPEC §7.6, ``docs/reference/results-table.md``), its dated record and the kind
 of table it feeds. Every kind is one subsection of the block; its columns are the seeds of its
 campaigns, in the order of :data:`CAMPAIGNS`, and its caption names each source file and links each
-record. A kind with no campaign renders nothing. tests/test_readme_results.py checks the block is
+record. A kind with no campaign renders nothing. tests/repo/test_readme_results.py checks the block is
 current.
 
 Kinds:
@@ -311,7 +311,7 @@ def rewrite(text: str, block: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if README.md's results block is not current")
     args = parser.parse_args(argv)
     text = README.read_text()

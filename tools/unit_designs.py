@@ -41,7 +41,7 @@ def gate_inputs(workdir: pathlib.Path) -> tuple[str, float, float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workdir", required=True, type=pathlib.Path)
+    ap.add_argument("--workdir", required=True, type=pathlib.Path, help="a finished run with a cause stage")
     ap.add_argument("--budget-min", type=float, default=60.0, help="wall minutes of replays per seed")
     ap.add_argument("--units", default="4,8,20,40,160", help="unit counts to compare (window: 40 steps, 160 groups)")
     args = ap.parse_args(argv)

@@ -200,13 +200,14 @@ def _gate_text(g: dict) -> str:
 def _gate_line(spec: RunSpec, run: RunLayout) -> str:
     summary = _read_json(run.summary) or {}
     if summary.get("complete") and "gate" in summary:
-        return "gate: " + _gate_text(summary["gate"])
+        return "emergence gate: " + _gate_text(summary["gate"])
     curve = _read_json(run.curve) or []
     if not curve:
-        return "gate: not yet (decided when grpo ends; no checkpoint rates yet)"
+        return "emergence gate: not yet (decided when grpo ends; no checkpoint rates yet)"
     b, last = spec.first_behavior, curve[-1]
     g = planted.gate(last["probe_rate"], last["control_rate"], b.gate_min_probe_rate, b.gate_min_margin)
-    return f"gate: not yet (decided when grpo ends); at checkpoint step {last['step']} it would be {_gate_text(g)}"
+    return (f"emergence gate: not yet (decided when grpo ends); at checkpoint step {last['step']} it would be "
+            f"{_gate_text(g)}")
 
 
 def _metrics_line(metrics: dict[str, Any]) -> str | None:

@@ -267,7 +267,7 @@ def write_summary(path: str | os.PathLike, tracks: Sequence[BehaviorTrack], rate
     if len(tracks) > 1:  # per-behaviour gate, |GT| and bonus counters
         summary["behaviors"] = {t.id: t.summary_entry(r) for t, r in zip(tracks, rates)}
     write_json(path, summary)
-    logging.info("grpo: gate %s (probe %.2f, control %.2f)", "PASSED" if gate["passed"] else "FAILED",
+    logging.info("grpo: emergence gate (SPEC §1.8) %s (probe %.2f, control %.2f)", "PASSED" if gate["passed"] else "FAILED",
                  gate["probe_rate"], gate["control_rate"])
     for t in tracks[1:]:
         entry = summary["behaviors"][t.id]

@@ -124,7 +124,7 @@ def test_status_of_the_finished_run(smoke_finished, capsys):
         assert any(line.split()[:2] == [stage, "done"] for line in out.splitlines()), (stage, out)
     assert f"grpo      done ({config.grpo.steps} steps)" in out
     assert f"last checkpoint: step {config.grpo.steps} " in out
-    assert ("gate: PASSED" if summary["gate"]["passed"] else "gate: FAILED") in out
+    assert ("emergence gate: PASSED" if summary["gate"]["passed"] else "emergence gate: FAILED") in out
     log = rollout_log.digest(RunLayout(smoke_finished).rollouts)
     assert f"digest rollout log (steps 0-{config.grpo.steps - 1}): sha256 {log}" in out
     assert "digest results_table.csv: sha256" in out  # pipeline.run's own digest lines follow
@@ -176,7 +176,7 @@ def test_status_of_a_run_killed_mid_grpo(smoke_finished, tmp_path, capsys):
     for stage in ("sketch", "draws", "evaluate", "report"):
         assert f"{stage:<8}  not started" in out
     assert f"last checkpoint: step {every} " in out and f"train state step {every} " in out
-    assert f"gate: not yet (decided when grpo ends); at checkpoint step {every} it would be " in out
+    assert f"emergence gate: not yet (decided when grpo ends); at checkpoint step {every} it would be " in out
     assert "latest step: reward " in out
     log = rollout_log.digest(RunLayout(w).rollouts)
     assert f"digest rollout log (steps 0-{every - 1}): sha256 {log}" in out
