@@ -368,8 +368,14 @@ class _SubsetDesign(ReplayPlan):
             b = value(base, out)
             vals = np.array([b if value(r, out) is None else value(r, out) for r in subs], np.float64)
             beta = self.estimate(b, x, vals)
+            # each unit's t interval and the leave-one-out R² of the additive fit (0/1 coding of the design)
+            fit = E.least_squares_fit(b, (np.asarray(x) > 0).astype(np.int8), vals)
+            ci = [(None, None) if not np.isfinite(lo) else (float(lo), float(hi))
+                  for lo, hi in zip(fit.ci_low, fit.ci_high)] if np.allclose(fit.beta, beta) else [(None, None)] * len(beta)
             rows += [formats.Row(ctx.label, measure_table(f"{self.table}_effect_{ctx.cf.intervention}_{mode}", out), name,
-                                 float(v), n=len(subs)) for name, v in zip(units.names, beta)]
+                                 float(v), lo, hi, n=len(subs)) for name, v, (lo, hi) in zip(units.names, beta, ci)]
+            rows.append(formats.Row(ctx.label, measure_table(f"{self.table}_fit_{ctx.cf.intervention}_{mode}", out),
+                                    "loo-r2", float(fit.loo_r2), n=len(subs)))
             per_unit = {m: causal_tables.unit_scores(s, units.rollouts) for m, s in ctx.scores.items()}
             k = max(1, int(round(float(ctx.cf.causal_k) * len(units.names))))
             got = causal_tables.method_rows(ctx.label, suffix, beta, per_unit, k=k, nboot=ctx.nboot,

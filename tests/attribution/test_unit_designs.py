@@ -76,3 +76,28 @@ def test_finest_units_is_the_largest_count_whose_even_share_is_detectable():
         assert not nxt.feasible or delta / (u + 1) < nxt.mde
     assert U.finest_units("random-subset", sigma, delta, budget) > U.finest_units("single-unit", sigma, delta, budget)
     assert U.finest_units("random-subset", 10.0, 0.01, 16) == 0
+
+
+def test_the_least_squares_fit_intervals_cover_and_its_held_out_r2_tests_additivity():
+    """replay_estimators.least_squares_fit: the t intervals of an additive design cover the true
+    effects at about their level (simulated, numpy), they match the textbook OLS covariance, and the
+    leave-one-out R² is high for an additive response and low for an interaction-only one."""
+    rng = np.random.default_rng(1)
+    units, replays, sigma = 8, 48, 0.1
+    beta = rng.uniform(0.0, 0.3, units)
+    cover = []
+    for _ in range(400):
+        x = (rng.random((replays, units)) < 0.5).astype(np.int8)
+        y = 1.0 - x @ beta + sigma * rng.standard_normal(replays)
+        fit = E.least_squares_fit(1.0, x, y)
+        cover.append((fit.ci_low <= beta) & (beta <= fit.ci_high))
+    assert abs(np.mean(cover) - 0.95) < 0.02 and fit.df == replays - units - 1
+    a = np.concatenate([np.ones((replays, 1)), x], axis=1)
+    resid = (1.0 - y) - a @ np.linalg.lstsq(a, 1.0 - y, rcond=None)[0]
+    se = np.sqrt(np.diag(np.linalg.inv(a.T @ a))[1:] * (resid @ resid) / fit.df)
+    np.testing.assert_allclose(fit.se, se, rtol=1e-10)
+    assert fit.loo_r2 > 0.7
+    inter = 1.0 - 0.5 * (x[:, 0] ^ x[:, 1]) + 0.01 * rng.standard_normal(replays)  # XOR: no main effects
+    assert E.least_squares_fit(1.0, x, inter).loo_r2 < 0.2
+    small = E.least_squares_fit(1.0, x[:units + 1], y[:units + 1])  # saturated: no residual df
+    assert small.df == 0 and np.isnan(small.se).all() and np.isnan(small.loo_r2)
