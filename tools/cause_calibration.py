@@ -26,6 +26,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from behaviortrace_jax.io.files import read_json  # noqa: E402
+from behaviortrace_jax.io.layout import RunLayout  # noqa: E402
 
 PROBE_OUTPUTS = ("probe_rate", "probe_pair_logratio")
 CONTROL_OUTPUT = "leakage_rate"
@@ -33,7 +34,7 @@ CONTROL_OUTPUT = "leakage_rate"
 
 def load(workdir: pathlib.Path) -> tuple[dict, dict]:
     """(gate.json, the grpo stage's recorded fingerprint) of ``workdir``."""
-    gate, settings = workdir / "cause" / "gate.json", workdir / "grpo" / "grpo.settings.json"
+    gate, settings = RunLayout(workdir).cause_gate, workdir / "grpo" / "grpo.settings.json"
     for p in (gate, settings):
         if not p.exists():
             raise SystemExit(f"{p}: missing; run the grpo and cause stages into {workdir} first")
@@ -41,24 +42,13 @@ def load(workdir: pathlib.Path) -> tuple[dict, dict]:
     return read_json(gate), fp.get("cache", fp)  # stages/fingerprint.py: {"stage", "cache": {key: value}}
 
 
-def flat(d: dict, prefix: str = "") -> dict:
-    """A nested dict as {"a.b": value}."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def rows(runs: list[tuple[str, pathlib.Path]], *, min_sd: float = 5.0, max_control: float = 0.1) -> list[dict]:
     """One dict per (run, gated measure), in the order given (module docstring for the columns)."""
     loaded = [(name, *load(w)) for name, w in runs]
-    ref = flat(loaded[0][2])
+    ref = loaded[0][2]
     out = []
     for name, gate, settings in loaded:
-        fp = flat(settings)
+        fp = settings
         changed = ", ".join(f"{k}={fp.get(k)}" for k in sorted(set(fp) | set(ref))
                             if fp.get(k) != ref.get(k) and not k.startswith("upstream")) or "(reference)"
         control = gate["values"]["baseline"].get(CONTROL_OUTPUT)

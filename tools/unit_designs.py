@@ -24,18 +24,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from behaviortrace_jax.attribution import unit_designs  # noqa: E402
 from behaviortrace_jax.io.files import read_json  # noqa: E402
+from behaviortrace_jax.io.layout import RunLayout  # noqa: E402
 
 
 def gate_inputs(workdir: pathlib.Path) -> tuple[str, float, float, float]:
     """(primary measure, its floor sd, its Δ, median seconds of a baseline replay) of ``workdir``."""
-    gate_path = workdir / "cause" / "gate.json"
+    run = RunLayout(workdir)
+    gate_path = run.cause_gate
     if not gate_path.exists():
         raise SystemExit(f"{gate_path}: missing; run the cause stage into {workdir} first")
     gate = read_json(gate_path)
     v = next(v for v in gate["verdicts"] if v["measure"] == gate["primary"])
-    secs = [read_json(p)["seconds"] for p in sorted((workdir / "cause" / "replays").glob("*/base/*.json"))]
+    secs = [read_json(p)["seconds"] for p in sorted(run.cause.glob("replays/*/base/*.json"))]
     if not secs:
-        raise SystemExit(f"{workdir / 'cause' / 'replays'}: no baseline replay files")
+        raise SystemExit(f"{run.cause / 'replays'}: no baseline replay files")
     return gate["primary"], float(v["floor_sd"]), float(v["effect_delta"]), float(statistics.median(secs))
 
 

@@ -97,8 +97,9 @@ def report_stage(config: ml_collections.ConfigDict, workdir: str) -> None:
         fig = report.plot_specificity(all_rows, w.figures / "specificity.png")
         figs += [fig] if fig is not None else []
     top = read_json(w.which_rollout_top) if w.which_rollout_top.exists() else None
-    gate_line = causal_gate.summary_line(read_json(w.cause_gate, None))
-    if not w.cause_gate.exists():  # the cause stage prints its own lines when it runs
+    gate = read_json(w.cause_gate, None)
+    gate_line = causal_gate.summary_line(gate)
+    if gate is None:  # the cause stage prints its own lines when it runs
         print(gate_line, flush=True)
     report.write_report(w.report, rows, title=f"BehaviorTrace-JAX: {spec.run_name}",
                    intro="\n\n".join(p for p in (run_intro(spec, summary), gate_line, decoy_section(spec, w)) if p),
