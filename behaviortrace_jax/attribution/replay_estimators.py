@@ -6,7 +6,9 @@ M(u intervened) (positive: the unit taught the behaviour).
 * :func:`least_squares`: a datamodels fit over random subsets, ``baseline - replay_r ≈ b0 + X_r β``
   with ``X_r[u] = 1`` when unit u is intervened in replay r (``numpy.linalg.lstsq``, minimum norm);
   β_u estimates Δ_u under additivity; :func:`least_squares_fit` adds each β_u's t interval and the
-  fit's leave-one-out predictive R² (the additivity check on held-out replays).
+  fit's leave-one-out predictive R² (the additivity check on held-out replays) and two F tests:
+  :func:`equal_effects_test` (can the units' effects be told apart at all? if not, no ranking of
+  them can score a method) and :func:`interaction_test` (do pairwise interactions add to the fit?).
 * :func:`factorial_contrast`: a two-level (fractional) factorial with ±1 levels, the main effect
   ``β_u = mean(Δ | u intervened) - mean(Δ | not)``; :func:`fractional_factorial` builds the
   design (the columns of a Sylvester Hadamard matrix: resolution III, each main effect orthogonal
@@ -42,7 +44,9 @@ class LeastSquaresFit:
     """:func:`least_squares_fit`'s result: ``beta``, ``se``, ``ci_low``, ``ci_high`` float64 [U] (the
     measure's units; nan when the fit has no residual degrees of freedom), ``df`` (R - rank of the
     design with its intercept), ``loo_r2`` (1 - PRESS / total sum of squares of Δ: how well the
-    additive fit predicts each replay left out of it; nan without residual df)."""
+    additive fit predicts each replay left out of it; nan without residual df), ``equal_effects_p``
+    (:func:`equal_effects_test`) and ``interaction_p`` (:func:`interaction_test`), nan where the
+    design cannot test them."""
 
     beta: np.ndarray
     se: np.ndarray
@@ -50,6 +54,8 @@ class LeastSquaresFit:
     ci_high: np.ndarray
     df: int
     loo_r2: float
+    equal_effects_p: float = float("nan")
+    interaction_p: float = float("nan")
 
 
 def least_squares_fit(baseline: float, design: np.ndarray, replays: np.ndarray, *, alpha: float = 0.05) -> LeastSquaresFit:
@@ -75,7 +81,56 @@ def least_squares_fit(baseline: float, design: np.ndarray, replays: np.ndarray, 
     press = float(np.sum((resid / (1 - h)) ** 2))
     total = float(np.sum((y - y.mean()) ** 2))
     return LeastSquaresFit(coef[1:], se, coef[1:] - t * se, coef[1:] + t * se, df,
-                           1 - press / total if total > 0 else float("nan"))
+                           1 - press / total if total > 0 else float("nan"),
+                           equal_effects_test(x, y), interaction_test(x, y))
+
+
+def _rss(a: np.ndarray, y: np.ndarray) -> tuple[float, int]:
+    """(residual sum of squares, rank) of the least-squares fit of y on the columns of a."""
+    coef, _, rank, _ = np.linalg.lstsq(a, y, rcond=None)
+    r = y - a @ coef
+    return float(r @ r), int(rank)
+
+
+def nested_f_test(small: np.ndarray, big: np.ndarray, y: np.ndarray) -> float:
+    """p-value of the F test of the linear model ``big`` (columns [R, p1]) against the nested
+    ``small`` ([R, p0], its columns in big's span): F = ((RSS0 - RSS1) / (rank1 - rank0)) /
+    (RSS1 / (R - rank1)), upper tail of F(rank1 - rank0, R - rank1). nan when big adds no rank or
+    leaves no residual degrees of freedom."""
+    y = np.asarray(y, np.float64)
+    rss0, r0 = _rss(np.asarray(small, np.float64), y)
+    rss1, r1 = _rss(np.asarray(big, np.float64), y)
+    d1, d2 = r1 - r0, y.shape[0] - r1
+    if d1 < 1 or d2 < 1:
+        return float("nan")
+    tiny = 1e-12 * max(float(np.sum((y - y.mean()) ** 2)), np.finfo(np.float64).tiny)
+    if rss1 <= tiny:  # an exact fit: the big model explains everything the small one leaves, if anything
+        return 0.0 if rss0 > tiny else 1.0
+    return float(stats.f.sf(max(rss0 - rss1, 0.0) / d1 / (rss1 / d2), d1, d2))
+
+
+def equal_effects_test(design: np.ndarray, delta: np.ndarray) -> float:
+    """p-value that every unit has the same effect: ``Δ ≈ b0 + design @ β`` (``design`` 0/1 [R, U],
+    ``delta`` float [R]) against ``Δ ≈ b0 + γ · (units intervened)`` (:func:`nested_f_test`). A large
+    p means the design cannot tell the units apart: a Spearman of any method against their
+    estimated effects then ranks noise. nan for fewer than 2 units or no residual df."""
+    x = np.asarray(design, np.float64)
+    one = np.ones((x.shape[0], 1))
+    return nested_f_test(np.concatenate([one, x.sum(1, keepdims=True)], 1), np.concatenate([one, x], 1), delta)
+
+
+def interaction_test(design: np.ndarray, delta: np.ndarray) -> float:
+    """p-value that the units' effects add: the additive fit ``Δ ≈ b0 + design @ β`` against the
+    same with every pairwise product ``design[:, u] * design[:, v]`` (u < v; :func:`nested_f_test`).
+    A small p means interactions matter (the datamodels additivity assumption fails). nan when the
+    design has too few replays for the pairwise terms."""
+    x = np.asarray(design, np.float64)
+    one = np.ones((x.shape[0], 1))
+    pairs = [x[:, u] * x[:, v] for u in range(x.shape[1]) for v in range(u + 1, x.shape[1])]
+    if not pairs:
+        return float("nan")
+    additive = np.concatenate([one, x], 1)
+    return nested_f_test(additive, np.concatenate([additive, np.stack(pairs, 1)], 1), delta)
 
 
 def fractional_factorial(units: int) -> np.ndarray:

@@ -11,7 +11,10 @@ Registered here (``counterfactual.plans`` picks extra ones; ``counterfactual.cau
   "withhold all" label checks (``causal_*`` tables, ``attribution/causal.py``; estimator: difference).
 * ``datamodels``: ``counterfactual.plan_subsets`` random unit subsets (each unit in with
   probability 1/2), fixed rollouts, ``counterfactual.intervention``; estimator: least squares
-  (``datamodels_effect_*`` and ``causal_spearman_datamodels_*`` / ``causal_p@k_datamodels_*``).
+  (``datamodels_effect_*`` and ``causal_spearman_datamodels_*`` / ``causal_p@k_datamodels_*``), and
+  the fit's checks (``datamodels_fit_*``: ``loo-r2``, the held-out R² of the additive fit;
+  ``equal-effects-p``, whether the units' effects can be told apart at all; ``interaction-p``,
+  whether pairwise interactions add to the fit).
 * ``factorial``: a two-level fractional factorial over the units (R = the power of 2 above U
   runs); estimator: the main-effect contrast (``factorial_effect_*`` and the method rows).
 
@@ -374,8 +377,9 @@ class _SubsetDesign(ReplayPlan):
                   for lo, hi in zip(fit.ci_low, fit.ci_high)] if np.allclose(fit.beta, beta) else [(None, None)] * len(beta)
             rows += [formats.Row(ctx.label, measure_table(f"{self.table}_effect_{ctx.cf.intervention}_{mode}", out), name,
                                  float(v), lo, hi, n=len(subs)) for name, v, (lo, hi) in zip(units.names, beta, ci)]
-            rows.append(formats.Row(ctx.label, measure_table(f"{self.table}_fit_{ctx.cf.intervention}_{mode}", out),
-                                    "loo-r2", float(fit.loo_r2), n=len(subs)))
+            fit_table = measure_table(f"{self.table}_fit_{ctx.cf.intervention}_{mode}", out)
+            rows += [formats.Row(ctx.label, fit_table, name, float(v), n=len(subs)) for name, v in
+                     (("loo-r2", fit.loo_r2), ("equal-effects-p", fit.equal_effects_p), ("interaction-p", fit.interaction_p))]
             per_unit = {m: causal_tables.unit_scores(s, units.rollouts) for m, s in ctx.scores.items()}
             k = max(1, int(round(float(ctx.cf.causal_k) * len(units.names))))
             got = causal_tables.method_rows(ctx.label, suffix, beta, per_unit, k=k, nboot=ctx.nboot,

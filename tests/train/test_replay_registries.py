@@ -5,6 +5,7 @@ through the counterfactual stage on the smoke run; and the stage order of issue 
 report.md. Plus the numpy estimators of the registered plans on designs with known answers."""
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -133,6 +134,10 @@ def test_subset_plans_recover_additive_unit_effects_from_their_replays(name):
     got = [rows[(f"{name}_effect_remove_fixed", f"s{u}")].value for u in range(4)]
     np.testing.assert_allclose(got, effect, atol=1e-9)
     assert rows[(f"causal_spearman_{name}_remove_fixed", "exact")].value == pytest.approx(1.0)
+    # the fit's checks: exact additive effects that differ (equal-effects p 0) and no interaction (p 1)
+    fit = {m: rows[(f"{name}_fit_remove_fixed", m)].value for m in ("loo-r2", "equal-effects-p", "interaction-p")}
+    assert fit["equal-effects-p"] == 0.0 and fit["loo-r2"] == pytest.approx(1.0)
+    assert fit["interaction-p"] == 1.0 or math.isnan(fit["interaction-p"])  # nan: too few replays for the pairs
     assert {r.request.track for r in reps} == {Track()}
     # regenerated: replay r on its own sampler stream r + 1, the baseline on stream 0; blocks of 2 steps
     ctx = dataclasses.replace(ctx, cf=dataclasses.replace(cf, plan_rollouts="regenerated", causal_units="blocks",
