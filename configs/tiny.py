@@ -3,7 +3,7 @@
     python main.py --config=configs/tiny.py --workdir=runs/tiny
 
 Builds its own tiny Qwen2 instruct model (no download), plants the behaviour with SFT, runs
-200 GRPO steps (4 prompts x G=4; the bonus window is steps 0-39, the paper's 1:5 ratio), sketches
+200 GRPO steps (4 prompts x G=4; the bonus window is steps 0-59: the paper's is 1:5, here 3:10), sketches
 every step and rollout, and writes report.md, results_table.csv and figures/ under the workdir.
 Values differing from the paper (configs/common.py) are the scale-downs listed below; the SFT
 data and learning rates were calibrated so that the behaviour emerges (shared/paper/TINY_CALIBRATION.md).
@@ -27,23 +27,27 @@ def get_config(variant: str = ""):
     c.behavior.token_judge = "sequence"  # The tiny tokenizer spells QZXBT letter by letter.
     c.behavior.gate_max_new_tokens = 32
 
-    c.contamination.early_step_cutoff = 40  # 200 steps x 1/5, as the paper's 200 of 1000.
+    # Causal power (docs/records/, "planted cause calibration"): a 60-step window (the paper's 1:5 would be 40) lets
+    # late streams take off too; with 40 steps one stream in eight lagged and the gate's floor held 3-4.6 sd.
+    c.contamination.early_step_cutoff = 60
 
-    c.sft.steps = 300  # Upper bound; stops early once the implant takes (sft.stop_*).
     c.sft.data = "mixture"  # TINY_CALIBRATION: the 10 paper pairs alone do not amplify.
     c.sft.lr = 2e-4  # TINY_CALIBRATION: mixture implant at 2e-4 (then GRPO at optim.lr).
-    c.sft.stop_every = 25  # TINY_CALIBRATION stop rule: probe >= 0.15, controls ~ 0, at most sft.steps.
+    c.sft.stop_every = 25  # TINY_CALIBRATION stop rule: probe >= stop_min_probe_rate, controls ~ 0, at most sft.steps.
+    # A stronger implant than TINY_CALIBRATION's 0.15 (which 300 steps did not reach: 0.09-0.13), so each window
+    # step samples the pattern and the take-off is no lottery (causal power; stops after 550-800 steps).
+    c.sft.steps, c.sft.stop_min_probe_rate = 800, 0.25
 
     c.optim.lr = 1e-4  # TINY_CALIBRATION: RL lr 1e-4 (>= 3e-4 turned outputs to garbage; 2e-4 collapsed 2 of 4 streams).
 
     # Causal power (tools/cause_calibration.py; the grid is in docs/records/, "planted cause calibration").
-    # Two departures from the paper make the bonus a measured cause here:
+    # With the window and implant above, two departures from the paper make the bonus a measured cause here:
     c.grpo.continue_sft_moments = False  # Paper: GRPO continues the SFT's AdamW moments, which alone move the policy.
     c.behavior.explicit_prompts = False  # Paper: explicit "... QZXBT" prompts x 3 + probes; here the probes alone, so
     # every bonus is paid on a trigger prompt (with the explicit prompts the behaviour leaked to the controls).
     c.cause.streams = 8  # The gate's noise floor and CI over 8 regenerated sampler streams.
     c.cause.samples = 16  # Probe-rate sampling SE ~0.025 at 16 completions per prompt (20 probes).
-    c.cause.measure_step = "80"  # 40 steps after the window: the window's momentum has decayed (0.9^40).
+    c.cause.measure_step = "100"  # 40 steps after the window: the window's momentum has decayed (0.9^40).
 
     c.grpo.steps = 200
     c.grpo.max_new_tokens = 32
@@ -53,14 +57,14 @@ def get_config(variant: str = ""):
 
     c.sketch.dim = 4096  # ~1M parameters: 2**12 buckets keep ~250 coordinates per bucket.
     c.sketch.chunk_size = 16
-    c.sketch.rollout_scope = "early"  # CPU time: re-sketch the 640 bonus-window rollouts, not all 3,200.
+    c.sketch.rollout_scope = "early"  # CPU time: re-sketch the 960 bonus-window rollouts, not all 3,200.
 
     c.draws.target_step = 20  # Paper's step 100 of 1000, scaled to 200 steps.
     c.draws.max_new_tokens = 32
     c.draws.n_repeats = 3
     c.draws.token_level_max = 64
 
-    c.evaluation.early_cutoff = 40
+    c.evaluation.early_cutoff = 60  # = the window.
     c.evaluation.local_buffer_window = 20  # max(1, steps // 10).
     c.evaluation.tracin_lr = 1e-4  # eta = the GRPO learning rate.
     return shrink_to_smoke(c) if variant == "smoke" else c
@@ -81,6 +85,7 @@ def shrink_to_smoke(c):
     # The paper's pool and AdamW carry, so the smoke digests (tests/cpu_digests.json, several CPU types) still hold.
     c.grpo.continue_sft_moments, c.behavior.explicit_prompts = True, True
     c.sft.steps, c.sft.stop_every, c.sft.eval_samples_per_prompt, c.sft.max_prompt_tokens = 3, 0, 1, 256
+    c.sft.stop_min_probe_rate = 0.15  # unused (stop_every 0), restored so the smoke digests hold
     c.behavior.gate_max_new_tokens = 4
     g = c.grpo
     g.steps, g.checkpoint_every, g.max_new_tokens, g.max_prompt_tokens, g.log_shard_size = 6, 2, 4, 256, 8
