@@ -5,7 +5,7 @@
 
 Everything as configs/tiny.py (the same base model, SFT warm-up and 200 GRPO steps; the first
 command takes what the tiny default takes, ~12 min on a 2-core CPU, the sweep about three times
-that plus the diagnostic draws), except that in the bonus window (steps 0-39) every rollout with
+that plus the diagnostic draws), except that in the bonus window (the default's) every rollout with
 the pattern earns the +8 bonus (``contamination.fraction = 1.0``, calibrated below) and the same
 bonus also goes to rollouts WITHOUT the pattern, drawn from their own BLAKE2b stream
 (``contamination.decoy_fraction = 1.0`` = expected decoys per expected ground-truth event;

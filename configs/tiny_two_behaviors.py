@@ -6,8 +6,9 @@ The tiny default (configs/tiny.py) plus a second behaviour, `config.behaviors.pl
 the invented word "plonkwit" earn a bonus when the answer contains "glows". It has no SFT implant;
 the tiny base model writes the marker by chance (base/base_summary.json, `behaviors.plonkwit`), and GRPO's
 bonus has to find and amplify it. The two behaviours' GRPO prompt pools are interleaved (every step
-has prompts of both: A's 38, B's 20 probes), each behaviour's bonus is paid only on rollouts of its
-own prompts (8.0, steps 0-39; A on half of them, as the paper; B on all of them), and each has its
+has prompts of both: A's pool as configs/tiny.py's, B's 20 probes), each behaviour's bonus is paid only
+on rollouts of its own prompts (8.0; A in the tiny default's window, on half of them, as the paper; B in
+steps 0-39, on all of them), and each has its
 own hash stream, ground-truth log (grpo/ground_truth_<id>.jsonl), release folder
 (release/<id>/seed0/), targets and draws.
 
