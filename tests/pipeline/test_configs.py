@@ -39,7 +39,9 @@ def test_paper_configs_hold_spec_values(module, seed):
 def test_variant_configs_change_only_what_they_say():
     base = common.get_config().to_dict()
     t = tiny.get_config().to_dict()
-    assert t["grpo"]["steps"] == 200 and t["contamination"]["early_step_cutoff"] == 40  # the paper's 1:5
+    # 3:10 instead of the paper's 1:5: the causal-power calibration (docs/records/, planted cause calibration)
+    assert t["grpo"]["steps"] == 200 and t["contamination"]["early_step_cutoff"] == 60
+    assert t["evaluation"]["early_cutoff"] == 60 and int(t["cause"]["measure_step"]) == 60 + 40
     assert t["grpo"]["prompts_per_step"] * t["grpo"]["group_size"] == 16
     assert set(t) == set(base)  # no new top-level keys outside common.py
     assert tiny_sweep.get_config().stages == "sweep"
