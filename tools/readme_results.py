@@ -75,11 +75,11 @@ class Campaign:
 #              "docs/records/2026-12-08-causal-gate-three-seeds.md", "causal_gate"),
 # ------------------------------------------------------------------------------------------------
 CAMPAIGNS: tuple[Campaign, ...] = (
-    Campaign("calibrated default", "docs/records/2026-12-07-causal-gate-three-seeds/cause_rows.csv",
-             "docs/records/2026-12-07-causal-gate-three-seeds.md", "causal_gate",
+    Campaign("default", "docs/records/2026-12-07-causal-gate-window-60-three-seeds/cause_rows.csv",
+             "docs/records/2026-12-07-causal-gate-window-60-three-seeds.md", "causal_gate",
              measures=("probe_rate", "leakage_rate", "logp_margin")),
-    Campaign("calibrated default", "docs/records/2026-12-07-calibrated-default-three-seeds/results_table.csv",
-             "docs/records/2026-12-07-calibrated-default-three-seeds.md", "which_rollout"),
+    Campaign("default", "docs/records/2026-12-07-recalibrated-default-three-seeds/results_table.csv",
+             "docs/records/2026-12-07-recalibrated-default-three-seeds.md", "which_rollout"),
     Campaign("pre-calibration default", "docs/records/tiny_sweep/results_table.csv",
              "docs/records/2026-12-04-tiny-sweep-and-decoys-three-seeds.md", "which_rollout",
              note="seeds 1 and 2 of the default were not saved: their numbers are in the record"),
