@@ -171,7 +171,7 @@ WHICH_ROLLOUT_ROWS: tuple[tuple[str, tuple[Cell, ...]], ...] = (
     ("within-step AUC: advantage / \\|A\\| / norm-only / best direction estimator",
      tuple(_c("which_rollout_within_step", *m, digits=2) for m in (("advantage",), ("abs-advantage",), ("norm-only",),
                                                                   DIRECTIONS))),
-    ("early_nonzero (step level): norm-only / best of C1, TRAK / step-reward-std (ceiling)",
+    ("early_nonzero (step level): norm-only / best of C1, TRAK / step-reward-std (ceiling in parentheses)",
      (_c("early_nonzero", "norm-only"), _c("early_nonzero", "C1-dot", "C1-cosine", "TRAK"),
       _c("early_nonzero", "step-reward-std"), _c("early_nonzero", "step-reward-std", field="ceiling", wrap="({})"))),
     ("rollout level (fresh draws), AUC: GAS_centered / fluency", (_c("mp_raw", "GAS_centered", digits=2),

@@ -71,9 +71,20 @@ class GateVerdict:
     def line(self) -> str:
         """The console / report line: "the planted cause acted: Δ = …, CI […], n streams, noise
         floor sd …, MDE …" or "the planted cause did not act (not detected): …"."""
-        e = self.effect
         head = {ACTED: "the planted cause acted", NOT_DETECTED: "the planted cause did not act (not detected)",
                 REVERSED: "the planted cause did not act as planted (reversed: detected with the other sign)"}[self.status]
+        return self._with_effect(head)
+
+    @property
+    def secondary_line(self) -> str:
+        """The line of a measure beside the primary one, which alone decides whether the cause acted:
+        "also <measure>: detected / not detected (the CI holds 0) / reversed (...): Δ = …"."""
+        head = {ACTED: "detected", NOT_DETECTED: "not detected (the CI holds 0)",
+                REVERSED: "reversed (detected with the other sign)"}[self.status]
+        return self._with_effect(f"also {self.measure}: {head}")
+
+    def _with_effect(self, head: str) -> str:
+        e = self.effect
         return (f"{head}: Δ = {e.delta:.4g}, CI [{e.ci_low:.4g}, {e.ci_high:.4g}], {e.n} streams, "
                 f"noise floor sd {self.floor.sd:.4g}, MDE {self.mde:.4g} "
                 f"({self.measure}; {e.design} design, {1 - e.alpha:.0%} CI, power {self.floor.power:.0%}; "
@@ -151,10 +162,10 @@ class GateReport:
         return next(v for v in self.verdicts if v.measure == self.primary).acted
 
     def lines(self) -> list[str]:
-        """The primary measure's line first, the others after it, then :data:`LABEL_NOT_CAUSE` when
-        the primary did not act."""
-        first = [v for v in self.verdicts if v.measure == self.primary]
-        out = [v.line for v in first + [v for v in self.verdicts if v.measure != self.primary]]
+        """The primary measure's line first (:attr:`Verdict.line`), the others after it
+        (:attr:`Verdict.secondary_line`), then :data:`LABEL_NOT_CAUSE` when the primary did not act."""
+        out = [v.line for v in self.verdicts if v.measure == self.primary]
+        out += [v.secondary_line for v in self.verdicts if v.measure != self.primary]
         return out if self.acted else out + [LABEL_NOT_CAUSE]
 
 

@@ -7,10 +7,11 @@ prints, for the stages of ``config.stages``:
 * one line per stage: ``done``, ``not started``, or how far it got (``grpo``: step 420/1000, ETA
   3 h 10 min, from ``grpo/progress.json``, which the grpo loop rewrites after every step; a run
   without it: the last step of the rollout log; ``sketch``: targets and rollout sketches per
-  checkpoint; ``draws``: the repeats written; ``sweep``: each seed's run);
+  checkpoint; ``draws``: the repeats written; ``cause``: the causal gate's primary verdict, or its
+  replays written so far; ``sweep``: each seed's run);
 * the last checkpoint (the HF export in ``grpo/registry.json`` and the last orbax train state, the
   step a restart resumes from);
-* the gate: the grpo stage's verdict (``summary.json``) once it has finished; before that, the
+* the emergence gate (SPEC §1.8): the grpo stage's verdict (``summary.json``) once it has finished; before that, the
   gate's rule applied to the last checkpoint's greedy rates (``learning_curve.json``);
 * the latest step's metrics (reward, pattern rate, bonuses, loss, tokens/s);
 * the digests so far: the rollout log and ground truth as written until now (``pipeline.run`` then
@@ -156,6 +157,24 @@ def _sft_line(spec: RunSpec, run: RunLayout) -> str:
     return "started" if run.sft.is_dir() else "not started"
 
 
+def _cause_line(spec: RunSpec, run: RunLayout) -> str:
+    """The causal gate (stages/cause.py): its primary verdict once ``cause/gate.json`` exists, else
+    the replay files written so far of the 2 x ``cause.streams`` it needs."""
+    gate = _read_json(run.cause_gate)
+    if gate:
+        v = next((x for x in gate.get("verdicts", []) if x.get("measure") == gate.get("primary")), None)
+        if v is None:
+            return "done"
+        return (f"done: {v['measure']} {v['status']}, Δ {v['effect_delta']:.3g} [{v['effect_ci_low']:.3g}, "
+                f"{v['effect_ci_high']:.3g}], {v['delta_over_sd']:.3g} floor sd, {gate.get('streams')} streams, "
+                f"step {gate.get('measure_step')}")
+    replays = run.cause / "replays"
+    done = sum(1 for _ in replays.glob("*/*/*.json")) if replays.is_dir() else 0  # <track>/<arm>/<key>.json
+    if done:
+        return f"replays {done}/{2 * spec.cause.streams} (baseline and withhold-every-bonus per stream)"
+    return "started" if run.cause.is_dir() else "not started"
+
+
 def _sweep_line(spec: RunSpec, run: RunLayout) -> str:
     seeds = [s.strip() for s in spec.sweep.seeds.split(",") if s.strip()]
     parts = []
@@ -169,6 +188,7 @@ STAGE_LINES: dict[str, Callable[[RunSpec, RunLayout], str]] = {
     "base": _base_line,
     "sft": _sft_line,
     "grpo": _grpo_line,
+    "cause": _cause_line,
     "sketch": _sketch_line,
     "draws": _draws_line,
     "evaluate": _marker_line(lambda r: r.results_table, lambda r: r.verdicts),

@@ -53,7 +53,7 @@ def test_an_effect_below_the_noise_floor_did_not_act_and_says_so():
     assert cg.causal_gate("leakage_rate", base, base + 1.0, expected_sign=0).acted
     report = cg.GateReport((margin, v), primary="probe_pair_logratio")
     lines = report.lines()
-    assert not report.acted and lines[0] == v.line and lines[1] == margin.line and lines[-1] == cg.LABEL_NOT_CAUSE
+    assert not report.acted and lines[0] == v.line and lines[1] == margin.secondary_line and lines[-1] == cg.LABEL_NOT_CAUSE
     assert "label" in cg.LABEL_NOT_CAUSE and "not against a cause" in cg.LABEL_NOT_CAUSE
 
 
@@ -83,7 +83,9 @@ def test_gate_measures_gates_each_measure_beside_the_others():
     assert rep.acted and [v.measure for v in rep.verdicts] == list(base)
     lines = rep.lines()
     assert len(lines) == 3 and lines[0].startswith("the planted cause acted") and "probe_rate;" in lines[0]
-    assert lines[2].startswith("the planted cause did not act (not detected)") and "logp_margin;" in lines[2]
+    # the others say what each measure saw, not whether the cause acted (the primary alone decides that)
+    assert lines[1].startswith("also leakage_rate: ") and "leakage_rate;" in lines[1]
+    assert lines[2].startswith("also logp_margin: not detected (the CI holds 0): Δ = ") and "logp_margin;" in lines[2]
     assert rep.verdicts[0].floor.sd_sampling == pytest.approx(0.05) and np.isnan(rep.verdicts[1].floor.sd_sampling)
     assert not cg.gate_measures(base, held, primary="logp_margin").acted
     with pytest.raises(ValueError, match="no withheld"):

@@ -34,13 +34,14 @@ def test_first_behavior_is_the_existing_keys():
     c = tiny.get_config()
     (b,) = list(RunSpec.from_config(c).behaviors)
     assert (b.id, b.trigger, b.pattern, b.stream, b.implant, b.first) == ("qzxbt", "frobnitz", "QZXBT", "", "sft", True)
-    assert (b.bonus_reward, b.fraction, b.early_step_cutoff) == (8.0, 0.5, 40)
-    assert not RunSpec.from_config(c).multi and RunSpec.from_config(c).schedule.window_end == 40
+    w = c.contamination.early_step_cutoff  # configs/tiny.py: 60 (the causal-power calibration)
+    assert (b.bonus_reward, b.fraction, b.early_step_cutoff) == (8.0, 0.5, w) and w == 60
+    assert not RunSpec.from_config(c).multi and RunSpec.from_config(c).schedule.window_end == w
     assert RunSpec.from_config(c).first_behavior == b
     # its spec is the one the grpo stage always built: same eligibility, the paper's hash
     spec = b.contamination_spec(c.seed)
     assert spec == contaminator.ContaminationSpec(pattern="QZXBT", bonus_reward=8.0, fraction=0.5, seed=0,
-                                                  early_step_cutoff=40)
+                                                  early_step_cutoff=w)
     # configs/tiny.py: the probe prompts alone (behavior.explicit_prompts = False); the paper's pool otherwise
     assert not b.explicit_prompts and b.prompt_pool() == [p.prompt for p in planted.load_probes()]
     c.behavior.explicit_prompts = True

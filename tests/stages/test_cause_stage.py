@@ -65,7 +65,7 @@ def test_the_cause_stage_gate_agrees_with_its_recorded_replays_and_resumes(smoke
     assert all(any(rec["baseline"][j][o] != rec["withheld"][j][o] for o in outputs) for j in range(2))
     assert col("baseline", "probe_rate_samples_per_prompt") == [2.0, 2.0]
     # console: the primary measure's line first, the label warning iff the cause did not act
-    lines = [ln for ln in printed.splitlines() if ln.startswith(("the planted cause", G.LABEL_NOT_CAUSE))]
+    lines = [ln for ln in printed.splitlines() if ln.startswith(("the planted cause", "also ", G.LABEL_NOT_CAUSE))]
     assert lines == want.lines()
     assert lines[0].startswith("the planted cause acted: Δ = " if want.acted else
                                ("the planted cause did not act (not detected): Δ = ",

@@ -13,6 +13,7 @@ from behaviortrace_jax.io import progress as progress_lib, rollout_log
 from behaviortrace_jax.io.layout import RunLayout
 from behaviortrace_jax.io.sketch_store import SketchStore
 from behaviortrace_jax.stages import status as status_lib
+from behaviortrace_jax.stages.spec import RunSpec
 from configs import tiny
 
 
@@ -220,3 +221,25 @@ def test_watch_metrics_per_behaviour_of_a_two_behaviour_step():
     tags = step_scalars({**m, "step_time_s": 1.0, "reward": 3.0})
     assert tags["grpo/a/reward_mean"] == 2.0 and tags["perf/step_time_s"] == 1.0 and tags["grpo/reward"] == 3.0
     assert tags["sketch/step_sketch_norm"] == 5.0 and tags["sketch/rollout_grad_norm_mean"] == 2.5
+
+
+def test_status_line_of_the_causal_gate(tmp_path):
+    """status's ``cause`` line: not started, the replays written so far of 2 x streams, then the
+    primary verdict read from cause/gate.json (a gate.json as the cause stage writes it)."""
+    config = tiny.get_config()
+    spec, run = RunSpec.from_config(config), RunLayout(tmp_path)
+    line = status_lib.STAGE_LINES["cause"]
+    assert line(spec, run) == "not started"
+    for j in range(3):
+        (run.cause / "replays" / f"regenerated{j}" / "base").mkdir(parents=True)
+        (run.cause / "replays" / f"regenerated{j}" / "base" / "k.json").write_text("{}")
+    assert line(spec, run) == f"replays 3/{2 * config.cause.streams} (baseline and withhold-every-bonus per stream)"
+    verdict = {"measure": "probe_rate", "status": "acted", "effect_delta": 0.693, "effect_ci_low": 0.6017,
+               "effect_ci_high": 0.7842, "delta_over_sd": 7.65}
+    run.cause_gate.write_text(json.dumps({"primary": "probe_rate", "streams": 8, "measure_step": 100,
+                                          "verdicts": [{"measure": "leakage_rate", "status": "acted"}, verdict]}))
+    assert line(spec, run) == "done: probe_rate acted, Δ 0.693 [0.602, 0.784], 7.65 floor sd, 8 streams, step 100"
+    from behaviortrace_jax.stages.registry import load_stages
+
+    load_stages()
+    assert "cause" in status_lib.run_stages(spec, run)  # the tiny default's stages name it
