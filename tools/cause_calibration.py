@@ -47,8 +47,7 @@ def rows(runs: list[tuple[str, pathlib.Path]], *, min_sd: float = 5.0, max_contr
     loaded = [(name, *load(w)) for name, w in runs]
     ref = loaded[0][2]
     out = []
-    for name, gate, settings in loaded:
-        fp = settings
+    for name, gate, fp in loaded:
         changed = ", ".join(f"{k}={fp.get(k)}" for k in sorted(set(fp) | set(ref))
                             if fp.get(k) != ref.get(k) and not k.startswith("upstream")) or "(reference)"
         control = gate["values"]["baseline"].get(CONTROL_OUTPUT)

@@ -74,10 +74,10 @@ def least_squares_fit(baseline: float, design: np.ndarray, replays: np.ndarray, 
     if df < 1 or rank < a.shape[1]:
         return LeastSquaresFit(coef[1:], nan, nan, nan, df, float("nan"))
     resid = y - a @ coef
-    cov = np.linalg.inv(a.T @ a) * float(resid @ resid) / df
-    se = np.sqrt(np.diag(cov)[1:])
+    ata_inv = np.linalg.inv(a.T @ a)
+    se = np.sqrt(np.diag(ata_inv)[1:] * float(resid @ resid) / df)
     t = stats.t.ppf(1 - alpha / 2, df)
-    h = np.einsum("ij,jk,ik->i", a, np.linalg.inv(a.T @ a), a)
+    h = np.einsum("ij,jk,ik->i", a, ata_inv, a)  # leverages
     press = float(np.sum((resid / (1 - h)) ** 2))
     total = float(np.sum((y - y.mean()) ** 2))
     return LeastSquaresFit(coef[1:], se, coef[1:] - t * se, coef[1:] + t * se, df,
